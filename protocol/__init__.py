@@ -1,0 +1,1 @@
+"""Everything that leaves a node's process: wire messages, DHT records, tensor codecs, transports."""

@@ -1,0 +1,78 @@
+"""The one transport interface: what a node hands to the swarm and what it takes from it.
+
+Two implementations: ``cgad.protocol.memory`` (in one process, with injected delay, loss,
+bandwidth and failure, for the simulator and tests) and ``cgad.protocol.network`` (hivemind DHT
+for who-has-what, gRPC or libp2p streams for the bytes). The outer loop sees only this.
+
+A ``Fragment`` is one fragment's tensor as published by one peer: a pseudo-gradient
+(``Kind.DELTA``) that started from outer version ``base_version``, or that peer's outer
+parameters at that version (``Kind.PARAMS``, for gossip and NoLoCo mixing).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+__all__ = ["Fragment", "FragmentKey", "Kind", "Transport", "TransportStats"]
+
+
+class Kind(enum.StrEnum):
+    DELTA = "delta"
+    PARAMS = "params"
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentKey:
+    """Names a published tensor; a DELTA is applied at most once per key."""
+
+    run_id: str
+    fragment: int
+    base_version: int
+    publisher: str
+    kind: Kind = Kind.DELTA
+
+
+@dataclass(slots=True)
+class Fragment:
+    key: FragmentKey
+    tensor: Tensor  # 1-D, the fragment's parameters flattened in a fixed order
+    tokens: int = 0  # tokens the publisher trained on to produce it (the weight in a mean)
+
+
+@dataclass
+class TransportStats:
+    """Counters every transport keeps; ``rejected`` maps a reason to how often it happened."""
+
+    published: int = 0
+    received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+
+class Transport(abc.ABC):
+    """Publish and receive fragments without ever blocking the trainer."""
+
+    peer_id: str
+    stats: TransportStats
+
+    @abc.abstractmethod
+    def publish(self, fragment: Fragment) -> None:
+        """Offer a fragment to the swarm and return at once."""
+
+    @abc.abstractmethod
+    def receive(self, fragment: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
+        """Fragments of this index and kind from other peers that arrived and passed validation
+        since the last call. Never blocks; never returns the same DELTA key twice."""
+
+    @abc.abstractmethod
+    def live_peers(self) -> list[str]:
+        """Peer ids currently seen alive, this peer excluded."""
+
+    def close(self) -> None:
+        """Release sockets, threads and child processes (default: nothing to release)."""
