@@ -36,9 +36,7 @@ class _Parser(argparse.ArgumentParser):
             return f" (did you mean: {', '.join(hints)}?)" if hints else ""
         if "invalid choice:" in message:
             chosen = message.split("invalid choice:", 1)[1].split("(", 1)[0].strip().strip("'\"")
-            choices = [
-                c for action in self._actions if action.choices is not None for c in action.choices
-            ]
+            choices = [c for action in self._actions if action.choices is not None for c in action.choices]
             close = difflib.get_close_matches(chosen, [str(c) for c in choices], n=1, cutoff=0.6)
             return f" (did you mean {close[0]!r}?)" if close else ""
         return ""

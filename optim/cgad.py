@@ -119,7 +119,9 @@ class _AgeWeightedAdam(Optimizer):
             if not state or (restart and int(state["step"]) % restart == 0 and int(state["step"]) > 0):
                 moment_dtype = torch.float32 if p.dtype in _LOW_PRECISION else p.dtype
                 state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.preserve_format)
+                state["exp_avg"] = torch.zeros_like(
+                    p, dtype=moment_dtype, memory_format=torch.preserve_format
+                )
                 state["exp_avg_sq"] = torch.zeros_like(
                     p, dtype=moment_dtype, memory_format=torch.preserve_format
                 )

@@ -105,7 +105,12 @@ class OuterNesterov(Optimizer):
                     if group["momentum"] != 0.0:
                         state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 restart = group["restart_every"]
-                if restart and state["step"] > 0 and state["step"] % restart == 0 and "momentum_buffer" in state:
+                if (
+                    restart
+                    and state["step"] > 0
+                    and state["step"] % restart == 0
+                    and "momentum_buffer" in state
+                ):
                     state["momentum_buffer"].zero_()
                 state["step"] += 1
                 params.append(p)
@@ -130,9 +135,7 @@ class DelayedNesterov(Optimizer):
         _check_common(lr, momentum, restart_every)
         if not isinstance(period, int) or period < 1:
             raise ValueError(f"period (N) must be an integer >= 1, got {period!r}")
-        super().__init__(
-            params, dict(lr=lr, momentum=momentum, period=period, restart_every=restart_every)
-        )
+        super().__init__(params, dict(lr=lr, momentum=momentum, period=period, restart_every=restart_every))
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

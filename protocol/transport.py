@@ -74,5 +74,6 @@ class Transport(abc.ABC):
     def live_peers(self) -> list[str]:
         """Peer ids currently seen alive, this peer excluded."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release sockets, threads and child processes (default: nothing to release)."""
+        """Release sockets, threads and child processes."""
