@@ -83,7 +83,6 @@ def build_parser() -> _Parser:
     )
     parser.add_argument("--version", action="version", version=f"cgad-node {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    subparsers.required = True
 
     info = subparsers.add_parser("info", help="show versions, accelerator and available outer optimizers")
     info.set_defaults(handler=_cmd_info)
@@ -92,7 +91,14 @@ def build_parser() -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Unknown flags are reported before a missing command, so a typo is named even when it
+    # stands alone (`cgad-node --verison`).
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is None:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        parser.error(f"a command is required (choose from {', '.join(commands)})")
     handler: Handler = args.handler
     return handler(args)
 

@@ -1,0 +1,48 @@
+"""The installed `cgad-node` console script: help, version, and errors that name what was wrong."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cgad.node import __version__
+
+CLI = str(Path(sys.executable).with_name("cgad-node"))
+
+
+def cli(*args):
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_subcommands():
+    out = cli("--help")
+    assert out.returncode == 0
+    assert "info" in out.stdout
+
+
+def test_version():
+    out = cli("--version")
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"cgad-node {__version__}"
+
+
+def test_mistyped_subcommand_is_named_with_a_suggestion():
+    out = cli("inf")
+    assert out.returncode == 2
+    assert "'inf'" in out.stderr
+    assert "did you mean 'info'" in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--verison", "--versoin"])
+def test_mistyped_flag_is_named_with_a_suggestion(flag):
+    out = cli(flag)
+    assert out.returncode == 2
+    assert flag in out.stderr
+    assert "--version" in out.stderr
+
+
+def test_info_runs():
+    out = cli("info")
+    assert out.returncode == 0, out.stderr
+    assert "CGAD" in out.stdout and "torch" in out.stdout
