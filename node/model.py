@@ -104,15 +104,20 @@ def build_model(
     device: torch.device | str | None = None,
     **overrides: Any,
 ) -> LlamaForCausalLM:
-    """A freshly initialised fp32 model; the same seed gives bit-identical weights.
+    """A freshly initialised fp32 model; the same seed gives bit-identical weights on any device.
 
     Pass `device="meta"` to inspect a large preset's shapes without allocating its weights.
     """
     config = model_config(preset_or_config, vocab_size, **overrides)
-    # fork_rng: seed the initialisation without disturbing the caller's global RNG stream.
-    with torch.random.fork_rng(devices=[]), torch.device(device or "cpu"):
+    meta = device is not None and torch.device(device).type == "meta"
+    # Initialise on the CPU whatever the target, so that peers on GPUs and on CPUs given the same
+    # seed start from the same weights (each device type has its own random generator); fork_rng
+    # keeps the caller's global random stream untouched.
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if meta else "cpu"):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+    if device is not None and not meta:
+        model = model.to(device)
     return model
 
 

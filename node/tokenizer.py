@@ -49,12 +49,13 @@ class Tokenizer:
         return self.hf.eos_token_id
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.hf.encode(text, add_special_tokens=False, verbose=False))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
             return []
-        return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
+        batch = self.hf(list(texts), add_special_tokens=False, verbose=False)
+        return [list(ids) for ids in batch["input_ids"]]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids))
