@@ -1,0 +1,303 @@
+"""Tensor codecs for pseudo-gradients and parameters: self-describing, checksummed bytes.
+
+Layout (little-endian)::
+
+    magic "CGFR" | version u8 | codec u8 | dtype u8 | ndim u8 | block u32 | numel u64 | payload u64
+    | shape: ndim x u64 | crc32 u32 (over everything before it and the payload) | payload
+
+Codecs:
+
+- ``fp32``: the values as they are (exact).
+- ``fp16``: IEEE half precision; values beyond ±65504 are refused at encode time.
+- ``int8``: blocks of 256 values, one fp32 scale per block (absmax / 127), values rounded to nearest.
+- ``4bit``: blocks of 64 values, one fp32 scale per block (absmax / 6), each value rounded to the
+  nearest FP4 E2M1 number {0, 0.5, 1, 1.5, 2, 3, 4, 6} with a sign bit (the OCP MX element format
+  that Streaming DiLoCo exchanges), two values per byte, low nibble first. 4.5 bits per value.
+  Blocks whose absmax is below ``_TINY`` encode as zeros.
+
+All work is whole-tensor torch/numpy kernels (no per-element Python): the lossy codecs map values
+to codes through lookup tables, so each encodes and decodes at memory speed. ``decode`` checks
+every field against the bytes it was given before it allocates anything, so a header that claims a
+huge shape is refused instead of honoured, and every failure is a ``FragmentError`` with a reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+import threading
+import zlib
+from bisect import bisect_right
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cgad.protocol.errors import FragmentError
+
+__all__ = ["MAX_NUMEL", "Codec", "ErrorFeedback", "decode", "encode", "encoded_size"]
+
+
+class Codec(enum.StrEnum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"
+    FP4 = "4bit"
+
+
+MAGIC = b"CGFR"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+MAX_NUMEL = 1 << 34  # 64 GiB of fp32: larger than any fragment, small enough to bound arithmetic
+_FIXED = struct.Struct("<4sBBBBIQQ")
+_CRC = struct.Struct("<I")
+_CODEC_IDS = {Codec.FP32: 0, Codec.FP16: 1, Codec.INT8: 2, Codec.FP4: 3}
+_CODECS_BY_ID = {v: k for k, v in _CODEC_IDS.items()}
+_DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPES_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
+_BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64}
+_FP16_MAX = 65504.0
+# Below this absmax a block is all zeros: its reciprocal scale would overflow fp32.
+_TINY = 1e-30
+
+# FP4 E2M1. Encoding first maps each value to its quarter-step bucket g = trunc(4·x/scale) in
+# [-24, 24] (x/scale lies in [-6, 6]); every rounding boundary between E2M1 neighbours is a
+# multiple of 0.25, so the bucket alone decides the nearest code, and a table turns a pair of
+# buckets (read as one uint16) straight into a packed byte.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_BOUNDARIES_IN_QUARTERS = (1, 3, 5, 7, 10, 14, 20)
+
+
+def _fp4_tables() -> tuple[np.ndarray, np.ndarray]:
+    bucket_code = np.zeros(256, dtype=np.uint8)
+    for byte in range(256):
+        bucket = byte - 256 if byte >= 128 else byte
+        magnitude = bisect_right(_E2M1_BOUNDARIES_IN_QUARTERS, abs(bucket))
+        bucket_code[byte] = magnitude | (8 if bucket < 0 else 0)
+    pairs = np.arange(65536, dtype=np.uint32)
+    pair_to_byte = (bucket_code[pairs & 0xFF] | (bucket_code[pairs >> 8] << 4)).astype(np.uint8)
+    code_value = np.array([(-1.0 if c & 8 else 1.0) * _E2M1[c & 7] for c in range(16)], dtype=np.float32)
+    byte_to_pair = np.stack([code_value[np.arange(256) & 15], code_value[np.arange(256) >> 4]], axis=1)
+    # One packed byte decodes to two float32 values, gathered as one 8-byte word.
+    return pair_to_byte, np.ascontiguousarray(byte_to_pair, dtype=np.float32).view(np.uint64).reshape(256)
+
+
+_FP4_PAIR_TO_BYTE, _FP4_BYTE_TO_PAIR = _fp4_tables()
+
+
+def _payload_size(codec: Codec, numel: int) -> int:
+    block = _BLOCK[codec]
+    if codec is Codec.FP32:
+        return numel * 4
+    if codec is Codec.FP16:
+        return numel * 2
+    blocks = -(-numel // block)
+    per_block = block if codec is Codec.INT8 else block // 2
+    return blocks * (4 + per_block)
+
+
+def encoded_size(numel: int, codec: Codec | str, ndim: int = 1) -> int:
+    """The exact length of ``encode`` of a float32 tensor of ``numel`` values and ``ndim`` dims."""
+    codec = Codec(codec)
+    return _FIXED.size + 8 * ndim + _CRC.size + _payload_size(codec, numel)
+
+
+def _finite_range(flat: Tensor) -> tuple[float, float]:
+    # One reduction pass; NaN propagates through min/max and an inf shows up as an extreme.
+    low, high = torch.aminmax(flat)
+    return float(low), float(high)
+
+
+_workspace = threading.local()
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype) -> Tensor:
+    """A per-thread buffer reused across calls: fresh large allocations cost a page fault per 4 KiB
+    on first touch, which here is slower than the arithmetic itself. Holds about 5 bytes per value
+    of the largest tensor this thread has encoded."""
+    buffer: Tensor | None = getattr(_workspace, name, None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(numel, dtype=dtype)
+        setattr(_workspace, name, buffer)
+    return buffer[:numel]
+
+
+def _blocks(flat: Tensor, block: int) -> Tensor:
+    """``flat`` as rows of ``block`` values, zero-padding the last row only when needed."""
+    if flat.numel() % block == 0:
+        return flat.view(-1, block)
+    padded = torch.zeros(-(-flat.numel() // block) * block, dtype=torch.float32)
+    padded[: flat.numel()] = flat
+    return padded.view(-1, block)
+
+
+def _quantize(flat: Tensor, codec: Codec, levels: float) -> tuple[Tensor, Tensor]:
+    """Per-block scales (absmax / levels) and ``round`` or ``trunc`` of value·levels/absmax as int8."""
+    blocks = _blocks(flat, _BLOCK[codec])
+    work = _scratch("work", blocks.numel(), torch.float32).view_as(blocks)
+    absmax = torch.abs(blocks, out=work).amax(dim=1)
+    if absmax.numel() and not math.isfinite(float(absmax.max())):
+        raise FragmentError("non_finite", "tensor holds NaN or Inf")
+    multiplier = torch.where(absmax > _TINY, levels / absmax, 0.0)
+    torch.mul(blocks, multiplier[:, None], out=work)
+    if codec is Codec.INT8:
+        work.round_()
+    # Float to int8 truncates toward zero; for 4bit that truncation is the quarter-step bucket.
+    codes = _scratch("codes", blocks.numel(), torch.int8).copy_(work.view(-1))
+    scales = torch.where(absmax > _TINY, absmax / (127.0 if codec is Codec.INT8 else 6.0), 0.0)
+    return scales, codes
+
+
+def encode(tensor: Tensor, codec: Codec | str) -> bytes:
+    """Encode a float tensor (fp32, fp16 or bf16, any shape) as self-describing, checksummed bytes.
+
+    Raises ``FragmentError`` ("non_finite") for NaN/Inf (or beyond fp16's range for ``fp16``),
+    ("bad_dtype") for non-float tensors, ("bad_shape") for more than 8 dimensions.
+    """
+    codec = Codec(codec)
+    if tensor.dtype not in _DTYPE_IDS:
+        raise FragmentError("bad_dtype", f"cannot encode {tensor.dtype}")
+    if tensor.dim() > MAX_NDIM:
+        raise FragmentError("bad_shape", f"{tensor.dim()} dimensions, at most {MAX_NDIM}")
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu" or flat.dtype != torch.float32:
+        flat = flat.to(device="cpu", dtype=torch.float32)
+    flat = flat.contiguous()
+    numel = flat.numel()
+
+    parts: list[np.ndarray]
+    if codec is Codec.FP32 or codec is Codec.FP16:
+        if numel:
+            low, high = _finite_range(flat)
+            limit = _FP16_MAX if codec is Codec.FP16 else torch.finfo(torch.float32).max
+            if not (-limit <= low and high <= limit):
+                raise FragmentError("non_finite", f"values in [{low}, {high}] do not fit {codec}")
+        parts = [(flat if codec is Codec.FP32 else flat.to(torch.float16)).numpy()]
+    elif codec is Codec.INT8:
+        scales, codes = _quantize(flat, codec, 127.0)
+        parts = [scales.numpy(), codes.numpy()]
+    else:
+        scales, buckets = _quantize(flat, codec, 24.0)
+        parts = [scales.numpy(), np.take(_FP4_PAIR_TO_BYTE, buckets.numpy().view(np.uint16))]
+
+    payload_len = sum(part.nbytes for part in parts)
+    header = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        _CODEC_IDS[codec],
+        _DTYPE_IDS[tensor.dtype],
+        tensor.dim(),
+        _BLOCK[codec],
+        numel,
+        payload_len,
+    ) + struct.pack(f"<{tensor.dim()}Q", *tensor.shape)
+    crc = zlib.crc32(header)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join([header, _CRC.pack(crc), *parts])
+
+
+def _parse_header(data: bytes | memoryview) -> tuple[Codec, torch.dtype, tuple[int, ...], int, int]:
+    """Validate the header against the length of ``data``; return codec, dtype, shape, numel and
+    the payload's offset."""
+    if len(data) < _FIXED.size:
+        raise FragmentError("truncated", f"{len(data)} bytes is shorter than the header")
+    magic, version, codec_id, dtype_id, ndim, block, numel, payload_len = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        raise FragmentError("garbage", "not a cgad fragment (bad magic)")
+    if version != FORMAT_VERSION:
+        raise FragmentError("unsupported_version", f"format version {version}")
+    if codec_id not in _CODECS_BY_ID:
+        raise FragmentError("unknown_codec", f"codec id {codec_id}")
+    if dtype_id not in _DTYPES_BY_ID:
+        raise FragmentError("bad_dtype", f"dtype id {dtype_id}")
+    codec, dtype = _CODECS_BY_ID[codec_id], _DTYPES_BY_ID[dtype_id]
+    if ndim > MAX_NDIM:
+        raise FragmentError("bad_shape", f"{ndim} dimensions")
+    if block != _BLOCK[codec]:
+        raise FragmentError("bad_header", f"block {block} for {codec}")
+    if numel > MAX_NUMEL:
+        raise FragmentError("oversized", f"numel {numel}")
+    payload_offset = _FIXED.size + 8 * ndim + _CRC.size
+    if len(data) < payload_offset:
+        raise FragmentError("truncated", "header cut short")
+    shape = struct.unpack_from(f"<{ndim}Q", data, _FIXED.size)
+    if math.prod(shape) != numel:
+        raise FragmentError("bad_shape", f"shape {shape} does not hold {numel} values")
+    if payload_len != _payload_size(codec, numel):
+        raise FragmentError("bad_header", f"payload of {payload_len} bytes for {numel} values in {codec}")
+    if len(data) < payload_offset + payload_len:
+        raise FragmentError("truncated", f"{len(data)} bytes, header promises {payload_offset + payload_len}")
+    if len(data) > payload_offset + payload_len:
+        raise FragmentError("bad_length", f"{len(data) - payload_offset - payload_len} trailing bytes")
+    (crc,) = _CRC.unpack_from(data, payload_offset - _CRC.size)
+    view = memoryview(data)
+    if zlib.crc32(view[payload_offset:], zlib.crc32(view[: payload_offset - _CRC.size])) != crc:
+        raise FragmentError("bad_checksum", "crc32 mismatch")
+    return codec, dtype, shape, numel, payload_offset
+
+
+def _decode_scales(data: bytes | memoryview, offset: int, count: int) -> Tensor:
+    scales = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=count, offset=offset).copy())
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise FragmentError("non_finite", "a block scale is negative, NaN or Inf")
+    return scales
+
+
+def decode(data: bytes | bytearray | memoryview) -> Tensor:
+    """The tensor ``encode`` produced, in its original shape and dtype.
+
+    Anything else raises ``FragmentError`` with a reason; nothing is allocated before the header
+    has been checked against the actual length of ``data``.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise FragmentError("garbage", f"expected bytes, got {type(data).__name__}")
+    data = memoryview(data).cast("B") if isinstance(data, memoryview) else data
+    codec, dtype, shape, numel, offset = _parse_header(data)
+
+    if codec is Codec.FP32 or codec is Codec.FP16:
+        flat = torch.empty(numel, dtype=torch.float32)
+        wire_dtype = np.float32 if codec is Codec.FP32 else np.float16
+        flat.numpy()[:] = np.frombuffer(data, dtype=wire_dtype, count=numel, offset=offset)
+        if numel and not all(math.isfinite(v) for v in _finite_range(flat)):
+            raise FragmentError("non_finite", "payload holds NaN or Inf")
+    else:
+        block = _BLOCK[codec]
+        nblocks = -(-numel // block)
+        scales = _decode_scales(data, offset, nblocks)
+        codes_offset = offset + 4 * nblocks
+        blocks = torch.empty(nblocks, block, dtype=torch.float32)
+        if codec is Codec.INT8:
+            codes = np.frombuffer(data, dtype=np.int8, count=nblocks * block, offset=codes_offset)
+            blocks.numpy().reshape(-1)[:] = codes
+        else:
+            packed = np.frombuffer(data, dtype=np.uint8, count=nblocks * block // 2, offset=codes_offset)
+            blocks.numpy().view(np.uint64).reshape(-1)[:] = _FP4_BYTE_TO_PAIR[packed]
+        flat = blocks.mul_(scales[:, None]).view(-1)[:numel]
+    return flat.to(dtype).view(shape)
+
+
+class ErrorFeedback:
+    """Carries a lossy codec's rounding error into the next round (error feedback).
+
+    ``encode(t)`` encodes ``t + residual`` and keeps ``(t + residual) - decode(bytes)`` as the new
+    residual, so what the codec drops in one round is sent in a later one instead of being lost.
+    """
+
+    def __init__(self, codec: Codec | str) -> None:
+        self.codec = Codec(codec)
+        self.residual: Tensor | None = None
+
+    def encode(self, tensor: Tensor) -> bytes:
+        corrected = tensor.detach().to(torch.float32)
+        if self.residual is not None:
+            if self.residual.shape != corrected.shape:
+                raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {corrected.shape}")
+            corrected = corrected + self.residual
+        data = encode(corrected, self.codec)
+        self.residual = corrected - decode(data)
+        return data
+
+    def reset(self) -> None:
+        self.residual = None

@@ -1,0 +1,273 @@
+"""Codec round trips with an error bound per codec, and hostile bytes for ``decode``."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cgad.protocol import FragmentError
+from cgad.protocol.codec import MAX_NUMEL, Codec, ErrorFeedback, decode, encode, encoded_size
+
+pytestmark = pytest.mark.timeout(120)
+
+_FIXED = struct.Struct("<4sBBBBIQQ")  # the documented header layout, restated independently
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _payload_offset(data: bytes) -> int:
+    ndim = data[7]
+    return _FIXED.size + 8 * ndim + 4
+
+
+def _with_valid_crc(data: bytes | bytearray) -> bytes:
+    """Recompute the crc32 after a deliberate edit, so the edit itself is what gets judged."""
+    data = bytearray(data)
+    offset = _payload_offset(bytes(data))
+    crc = zlib.crc32(bytes(data[offset:]), zlib.crc32(bytes(data[: offset - 4])))
+    data[offset - 4 : offset] = struct.pack("<I", crc)
+    return bytes(data)
+
+
+def _blockwise_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.reshape(-1).float()
+    pad = (-flat.numel()) % block
+    flat = torch.cat([flat, flat.new_zeros(pad)])
+    amax = flat.view(-1, block).abs().amax(1)
+    return amax.repeat_interleave(block)[: x.numel()]
+
+
+@pytest.fixture(scope="module")
+def sample() -> torch.Tensor:
+    torch.manual_seed(0)
+    # Heavy-ish tails and a few blocks of very different magnitude, like real pseudo-gradients.
+    x = torch.randn(10_007) * torch.logspace(-6, 0, 10_007)
+    x[500:700] = 0.0
+    return x
+
+
+def test_fp32_is_exact(sample: torch.Tensor) -> None:
+    assert torch.equal(decode(encode(sample, "fp32")), sample)
+
+
+def test_fp16_error_is_half_precision(sample: torch.Tensor) -> None:
+    y = decode(encode(sample, Codec.FP16))
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, sample, rtol=2**-11, atol=2**-24)
+
+
+def test_int8_error_within_half_a_step_of_its_block(sample: torch.Tensor) -> None:
+    y = decode(encode(sample, "int8"))
+    bound = _blockwise_absmax(sample, 256) / 254 * (1 + 1e-5) + 1e-12
+    assert bool(((y - sample).abs() <= bound).all())
+    assert not torch.equal(y, sample)  # lossy, so the bound above is what is being tested
+
+
+def test_4bit_values_are_e2m1_levels_within_bound(sample: torch.Tensor) -> None:
+    y = decode(encode(sample, "4bit"))
+    absmax = _blockwise_absmax(sample, 64)
+    # The widest gap between E2M1 neighbours is 2 units (4 to 6); a unit is absmax / 6.
+    assert bool(((y - sample).abs() <= absmax / 6 * (1 + 1e-5)).all())
+    units = torch.where(absmax > 0, y.abs() / absmax * 6, torch.zeros_like(y))
+    nearest = (units[:, None] - E2M1[None, :]).abs().min(1).values
+    assert float(nearest.max()) < 1e-4
+    # signs survive
+    assert bool((torch.sign(y) * torch.sign(sample) >= 0).all())
+
+
+def test_4bit_rounds_to_nearest_level() -> None:
+    # One block with absmax 6 so units equal values: each value lands on its nearest E2M1 level.
+    x = torch.tensor([6.0, 0.2, 0.3, 0.74, 0.76, 1.2, 1.3, 1.8, 2.4, 2.6, 3.4, 3.6, 4.9, 5.1, -5.1, -0.3])
+    x = torch.cat([x, torch.zeros(64 - x.numel())])
+    expected = torch.tensor([6, 0, 0.5, 0.5, 1, 1, 1.5, 2, 2, 3, 3, 4, 4, 6, -6, -0.5])
+    assert torch.equal(decode(encode(x, "4bit"))[:16], expected)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((3, 5, 7), torch.float32), ((), torch.float32), ((0,), torch.float32), ((129,), torch.bfloat16)],
+)
+def test_shape_dtype_and_length_survive(codec: Codec, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = torch.randn(shape).to(dtype)
+    data = encode(x, codec)
+    y = decode(data)
+    assert y.shape == x.shape
+    assert y.dtype == dtype
+    assert len(data) == encoded_size(x.numel(), codec, ndim=x.dim())
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_zero_and_tiny_blocks_decode_to_zero_not_nan(codec: Codec) -> None:
+    x = torch.zeros(300)
+    x[10] = 1e-35
+    y = decode(encode(x, codec))
+    assert bool(torch.isfinite(y).all())
+    assert float(y.abs().max()) <= float(x[10])
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_encode_refuses_non_finite(codec: Codec, bad: float) -> None:
+    x = torch.ones(1000)
+    x[777] = bad
+    with pytest.raises(FragmentError) as info:
+        encode(x, codec)
+    assert info.value.reason == "non_finite"
+
+
+def test_encode_refuses_what_fp16_cannot_hold() -> None:
+    with pytest.raises(FragmentError) as info:
+        encode(torch.tensor([1.0, 70000.0]), "fp16")
+    assert info.value.reason == "non_finite"
+
+
+def test_encode_refuses_integer_tensors() -> None:
+    with pytest.raises(FragmentError) as info:
+        encode(torch.arange(10), "fp32")
+    assert info.value.reason == "bad_dtype"
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_every_truncation_and_single_byte_flip_is_rejected(codec: Codec) -> None:
+    data = encode(torch.randn(2, 70), codec)
+    for cut in range(len(data)):
+        with pytest.raises(FragmentError):
+            decode(data[:cut])
+    for position in range(len(data)):
+        mutated = bytearray(data)
+        mutated[position] ^= 0x5A
+        with pytest.raises(FragmentError):
+            decode(bytes(mutated))
+    with pytest.raises(FragmentError) as info:
+        decode(data + b"\0")
+    assert info.value.reason == "bad_length"
+
+
+def test_reasons_for_header_damage() -> None:
+    data = bytearray(encode(torch.randn(100), "int8"))
+    cases = {
+        "garbage": (0, b"XXXX"),
+        "unsupported_version": (4, b"\x09"),
+        "unknown_codec": (5, b"\x63"),
+        "bad_dtype": (6, b"\x07"),
+    }
+    for reason, (offset, patch) in cases.items():
+        mutated = bytearray(data)
+        mutated[offset : offset + len(patch)] = patch
+        with pytest.raises(FragmentError) as info:
+            decode(bytes(mutated))
+        assert info.value.reason == reason
+    payload_byte = bytearray(data)
+    payload_byte[-1] ^= 1
+    with pytest.raises(FragmentError) as info:
+        decode(bytes(payload_byte))
+    assert info.value.reason == "bad_checksum"
+
+
+def test_huge_declared_shape_is_refused_without_allocating() -> None:
+    numel = MAX_NUMEL // 2
+    header = _FIXED.pack(b"CGFR", 1, 0, 0, 1, 0, numel, numel * 4) + struct.pack("<Q", numel)
+    with pytest.raises(FragmentError) as info:
+        decode(_with_valid_crc(header + b"\0\0\0\0" + b"\0" * 64))
+    assert info.value.reason == "truncated"
+    header = _FIXED.pack(b"CGFR", 1, 0, 0, 1, 0, MAX_NUMEL + 1, 4) + struct.pack("<Q", MAX_NUMEL + 1)
+    with pytest.raises(FragmentError) as info:
+        decode(header + b"\0" * 8)
+    assert info.value.reason == "oversized"
+    header = _FIXED.pack(b"CGFR", 1, 0, 0, 2, 0, 12, 48) + struct.pack("<2Q", 3, 5)
+    with pytest.raises(FragmentError) as info:
+        decode(_with_valid_crc(header + b"\0\0\0\0" + b"\0" * 48))
+    assert info.value.reason == "bad_shape"
+
+
+@pytest.mark.parametrize("codec", [Codec.FP32, Codec.FP16])
+def test_non_finite_payload_with_valid_checksum_is_rejected(codec: Codec) -> None:
+    data = bytearray(encode(torch.ones(16), codec))
+    nan = struct.pack("<f", float("nan")) if codec is Codec.FP32 else struct.pack("<e", float("nan"))
+    data[-len(nan) :] = nan
+    with pytest.raises(FragmentError) as info:
+        decode(_with_valid_crc(data))
+    assert info.value.reason == "non_finite"
+
+
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.FP4])
+@pytest.mark.parametrize("bad_scale", [-1.0, float("inf"), float("nan")])
+def test_bad_block_scale_with_valid_checksum_is_rejected(codec: Codec, bad_scale: float) -> None:
+    data = bytearray(encode(torch.ones(16), codec))
+    offset = _payload_offset(bytes(data))
+    data[offset : offset + 4] = struct.pack("<f", bad_scale)
+    with pytest.raises(FragmentError) as info:
+        decode(_with_valid_crc(data))
+    assert info.value.reason == "non_finite"
+
+
+def test_decode_refuses_non_bytes() -> None:
+    with pytest.raises(FragmentError) as info:
+        decode("CGFR")  # type: ignore[arg-type]
+    assert info.value.reason == "garbage"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=400))
+def test_fuzz_arbitrary_bytes_only_raise_fragment_error(data: bytes) -> None:
+    with pytest.raises(FragmentError):
+        decode(data)
+
+
+_SEEDS = {codec: encode(torch.randn(3, 50), codec) for codec in Codec}
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from(list(Codec)),
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4),
+    st.integers(-20, 20),
+    st.booleans(),
+)
+def test_fuzz_mutated_encodings_never_decode_silently(
+    codec: Codec, edits: list[tuple[int, int]], resize: int, fix_crc: bool
+) -> None:
+    original = _SEEDS[codec]
+    data = bytearray(original)
+    for position, value in edits:
+        data[position % len(data)] = value
+    if resize > 0:
+        data += bytes(resize)
+    elif resize < 0:
+        del data[resize:]
+    if fix_crc and len(data) >= _FIXED.size and data[7] <= 8 and len(data) >= _payload_offset(bytes(data)):
+        data = bytearray(_with_valid_crc(data))
+    try:
+        y = decode(bytes(data))
+    except FragmentError:
+        return
+    # Only an edit that left the bytes as they were, or a re-checksummed payload edit that still
+    # describes a well-formed finite tensor of the same layout, may decode.
+    assert len(data) == len(original)
+    assert bool(torch.isfinite(y).all())
+    assert y.shape == (3, 50)
+    if not fix_crc:
+        assert bytes(data) == original
+
+
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.FP4])
+def test_error_feedback_carries_the_residual(codec: Codec) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(4096) * 0.01
+    feedback = ErrorFeedback(codec)
+    rounds = 40
+    total = sum(decode(feedback.encode(x)) for _ in range(rounds))
+    plain_error = float((decode(encode(x, codec)) - x).abs().mean())
+    fed_error = float((total / rounds - x).abs().mean())
+    # Without feedback the mean of identical rounds keeps the whole rounding error; with it the
+    # error left is one residual spread over all rounds.
+    assert fed_error < plain_error / 5
+    assert feedback.residual is not None
+    assert float((total - rounds * x - (-feedback.residual)).abs().max()) < 1e-4
+    with pytest.raises(FragmentError):
+        feedback.encode(torch.randn(10))
