@@ -129,7 +129,9 @@ class BatchIterator(Iterator[torch.Tensor]):
     """Endless batches of random windows from one shard. Its state can be saved and restored, so a
     restarted worker continues the same stream instead of replaying it."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, stream: tuple[int, ...]):
+    def __init__(
+        self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, stream: tuple[int, ...]
+    ) -> None:
         self._tokens = tokens
         self._batch_size = batch_size
         self._offsets = np.arange(seq_len)
@@ -182,7 +184,7 @@ class TokenShard:
 class TokenDataset:
     """A tokenized corpus split into a training part and a held-out evaluation tail."""
 
-    def __init__(self, tokens: np.ndarray, source: str, eval_fraction: float = DEFAULT_EVAL_FRACTION):
+    def __init__(self, tokens: np.ndarray, source: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> None:
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         self.tokens = tokens
