@@ -157,7 +157,7 @@ class TokenShard:
 
     def __init__(
         self, tokens: np.ndarray, start: int, stop: int, worker_index: int, num_workers: int, source: str
-    ):
+    ) -> None:
         self.tokens = tokens[start:stop]
         self.start = start
         self.stop = stop
