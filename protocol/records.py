@@ -1,0 +1,159 @@
+"""The DHT key schema: who holds which fragment (signed), and how far each peer has got.
+
+Keys (hivemind hashes each to a DHT id)::
+
+    "{run_id}_fragment{f}"   one subkey per holder: that holder's ``Holdings`` for fragment f
+    "{run_id}_progress"      one subkey per peer: its ``Progress``
+
+Every subkey is the writer's RSA public key in hivemind's ``[owner:...]`` form, so
+``RSASignatureValidator`` lets only the key's owner write it (DESIGN.md §4: the key in the
+subkey, never in the key). The same RSA key is the peer's libp2p identity, so a peer id can be
+derived from a subkey: ``peer_id_of_owner`` ties what a record claims (its ``peer_id``, the
+``publisher`` of its own offers) to who signed it. Values are checked by hivemind's
+``SchemaValidator`` on every DHT node that stores them, and stay well under a few KB: they carry
+metadata and hashes, never tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Optional
+
+import multihash  # pymultihash, a hivemind dependency: the helper PeerID itself uses
+import pydantic.v1 as pydantic
+from cryptography.hazmat.primitives import serialization
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from cgad.protocol.errors import FragmentError
+
+__all__ = [
+    "MAX_OFFERS",
+    "Holdings",
+    "Identity",
+    "Offer",
+    "Progress",
+    "fragment_key",
+    "parse_holdings",
+    "parse_progress",
+    "peer_id_of_owner",
+    "progress_key",
+    "schema_validator",
+]
+
+MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
+_PEER_ID = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
+_NON_NEGATIVE = pydantic.conint(strict=True, ge=0)
+
+
+class _Strict(pydantic.BaseModel):
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class Offer(_Strict):
+    """One encoded fragment a holder can serve. Trusted (tokens, hash, length) only when the
+    holder is the publisher; other holders' offers only say where else the same bytes live."""
+
+    publisher: _PEER_ID
+    base_version: _NON_NEGATIVE
+    kind: pydantic.constr(strict=True, regex=r"^(delta|params)$")
+    tokens: _NON_NEGATIVE
+    codec: pydantic.constr(strict=True, max_length=8)
+    numel: _NON_NEGATIVE
+    content_hash: pydantic.conbytes(strict=True, min_length=32, max_length=32)
+    byte_length: _NON_NEGATIVE
+
+
+class Holdings(_Strict):
+    """A holder's record for one fragment: where to reach it and what it serves."""
+
+    peer_id: _PEER_ID  # libp2p peer id: the fallback path, through relays if need be
+    grpc: Optional[pydantic.constr(strict=True, max_length=256)]  # noqa: UP045 (pydantic v1)
+    offers: pydantic.conlist(Offer, max_items=MAX_OFFERS)
+
+
+class Progress(_Strict):
+    """What a peer reports about itself; its record expiring is how the swarm sees it leave."""
+
+    peer_id: _PEER_ID
+    versions: pydantic.conlist(_NON_NEGATIVE, max_items=4096)  # outer version per fragment
+    inner_step: _NON_NEGATIVE
+    tokens_per_second: pydantic.confloat(strict=True, ge=0.0)
+    time: pydantic.StrictFloat  # DHT time of the report
+
+
+def fragment_key(run_id: str, fragment: int) -> str:
+    return f"{run_id}_fragment{fragment}"
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
+def schema_validator(run_id: str, num_fragments: int) -> SchemaValidator:
+    """Validates every key of this run: one field per fragment key plus the progress key."""
+    fields = {
+        f"fragment{f}": (dict[BytesWithPublicKey, Optional[Holdings]], None)  # noqa: UP045
+        for f in range(num_fragments)
+    }
+    fields["progress"] = (dict[BytesWithPublicKey, Optional[Progress]], None)  # noqa: UP045
+    schema = pydantic.create_model(f"CgadRun_{run_id}", **fields)
+    return SchemaValidator(schema, allow_extra_keys=False, prefix=run_id)
+
+
+@functools.lru_cache(maxsize=4096)
+def peer_id_of_owner(owner: bytes) -> str:
+    """The libp2p peer id (base58) of the RSA key in an ``[owner:ssh-rsa ...]`` subkey."""
+    found = RSASignatureValidator._PUBLIC_KEY_RE.findall(owner)
+    if len(found) != 1:
+        raise FragmentError("forged", "subkey holds no single owner key")
+    try:
+        public_key = serialization.load_ssh_public_key(found[0])
+    except (ValueError, TypeError) as error:
+        raise FragmentError("forged", f"unreadable owner key: {error}") from None
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    # libp2p: a peer id is the sha2-256 multihash of the protobuf-wrapped public key (RSA keys are
+    # too long for the identity hash).
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(wrapped).digest(), multihash.coerce_code("sha2-256"))
+    return PeerID(digest).to_base58()
+
+
+class Identity:
+    """One RSA key that is both this peer's libp2p identity and its DHT signing key."""
+
+    def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
+        self.private_key = private_key or RSAPrivateKey()
+        self.signature_validator = RSASignatureValidator(self.private_key)
+        self.owner_subkey: bytes = self.signature_validator.local_public_key
+        self.libp2p_identity: bytes = crypto_pb2.PrivateKey(
+            key_type=crypto_pb2.KeyType.RSA, data=self.private_key.to_bytes()
+        ).SerializeToString()
+        self.peer_id: str = PeerID.from_identity(self.libp2p_identity).to_base58()
+
+
+def _parse(model: type[pydantic.BaseModel], value: object) -> pydantic.BaseModel:
+    try:
+        return model.parse_obj(value)
+    except (pydantic.ValidationError, TypeError) as error:
+        raise FragmentError("garbage", f"bad {model.__name__}: {error}") from None
+
+
+def parse_holdings(owner: bytes, value: object) -> Holdings:
+    """A holder's record, checked to be written by the peer it names."""
+    holdings = _parse(Holdings, value)
+    if peer_id_of_owner(owner) != holdings.peer_id:
+        raise FragmentError("forged", f"record names {holdings.peer_id} but another key signed it")
+    return holdings
+
+
+def parse_progress(owner: bytes, value: object) -> Progress:
+    progress = _parse(Progress, value)
+    if peer_id_of_owner(owner) != progress.peer_id:
+        raise FragmentError("forged", f"progress of {progress.peer_id} signed by another key")
+    return progress
