@@ -1,0 +1,319 @@
+"""The outer loop: one peer's outer state, and its step at each fragment's turn.
+
+This is the code both the daemon and the simulator run. At fragment f's turn:
+
+1. Δ_f = φ_f − θ_f, the pseudo-gradient of the inner steps since f's last sync, is published,
+   tagged with the version it started from (``versions[f]``) and the tokens behind it;
+2. what peers published for f and the transport delivered since is taken; each delivery's age is
+   τ = versions[f] − base (DESIGN.md §3); the own Δ has age 0;
+3. the outer optimizer takes one step on f (one step per fragment per round, whatever arrived):
+   the age-aware family combines Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i; Nesterov
+   and SGD take the token-weighted mean; Delayed Nesterov takes each delivery as one arrival;
+   NoLoCo averages with one random peer of the round;
+4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters.
+
+A peer more than the cutoff behind the newest version it has seen should re-sync its state
+(``behind_by``); the driver does that with ``state_dict`` / ``load_state_dict`` from a live peer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cgad.optim import CGAD, PACGAD, DelayedNesterov, OuterNesterov, noloco_update, staleness_weight
+from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
+
+__all__ = ["OPTIMIZERS", "Delivery", "OuterConfig", "OuterLoop", "strided_fragments"]
+
+OPTIMIZERS = ("cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco")
+_AGE_AWARE = ("cgad", "pa-cgad", "adam-decay", "adam")
+
+# Outer learning rates when none is given: DiLoCo's 0.7 for the momentum-SGD family and NoLoCo's
+# reference η; the Adam family's from the delay sweep (docs/RESULTS.md).
+DEFAULT_LR = {
+    "cgad": 1e-2,
+    "pa-cgad": 1e-2,
+    "adam-decay": 1e-2,
+    "adam": 1e-2,
+    "nesterov": 0.7,
+    "delayed-nesterov": 0.7,
+    "sgd": 0.7,
+    "noloco": 0.7,
+}
+
+
+@dataclass
+class OuterConfig:
+    optimizer: str = "cgad"
+    lr: float | None = None  # None: DEFAULT_LR[optimizer]
+    fragments: int = 1
+    alpha: float = 0.2  # CGAD's decay rate per round of age
+    cutoff: float = 8.0  # CGAD's gate reaches zero here; also the re-sync threshold
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.9  # Nesterov family
+    noloco_beta: float = 0.5
+    restart_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"outer lr must be > 0, got {self.lr}")
+
+    @property
+    def outer_lr(self) -> float:
+        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A pseudo-gradient as the optimizer saw it."""
+
+    fragment: int
+    publisher: str
+    base_version: int
+    age: int
+    weight: float  # σ(τ) for the age-aware family, 1 otherwise
+    own: bool  # this peer's own fresh pseudo-gradient
+
+
+def strided_fragments(num_params: int, count: int) -> list[list[int]]:
+    """Parameter indices of each fragment: strided, so every fragment spans the whole depth."""
+    if count > num_params:
+        raise ValueError(f"{count} fragments for only {num_params} parameter tensors")
+    return [list(range(f, num_params, count)) for f in range(count)]
+
+
+@dataclass
+class _Counters:
+    published: int = 0
+    applied: int = 0
+    dropped_stale: int = 0
+    from_future: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    age_sum: int = 0
+    age_count: int = 0
+
+
+class OuterLoop:
+    """Outer parameters φ, their versions and optimizer, for one peer."""
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        config: OuterConfig,
+        transport: Transport,
+        run_id: str,
+        seed: int = 0,
+    ) -> None:
+        self.theta = params
+        self.config = config
+        self.transport = transport
+        self.run_id = run_id
+        self.fragments = strided_fragments(len(params), config.fragments)
+        self.phi = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
+        self.versions = [0] * config.fragments
+        self.newest_seen = [0] * config.fragments
+        self.counters = _Counters()
+        self.history: list[Delivery] = []  # every delivery the optimizer took, in order
+        self._rng = random.Random(seed)
+        self._own: dict[int, Fragment] = {}  # published, not yet applied
+        self._noloco_momentum = (
+            [torch.zeros_like(p) for p in self.phi] if config.optimizer == "noloco" else []
+        )
+        self.optimizer = self._build_optimizer()
+
+    def _build_optimizer(self) -> torch.optim.Optimizer | None:
+        c = self.config
+        groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
+        lr = c.outer_lr
+        if c.optimizer in ("cgad", "adam-decay", "adam"):
+            # σ is applied while combining the round's deliveries, so the optimizer sees age 0
+            return CGAD(groups, lr=lr, betas=c.betas, restart_every=c.restart_every)
+        if c.optimizer == "pa-cgad":
+            return PACGAD(groups, lr=lr, betas=c.betas, restart_every=c.restart_every)
+        if c.optimizer in ("nesterov", "sgd"):
+            momentum = c.momentum if c.optimizer == "nesterov" else 0.0
+            return OuterNesterov(groups, lr=lr, momentum=momentum, restart_every=c.restart_every)
+        if c.optimizer == "delayed-nesterov":
+            # one momentum update per round's worth of arrivals: N = the peers expected per round
+            period = max(1, len(self.transport.live_peers()) + 1)
+            return DelayedNesterov(groups, lr=lr, momentum=c.momentum, period=period)
+        return None  # noloco: a function over explicit state
+
+    def staleness(self, age: int) -> float:
+        c = self.config
+        if c.optimizer == "adam":
+            return 1.0
+        cutoff = math.inf if c.optimizer == "adam-decay" else c.cutoff
+        return staleness_weight(age, c.alpha, cutoff)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def fragment_numel(self, f: int) -> int:
+        return sum(self.phi[i].numel() for i in self.fragments[f])
+
+    def sync(self, f: int, tokens: int) -> list[Delivery]:
+        """Fragment f's turn: publish its pseudo-gradient, then apply what has arrived."""
+        self.publish(f, tokens)
+        return self.apply(f)
+
+    def publish(self, f: int, tokens: int) -> None:
+        """Compute Δ_f = φ_f − θ_f and hand it to the transport (and φ_f too, for NoLoCo)."""
+        idx = self.fragments[f]
+        with torch.no_grad():
+            own = torch.cat([(self.phi[i] - self.theta[i].float()).flatten() for i in idx])
+        key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
+        self._own[f] = Fragment(key, own, tokens)
+        self.transport.publish(self._own[f])
+        self.counters.published += 1
+        if self.config.optimizer == "noloco":
+            params = torch.cat([self.phi[i].detach().flatten() for i in idx])
+            self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
+
+    def apply(self, f: int) -> list[Delivery]:
+        """One outer step on fragment f with its own fresh Δ and everything delivered since."""
+        own = self._own.pop(f, None)
+        if own is None:
+            raise RuntimeError(f"apply({f}) without publish({f}) first")
+        base = self.versions[f]
+        incoming: list[tuple[Fragment, int]] = [(own, 0)]
+        for frag in self.transport.receive(f):
+            if frag.tensor.numel() != own.tensor.numel():
+                self.counters.rejected["bad_shape"] += 1
+                continue
+            age = base - frag.key.base_version
+            self.newest_seen[f] = max(self.newest_seen[f], frag.key.base_version + 1)
+            if age < 0:  # a peer ahead of us: fresh information, and a hint that we lag
+                self.counters.from_future += 1
+                age = 0
+            incoming.append((frag, age))
+        with torch.no_grad():
+            taken = self._apply(f, incoming)
+            self.versions[f] += 1
+            for i in self.fragments[f]:
+                self.theta[i].copy_(self.phi[i])
+        self.newest_seen[f] = max(self.newest_seen[f], self.versions[f])
+        return taken
+
+    def _apply(self, f: int, incoming: list[tuple[Fragment, int]]) -> list[Delivery]:
+        opt = self.config.optimizer
+        weights = [self.staleness(age) if opt in _AGE_AWARE else 1.0 for _, age in incoming]
+        taken = []
+        for n, ((frag, age), w) in enumerate(zip(incoming, weights, strict=True)):
+            if w == 0.0:
+                self.counters.dropped_stale += 1
+                continue
+            d = Delivery(f, frag.key.publisher, frag.key.base_version, age, w, own=n == 0)
+            taken.append(d)
+            self.counters.age_sum += age
+            self.counters.age_count += 1
+        self.counters.applied += len(taken) - 1  # the own fragment is not counted as applied
+        self.history.extend(taken)
+        kept = [(frag, age, w) for (frag, age), w in zip(incoming, weights, strict=True) if w > 0.0]
+        if opt == "noloco":
+            self._noloco_step(f, kept)
+        elif opt == "delayed-nesterov":
+            for frag, _, _ in sorted(kept, key=lambda x: -x[1]):  # oldest first, own fresh one last
+                self._set_grad(f, frag.tensor)
+                self.optimizer.step()
+        else:
+            total_tokens = sum(max(frag.tokens, 1) for frag, _, _ in kept)
+            mean = torch.zeros_like(kept[0][0].tensor)
+            for frag, _, w in kept:
+                mean.add_(frag.tensor, alpha=w * max(frag.tokens, 1) / total_tokens)
+            self._set_grad(f, mean)
+            if opt == "pa-cgad":
+                self.optimizer.step(ages=[0 if g == f else None for g in range(len(self.fragments))])
+            else:
+                self.optimizer.step()
+        return taken
+
+    def _set_grad(self, f: int, flat: Tensor) -> None:
+        for p in self.phi:
+            p.grad = None
+        offset = 0
+        for i in self.fragments[f]:
+            p = self.phi[i]
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def _unflatten(self, f: int, flat: Tensor) -> list[Tensor]:
+        out, offset = [], 0
+        for i in self.fragments[f]:
+            n = self.phi[i].numel()
+            out.append(flat[offset : offset + n].view_as(self.phi[i]))
+            offset += n
+        return out
+
+    def _noloco_step(self, f: int, kept: list[tuple[Fragment, int, float]]) -> None:
+        idx = self.fragments[f]
+        own_delta = self._unflatten(f, kept[0][0].tensor)
+        phi = [self.phi[i].data for i in idx]
+        momentum = [self._noloco_momentum[i] for i in idx]
+        partners = {frag.key.publisher: frag for frag, _, _ in kept[1:]}
+        params = {p.key.publisher: p for p in self.transport.receive(f, Kind.PARAMS)}
+        candidates = sorted(set(partners) & set(params))
+        if not candidates:
+            noloco_update(
+                phi, own_delta, None, None, momentum, lr=self.config.outer_lr, beta=self.config.noloco_beta
+            )
+            return
+        partner = self._rng.choice(candidates)
+        their_phi = self._unflatten(f, params[partner].tensor)
+        their_delta = self._unflatten(f, partners[partner].tensor)
+        mean_phi = [(a + b) / 2 for a, b in zip(phi, their_phi, strict=True)]
+        mean_delta = [(a + b) / 2 for a, b in zip(own_delta, their_delta, strict=True)]
+        noloco_update(
+            phi,
+            own_delta,
+            mean_phi,
+            mean_delta,
+            momentum,
+            lr=self.config.outer_lr,
+            beta=self.config.noloco_beta,
+        )
+
+    # -- swarm position and state -----------------------------------------------------------
+
+    def behind_by(self) -> int:
+        """How many versions this peer's most lagging fragment is behind the newest seen."""
+        return max(n - v for n, v in zip(self.newest_seen, self.versions, strict=True))
+
+    def mean_age(self) -> float:
+        c = self.counters
+        return c.age_sum / c.age_count if c.age_count else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "phi": [p.detach().clone() for p in self.phi],
+            "versions": list(self.versions),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "noloco_momentum": [m.clone() for m in self._noloco_momentum],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ."""
+        if len(state["phi"]) != len(self.phi) or len(state["versions"]) != len(self.versions):
+            raise ValueError("outer state has a different model or fragment layout")
+        with torch.no_grad():
+            for p, q, t in zip(self.phi, state["phi"], self.theta, strict=True):
+                if p.shape != q.shape:
+                    raise ValueError(f"outer state shape {tuple(q.shape)} != local {tuple(p.shape)}")
+                p.copy_(q)
+                t.copy_(q)
+            for m, q in zip(self._noloco_momentum, state["noloco_momentum"], strict=True):
+                m.copy_(q)
+        self.versions = list(state["versions"])
+        self.newest_seen = [max(a, b) for a, b in zip(self.newest_seen, self.versions, strict=True)]
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])

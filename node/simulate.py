@@ -1,0 +1,240 @@
+"""The virtual swarm: W workers in one process, the daemon's outer loop over an in-memory network.
+
+Each worker is what a daemon is: a model replica, an inner AdamW trainer on its own data shard, an
+``OuterLoop`` and a transport, here a ``MemoryTransport`` with injected delay, loss, bandwidth,
+stragglers and churn. Time is virtual: an inner step costs ``step_time × speed factor`` seconds.
+
+Workers advance in sync events ordered by virtual time. At each sync time, every worker due then
+first runs its inner steps and publishes, and only then do they all apply what arrived, so with
+equal speeds and no delay the swarm is exactly synchronous DiLoCo, and a delay of τ rounds shows
+up as an age of exactly τ.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from cgad.node.data import TokenDataset
+from cgad.node.model import build_model
+from cgad.node.outer import OPTIMIZERS, Delivery, OuterConfig, OuterLoop
+from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.protocol.memory import Delay, MemoryTransport, VirtualNetwork
+
+__all__ = ["SimConfig", "parse_stragglers", "simulate"]
+
+
+@dataclass
+class SimConfig:
+    optimizer: str = "cgad"
+    workers: int = 4
+    inner_steps: int = 10  # H: inner steps per outer round
+    rounds: int = 20
+    delay: str = "0"  # rounds, or random:MAX
+    drop: float = 0.0
+    bandwidth: float | None = None  # bytes per virtual second on each worker's uplink
+    stragglers: list[float] = field(default_factory=list)  # per-worker slow-down factors
+    churn: float = 0.0  # chance per round that a worker leaves for 1..4 rounds
+    fragments: int = 4  # PA-CGAD's partial-sync schedule; the other optimizers sync all at once
+    outer_lr: float | None = None
+    alpha: float = 0.2
+    cutoff: float = 8.0
+    seed: int = 0
+    model: str = "tiny"
+    batch_size: int = 8
+    seq_len: int = 128
+    inner_lr: float = 4e-4
+    warmup_steps: int = 0
+    eval_batches: int = 4
+    step_time: float = 1.0  # virtual seconds per inner step at speed factor 1
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+        for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        Delay.parse(self.delay)
+        if not 0.0 <= self.drop < 1.0:
+            raise ValueError(f"drop must be in [0, 1), got {self.drop}")
+        if not 0.0 <= self.churn < 1.0:
+            raise ValueError(f"churn must be in [0, 1), got {self.churn}")
+        if self.stragglers and len(self.stragglers) != self.workers:
+            raise ValueError(f"{len(self.stragglers)} straggler factors for {self.workers} workers")
+        if any(not s > 0 for s in self.stragglers):
+            raise ValueError(f"straggler factors must be > 0, got {self.stragglers}")
+        if self.inner_steps % self.schedule_fragments:
+            raise ValueError(
+                f"inner steps ({self.inner_steps}) must be a multiple of "
+                f"fragments ({self.schedule_fragments})"
+            )
+
+    @property
+    def schedule_fragments(self) -> int:
+        return self.fragments if self.optimizer == "pa-cgad" else 1
+
+
+def parse_stragglers(text: str, workers: int) -> list[float]:
+    """'1,1,2,4': one factor per worker; 'K:F': the last K workers are F times slower."""
+    if not text:
+        return []
+    try:
+        if ":" in text:
+            count, factor = text.split(":", 1)
+            k, f = int(count), float(factor)
+            if not 0 <= k <= workers:
+                raise ValueError
+            return [1.0] * (workers - k) + [f] * k
+        factors = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"stragglers must be 'F1,F2,...' or 'K:F' with K <= workers, got {text!r}") from None
+    if len(factors) != workers:
+        raise ValueError(f"stragglers lists {len(factors)} factors for {workers} workers")
+    return factors
+
+
+@dataclass
+class _Worker:
+    index: int
+    trainer: InnerTrainer
+    transport: MemoryTransport
+    loop: OuterLoop
+    speed: float
+    clock: float = 0.0
+    compute_seconds: float = 0.0
+    down_seconds: float = 0.0
+    round: int = 0
+    block: int = 0  # sync events completed
+    losses: list[float] = field(default_factory=list)
+    resyncs: int = 0
+
+
+def simulate(
+    config: SimConfig,
+    dataset: TokenDataset,
+    vocab_size: int,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
+    """Run one simulated swarm to the end; returns its record (see the module doc for the keys)."""
+    c = config
+    torch.manual_seed(c.seed)
+    rng = random.Random(c.seed)
+    network = VirtualNetwork(
+        delay=Delay.parse(c.delay), drop=c.drop, bandwidth=c.bandwidth, seed=c.seed * 7919 + 1
+    )
+    eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
+    base_model = build_model(c.model, vocab_size, seed=c.seed)
+    initial_loss = evaluate(base_model, eval_batches)
+    outer = OuterConfig(
+        optimizer=c.optimizer, lr=c.outer_lr, fragments=c.schedule_fragments, alpha=c.alpha, cutoff=c.cutoff
+    )
+    speeds = c.stragglers or [1.0] * c.workers
+    transports = [network.join(f"worker-{w}") for w in range(c.workers)]
+    workers = []
+    for w in range(c.workers):
+        model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
+        batches = dataset.shard(w, c.workers).batches(c.batch_size, c.seq_len, seed=c.seed)
+        trainer = InnerTrainer(model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps)
+        loop = OuterLoop(list(model.parameters()), outer, transports[w], run_id="sim", seed=c.seed * 31 + w)
+        workers.append(_Worker(w, trainer, transports[w], loop, speeds[w]))
+
+    block_steps = c.inner_steps // c.schedule_fragments
+    blocks_per_round = c.schedule_fragments
+    events = [(block_steps * c.step_time * wk.speed, wk.index) for wk in workers]
+    heapq.heapify(events)
+    delivered: list[Delivery] = []
+    started = time.perf_counter()
+    while events:
+        now = events[0][0]
+        due = []
+        while events and events[0][0] == now:
+            due.append(workers[heapq.heappop(events)[1]])
+        for wk in due:  # clocks first: a delivery's due round counts from the receiver's round now
+            wk.clock = now
+            wk.transport.advance(now, wk.round)
+        for wk in due:  # inner steps, then publish: nobody applies before everyone due has published
+            for _ in range(block_steps):
+                wk.trainer.step()
+            if progress:
+                progress(block_steps)
+            wk.compute_seconds += block_steps * c.step_time * wk.speed
+            blocked_before = wk.transport.blocked_seconds
+            wk.loop.publish(wk.block % blocks_per_round, tokens=block_steps * c.batch_size * c.seq_len)
+            wk.clock += wk.transport.blocked_seconds - blocked_before
+        for wk in due:
+            f = wk.block % blocks_per_round
+            wk.transport.advance(wk.clock, wk.round)
+            delivered.extend(wk.loop.apply(f))
+            wk.block += 1
+            if f == blocks_per_round - 1:
+                wk.round += 1
+                wk.losses.append(evaluate(wk.trainer.model, eval_batches))
+                if wk.round < c.rounds and c.churn and rng.random() < c.churn:
+                    _leave_and_rejoin(wk, workers, rng.randint(1, 4) * c.inner_steps * c.step_time, c)
+            if wk.round < c.rounds:
+                heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
+
+    rounds_losses = [sum(wk.losses[r] for wk in workers) / c.workers for r in range(c.rounds)]
+    final_loss = rounds_losses[-1]
+    virtual_seconds = max(wk.clock for wk in workers)
+    busy = sum(wk.compute_seconds for wk in workers)
+    present = sum(wk.clock - wk.down_seconds for wk in workers)
+    stats = [wk.transport.stats for wk in workers]
+    return {
+        "optimizer": c.optimizer,
+        "delay": c.delay,
+        "seed": c.seed,
+        "outer_lr": outer.outer_lr,
+        "initial_loss": initial_loss,
+        "final_loss": final_loss,
+        "losses": rounds_losses,
+        "worker_final_losses": [wk.losses[-1] for wk in workers],
+        "diverged": not math.isfinite(final_loss) or final_loss > initial_loss,
+        "bytes_sent": sum(s.bytes_sent for s in stats),
+        "virtual_seconds": virtual_seconds,
+        "utilization": busy / present if present else 0.0,
+        "applied": sum(wk.loop.counters.applied for wk in workers),
+        "dropped_stale": sum(wk.loop.counters.dropped_stale for wk in workers),
+        "dropped_in_flight": sum(s.rejected["dropped_in_flight"] for s in stats),
+        "resyncs": sum(wk.resyncs for wk in workers),
+        "mean_age": _mean([d.age for d in delivered if not d.own]),
+        "age_counts": _age_counts([d for d in delivered if not d.own]),
+        "wall_seconds": time.perf_counter() - started,
+        "config": asdict(c),
+    }
+
+
+def _leave_and_rejoin(wk: _Worker, workers: list[_Worker], downtime: float, c: SimConfig) -> None:
+    """The worker is away for ``downtime``; back, it re-syncs from the most advanced live peer
+    when it has fallen more than the cutoff behind (as a daemon does when it rejoins)."""
+    wk.transport.set_alive(False)
+    wk.clock += downtime
+    wk.down_seconds += downtime
+    wk.transport.set_alive(True)
+    live = [o for o in workers if o is not wk and o.transport.alive]
+    if not live:
+        return
+    leader = max(live, key=lambda o: min(o.loop.versions))
+    if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff:
+        wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
+        wk.round = leader.round
+        wk.block = leader.block
+        wk.resyncs += 1
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _age_counts(delivered: list[Delivery]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for d in delivered:
+        counts[str(d.age)] = counts.get(str(d.age), 0) + 1
+    return counts

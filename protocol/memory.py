@@ -1,0 +1,181 @@
+"""The in-memory transport: every peer in one process, with injected delay, loss and bandwidth.
+
+A ``VirtualNetwork`` connects ``MemoryTransport`` peers. Each peer has its own virtual clock and
+round counter, which its driver (the simulator) advances with ``MemoryTransport.advance``. A
+delivery becomes visible to its receiver once both hold:
+
+- the receiver's round has reached (its round at publish time) + τ, where τ is the injected delay
+  in outer rounds, fixed or drawn uniformly from 0..max for every (publish, receiver) pair;
+- the receiver's clock has passed the moment the bytes finished crossing the sender's uplink,
+  when a bandwidth is set: a sender's uplink is a queue, and a sender whose previous upload has not
+  finished waits for it (that wait is ``blocked_seconds``, time not spent computing).
+
+Deliveries are dropped with a given probability; a peer that is down neither sends nor receives,
+and what was addressed to it meanwhile is lost. A DELTA is delivered at most once per
+(publisher, fragment, base version); for PARAMS only the newest per publisher is kept.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from .transport import Fragment, Kind, Transport, TransportStats
+
+__all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
+
+_FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Delay:
+    """τ in outer rounds: ``fixed`` always, or uniform in 0..``maximum`` when ``random``."""
+
+    rounds: int
+    random: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Delay:
+        """'4' is a fixed delay of 4 rounds; 'random:8' is uniform in 0..8."""
+        body = text.removeprefix("random:")
+        try:
+            rounds = int(body)
+        except ValueError:
+            raise ValueError(f"delay must be an integer or random:MAX, got {text!r}") from None
+        if rounds < 0:
+            raise ValueError(f"delay must be >= 0 rounds, got {text!r}")
+        return cls(rounds, random=text.startswith("random:"))
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.randint(0, self.rounds) if self.random else self.rounds
+
+    def __str__(self) -> str:
+        return f"random:{self.rounds}" if self.random else str(self.rounds)
+
+
+@dataclass
+class _Delivery:
+    fragment: Fragment
+    ready_round: int
+    ready_time: float
+
+
+class VirtualNetwork:
+    """Shared medium of a set of in-memory peers."""
+
+    def __init__(
+        self,
+        *,
+        delay: Delay = Delay(0),
+        drop: float = 0.0,
+        bandwidth: float | None = None,
+        fan_in: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= drop < 1.0:
+            raise ValueError(f"drop probability must be in [0, 1), got {drop}")
+        if bandwidth is not None and not bandwidth > 0:
+            raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
+        if fan_in is not None and fan_in < 1:
+            raise ValueError(f"fan_in must be >= 1 peers, got {fan_in}")
+        self.delay = delay
+        self.drop = drop
+        self.bandwidth = bandwidth
+        self.fan_in = fan_in
+        self.rng = random.Random(seed)
+        self.peers: dict[str, MemoryTransport] = {}
+
+    def join(self, peer_id: str) -> MemoryTransport:
+        if peer_id in self.peers:
+            raise ValueError(f"peer {peer_id!r} already joined")
+        transport = MemoryTransport(self, peer_id)
+        self.peers[peer_id] = transport
+        return transport
+
+    def _send(self, sender: MemoryTransport, fragment: Fragment) -> None:
+        receivers = [p for p in self.peers.values() if p is not sender and p.alive]
+        if self.fan_in is not None and len(receivers) > self.fan_in:
+            receivers = self.rng.sample(receivers, self.fan_in)
+        size = fragment.tensor.numel() * _FLOAT32_BYTES
+        ready_time = sender.now
+        if self.bandwidth is not None and receivers:
+            start = max(sender.now, sender.uplink_free_at)
+            sender.blocked_seconds += start - sender.now
+            sender.uplink_free_at = start + size * len(receivers) / self.bandwidth
+            ready_time = sender.uplink_free_at
+        for receiver in receivers:
+            sender.stats.bytes_sent += size
+            if self.rng.random() < self.drop:
+                sender.stats.rejected["dropped_in_flight"] += 1
+                continue
+            delivery = _Delivery(fragment, receiver.round + self.delay.draw(self.rng), ready_time)
+            receiver.inbox.append(delivery)
+
+
+class MemoryTransport(Transport):
+    """One peer's end of a ``VirtualNetwork``."""
+
+    def __init__(self, network: VirtualNetwork, peer_id: str) -> None:
+        self.network = network
+        self.peer_id = peer_id
+        self.stats = TransportStats()
+        self.alive = True
+        self.now = 0.0
+        self.round = 0
+        self.uplink_free_at = 0.0
+        self.blocked_seconds = 0.0
+        self.inbox: list[_Delivery] = []
+        self._delivered: set = set()
+
+    def advance(self, now: float, round_: int) -> None:
+        """Move this peer's virtual clock and round counter (the driver calls this)."""
+        self.now = now
+        self.round = round_
+
+    def set_alive(self, alive: bool) -> None:
+        """Take the peer down (its inbox is lost) or bring it back."""
+        if not alive:
+            self.inbox.clear()
+        self.alive = alive
+
+    def publish(self, fragment: Fragment) -> None:
+        if not self.alive:
+            raise RuntimeError(f"peer {self.peer_id} is down and cannot publish")
+        self.stats.published += 1
+        self.network._send(self, fragment)
+
+    def receive(self, fragment: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
+        ready, waiting = [], []
+        for d in self.inbox:
+            is_match = d.fragment.key.fragment == fragment and d.fragment.key.kind == kind
+            if is_match and d.ready_round <= self.round and d.ready_time <= self.now:
+                ready.append(d.fragment)
+            else:
+                waiting.append(d)
+        self.inbox = waiting
+        if kind == Kind.PARAMS:
+            newest: dict[str, Fragment] = {}
+            for f in ready:
+                held = newest.get(f.key.publisher)
+                if held is None or f.key.base_version >= held.key.base_version:
+                    newest[f.key.publisher] = f
+            ready = list(newest.values())
+        else:
+            fresh = []
+            for f in ready:
+                if f.key in self._delivered:
+                    self.stats.rejected["replay"] += 1
+                    continue
+                self._delivered.add(f.key)
+                fresh.append(f)
+            ready = fresh
+        self.stats.received += len(ready)
+        self.stats.bytes_received += sum(f.tensor.numel() * _FLOAT32_BYTES for f in ready)
+        return ready
+
+    def live_peers(self) -> list[str]:
+        return [p.peer_id for p in self.network.peers.values() if p is not self and p.alive]
+
+    def close(self) -> None:
+        self.network.peers.pop(self.peer_id, None)
+        self.inbox.clear()
