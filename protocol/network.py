@@ -1,0 +1,735 @@
+"""The network transport: hivemind's DHT says who holds what; gRPC or libp2p streams move bytes.
+
+Publishing encodes the tensor (in the caller's thread: the encoded bytes are the snapshot, so the
+trainer may reuse its tensor at once), keeps the bytes in a bounded local store and announces them
+under the fragment's DHT key, signed. Everything else runs on an event loop (uvloop) in a
+background thread: polling the DHT, choosing which publishers to fetch (at most ``fan_in`` per
+fragment, kind and base version, drawn at random), pulling bytes from any holder that announced
+the same content hash (peers that re-serve first, the publisher last, so a popular fragment's load
+spreads), checking them against the hash in the publisher's own signed record, decoding,
+validating, and announcing this peer as one more holder. ``receive`` only hands over what that
+pipeline has already accepted.
+
+Two data paths: a direct gRPC stream to the holder's announced ``host:port`` when it answers
+within ``connect_timeout``, else hivemind's libp2p protobuf stream (which goes through relays and
+NAT). Either way the same ``FetchResponse`` messages flow, in 1 MiB chunks, and a transfer that
+breaks off resumes at the next holder from where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import tempfile
+import threading
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+import uvloop
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils import get_dht_time
+
+from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol import fragment_pb2_grpc as pb_grpc
+from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode, encoded_size
+from cgad.protocol.errors import FragmentError
+from cgad.protocol.records import (
+    MAX_OFFERS,
+    Holdings,
+    Identity,
+    Offer,
+    Progress,
+    fragment_key,
+    parse_holdings,
+    parse_progress,
+    progress_key,
+    schema_validator,
+)
+from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
+from cgad.protocol.wire import ChunkAssembler, content_hash, response_stream
+
+__all__ = ["FragmentStore", "NetworkConfig", "NetworkTransport", "StoredFragment"]
+
+logger = logging.getLogger(__name__)
+
+FETCH_HANDLER = "cgad.FragmentService.Fetch"
+PATHS = ("grpc", "libp2p")
+_KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS}
+
+
+@dataclass
+class NetworkConfig:
+    run_id: str
+    num_fragments: int
+    fragment_numel: Mapping[int, int]  # fragments to receive, with the numel each must have
+    initial_peers: Sequence[str] = ()  # multiaddrs of peers already in the swarm
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: Sequence[str] | None = None
+    identity_path: str | None = None  # a libp2p RSA key file for a stable peer id
+    grpc_listen: str | None = "127.0.0.1:0"  # None: no direct endpoint (NAT): serve over libp2p only
+    grpc_announce_host: str | None = None  # the host others dial, when it differs from the listen one
+    codec: Codec = Codec.FP4
+    error_feedback: bool = True  # carry lossy codecs' residual into the next DELTA of a fragment
+    keep_versions: int = 2  # own encoded versions kept per fragment and kind
+    keep_reserved: int = 8  # others' fragments kept per fragment to serve onward
+    fan_in: int = 4  # at most this many publishers per (fragment, kind, base version)
+    paths: Sequence[str] = PATHS  # data paths this peer fetches over, in order of preference
+    max_norm: float | None = None  # refuse a fragment whose L2 norm is larger
+    poll_interval: float = 1.0
+    record_ttl: float = 120.0
+    liveness_ttl: float = 30.0
+    connect_timeout: float = 2.0
+    chunk_timeout: float = 15.0  # longest silence within a transfer before trying another holder
+    fetch_timeout: float = 300.0
+    upload_bytes_per_s: float | None = None  # cap on what this peer serves (volunteers' uplinks)
+    startup_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.paths) - set(PATHS)
+        if unknown or not self.paths:
+            raise ValueError(f"paths must be a non-empty subset of {PATHS}, got {self.paths}")
+        self.codec = Codec(self.codec)
+
+
+@dataclass
+class StoredFragment:
+    header: pb.FragmentHeader
+    data: bytes | bytearray
+    offer: Offer
+    own: bool
+
+
+class FragmentStore:
+    """Encoded fragments this peer serves, by content hash, bounded per fragment: the newest
+    ``keep_own`` own versions per fragment and kind, and the newest ``keep_reserved`` others'."""
+
+    def __init__(self, keep_own: int, keep_reserved: int) -> None:
+        self.keep_own = keep_own
+        self.keep_reserved = keep_reserved
+        self._by_hash: dict[bytes, StoredFragment] = {}
+        self._lock = threading.Lock()
+
+    def get(self, digest: bytes) -> StoredFragment | None:
+        with self._lock:
+            return self._by_hash.get(digest)
+
+    def put(self, entry: StoredFragment) -> None:
+        with self._lock:
+            self._by_hash[entry.header.content_hash] = entry
+            fragment = entry.header.fragment
+            if entry.own:
+                group = [e for e in self._by_hash.values() if e.own and self._same(e, fragment, entry)]
+                keep = self.keep_own
+            else:
+                group = [e for e in self._by_hash.values() if not e.own and e.header.fragment == fragment]
+                keep = self.keep_reserved
+            group.sort(key=lambda e: e.header.base_version)
+            for old in group[: max(0, len(group) - keep)]:
+                del self._by_hash[old.header.content_hash]
+
+    @staticmethod
+    def _same(entry: StoredFragment, fragment: int, other: StoredFragment) -> bool:
+        return entry.header.fragment == fragment and entry.header.kind == other.header.kind
+
+    def discard(self, digest: bytes) -> None:
+        with self._lock:
+            self._by_hash.pop(digest, None)
+
+    def offers(self, fragment: int) -> list[Offer]:
+        """What to announce for a fragment: own versions first, newest first."""
+        with self._lock:
+            entries = [e for e in self._by_hash.values() if e.header.fragment == fragment]
+        entries.sort(key=lambda e: (not e.own, -e.header.base_version))
+        return [e.offer for e in entries[:MAX_OFFERS]]
+
+
+@dataclass
+class _Candidate:
+    key: FragmentKey
+    offer: Offer
+    holders: list[Holdings]  # in the order to try
+
+
+class _GrpcServicer(pb_grpc.FragmentServiceServicer):
+    def __init__(self, transport: NetworkTransport) -> None:
+        self._transport = transport
+
+    async def Fetch(
+        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FetchResponse]:
+        async for message in self._transport._serve(request):
+            yield message
+
+
+class NetworkTransport(Transport):
+    """``Transport`` over a hivemind DHT, with bytes over direct gRPC or libp2p streams."""
+
+    def __init__(self, config: NetworkConfig, identity: Identity | None = None) -> None:
+        self.config = config
+        self.identity = identity or Identity()
+        self.peer_id = self.identity.peer_id
+        self.stats = TransportStats()
+        self.bytes_by_path: Counter[str] = Counter()  # bytes fetched over each path
+        self.fan_in_skipped = 0  # publishers passed over because of the fan-in cap
+        self.store = FragmentStore(config.keep_versions, config.keep_reserved)
+        self.grpc_endpoint: str | None = None
+        self.dht_node: DHTNode | None = None
+        self.p2p: P2P | None = None
+
+        self._interest = dict(config.fragment_numel)
+        self._inbox: dict[tuple[int, Kind], list[Fragment]] = defaultdict(list)
+        self._inbox_lock = threading.Lock()
+        self._delivered: dict[FragmentKey, bytes] = {}
+        self._attempted: set[bytes] = set()  # content hashes fetched, in flight or given up
+        # publishers chosen per (fragment, kind, base version): the fan-in cap's ledger
+        self._chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
+        self._judged: set[tuple] = set()  # DHT records already counted as rejected
+        self._logged_reasons: set[str] = set()
+        self._feedback: dict[int, ErrorFeedback] = {}
+        self._live: dict[str, Progress] = {}
+        self._progress = Progress(
+            peer_id=self.peer_id,
+            versions=[0] * config.num_fragments,
+            inner_step=0,
+            tokens_per_second=0.0,
+            time=get_dht_time(),
+        )
+        self._tasks: set[asyncio.Task] = set()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._grpc_server: grpc.aio.Server | None = None
+        self._closed = False
+
+        self.loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._run_loop, name=f"cgad-net-{self.peer_id[-6:]}", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._call(self._start(), timeout=config.startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- the trainer's side
+
+    def publish(self, fragment: Fragment, codec: Codec | str | None = None) -> None:
+        """Encode now (the bytes are the snapshot) and hand them to the background loop."""
+        codec = Codec(codec or self.config.codec)
+        key = fragment.key
+        tensor = fragment.tensor.detach().reshape(-1)
+        if key.kind is Kind.DELTA and self.config.error_feedback and codec in (Codec.INT8, Codec.FP4):
+            feedback = self._feedback.get(key.fragment)
+            if feedback is None or feedback.codec is not codec:
+                feedback = self._feedback[key.fragment] = ErrorFeedback(codec)
+            data = feedback.encode(tensor)
+        else:
+            data = encode(tensor, codec)
+        self.publish_encoded(key, data, codec=codec, numel=tensor.numel(), tokens=fragment.tokens)
+
+    def publish_encoded(
+        self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
+    ) -> None:
+        """Offer bytes that are already encoded (by ``publish``, or re-sent state)."""
+        if key.publisher != self.peer_id:
+            raise ValueError(f"this peer is {self.peer_id}; it cannot publish as {key.publisher}")
+        digest = content_hash(data)
+        offer = Offer(
+            publisher=self.peer_id,
+            base_version=key.base_version,
+            kind=str(key.kind),
+            tokens=tokens,
+            codec=str(codec),
+            numel=numel,
+            content_hash=digest,
+            byte_length=len(data),
+        )
+        entry = StoredFragment(self._header(key, offer), data, offer, own=True)
+        self.stats.published += 1
+        self.loop.call_soon_threadsafe(self._spawn, self._add_and_announce(entry))
+
+    def receive(self, fragment: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
+        with self._inbox_lock:
+            return self._inbox.pop((fragment, kind), [])
+
+    def live_peers(self) -> list[str]:
+        now = get_dht_time()
+        return sorted(
+            peer
+            for peer, progress in self._live.items()
+            if peer != self.peer_id and progress.time + self.config.liveness_ttl > now
+        )
+
+    def swarm_progress(self) -> dict[str, Progress]:
+        """The latest progress record of every live peer, this one included."""
+        return dict(self._live)
+
+    def report_progress(self, versions: Sequence[int], inner_step: int, tokens_per_second: float) -> None:
+        """What this peer tells the swarm about itself; refreshed in the DHT in the background."""
+        self._progress = Progress(
+            peer_id=self.peer_id,
+            versions=list(versions),
+            inner_step=inner_step,
+            tokens_per_second=float(tokens_per_second),
+            time=get_dht_time(),
+        )
+        self.loop.call_soon_threadsafe(self._spawn, self._store_progress())
+
+    def expect(self, fragment: int, numel: int) -> None:
+        """Start receiving a fragment (with this many values) that the config did not list."""
+        if not 0 <= fragment < self.config.num_fragments:
+            raise ValueError(f"fragment {fragment} outside 0..{self.config.num_fragments - 1}")
+        self._interest[fragment] = numel
+
+    def maddrs(self) -> list[str]:
+        """Multiaddrs other peers can bootstrap from."""
+        assert self.p2p is not None
+        return [str(addr) for addr in self._call(self.p2p.get_visible_maddrs(), timeout=10)]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.loop.is_running():
+            with contextlib.suppress(Exception):
+                self._call(self._stop(), timeout=30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        if not self.loop.is_running():
+            self.loop.close()
+
+    def __enter__(self) -> NetworkTransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- loop plumbing
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _call(self, coroutine, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background task failed", exc_info=task.exception())
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.stats.rejected[reason] += 1
+        if reason not in self._logged_reasons:
+            self._logged_reasons.add(reason)
+            logger.warning(
+                "rejected (%s): %s; further rejections for this reason are only counted", reason, detail
+            )
+
+    # ---------------------------------------------------------------- start and stop
+
+    async def _start(self) -> None:
+        config = self.config
+        with tempfile.TemporaryDirectory() as key_dir:
+            identity_path = config.identity_path
+            if identity_path is None:
+                identity_path = os.path.join(key_dir, "identity.key")
+                with open(identity_path, "wb") as key_file:
+                    key_file.write(self.identity.libp2p_identity)
+            self.p2p = await P2P.create(
+                initial_peers=list(config.initial_peers) or None,
+                host_maddrs=list(config.host_maddrs),
+                announce_maddrs=list(config.announce_maddrs) if config.announce_maddrs else None,
+                identity_path=identity_path,
+                check_if_identity_free=False,
+            )
+        if self.p2p.peer_id.to_base58() != self.peer_id:
+            raise RuntimeError("libp2p identity and signing key disagree")
+        validator = CompositeValidator(
+            [schema_validator(config.run_id, config.num_fragments), self.identity.signature_validator]
+        )
+        self.dht_node = await DHTNode.create(
+            p2p=self.p2p, initial_peers=list(config.initial_peers) or None, record_validator=validator
+        )
+        await self.p2p.add_protobuf_handler(
+            FETCH_HANDLER, self._serve_libp2p, pb.FetchRequest, stream_output=True
+        )
+        if config.grpc_listen is not None:
+            self._grpc_server = grpc.aio.server()
+            pb_grpc.add_FragmentServiceServicer_to_server(_GrpcServicer(self), self._grpc_server)
+            port = self._grpc_server.add_insecure_port(config.grpc_listen)
+            if port == 0:
+                raise RuntimeError(f"cannot listen for gRPC on {config.grpc_listen}")
+            await self._grpc_server.start()
+            host = config.grpc_announce_host or config.grpc_listen.rsplit(":", 1)[0]
+            self.grpc_endpoint = f"{host}:{port}"
+        self._spawn(self._poll_forever())
+        self._spawn(self._refresh_forever())
+
+    async def _stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace=None)
+        for channel in self._channels.values():
+            await channel.close()
+        if self.dht_node is not None:
+            await self.dht_node.shutdown()
+        if self.p2p is not None:
+            await self.p2p.shutdown()
+        # hivemind leaves helper tasks behind; end them here rather than at loop.close()
+        leftovers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+
+    # ---------------------------------------------------------------- announcing
+
+    def _header(self, key: FragmentKey, offer: Offer) -> pb.FragmentHeader:
+        return pb.FragmentHeader(
+            run_id=key.run_id,
+            fragment=key.fragment,
+            base_version=key.base_version,
+            publisher=key.publisher,
+            tokens=offer.tokens,
+            kind=_KIND_TO_PB[key.kind],
+            shape=[offer.numel],
+            dtype="float32",
+            codec=offer.codec,
+            content_hash=offer.content_hash,
+            byte_length=offer.byte_length,
+        )
+
+    async def _add_and_announce(self, entry: StoredFragment) -> None:
+        self.store.put(entry)
+        self._attempted.add(entry.header.content_hash)
+        await self._announce(entry.header.fragment)
+
+    async def _announce(self, fragment: int) -> None:
+        offers = self.store.offers(fragment)
+        if not offers or self.dht_node is None:
+            return
+        holdings = Holdings(peer_id=self.peer_id, grpc=self.grpc_endpoint, offers=offers)
+        stored = await self.dht_node.store(
+            fragment_key(self.config.run_id, fragment),
+            holdings.dict(),
+            get_dht_time() + self.config.record_ttl,
+            subkey=self.identity.owner_subkey,
+        )
+        if not stored:
+            logger.debug("announcing fragment %d reached no DHT peer", fragment)
+
+    async def _store_progress(self) -> None:
+        if self.dht_node is None:
+            return
+        progress = self._progress.copy(update={"time": get_dht_time()})
+        self._live[self.peer_id] = progress
+        await self.dht_node.store(
+            progress_key(self.config.run_id),
+            progress.dict(),
+            get_dht_time() + self.config.liveness_ttl,
+            subkey=self.identity.owner_subkey,
+        )
+
+    async def _refresh_forever(self) -> None:
+        """Keep this peer's records alive: progress (its heartbeat) and its holdings."""
+        period = min(self.config.liveness_ttl, self.config.record_ttl) / 3
+        while True:
+            await self._store_progress()
+            for fragment in range(self.config.num_fragments):
+                await self._announce(fragment)
+            await asyncio.sleep(period)
+
+    # ---------------------------------------------------------------- serving
+
+    async def _serve(self, request: pb.FetchRequest) -> AsyncIterator[pb.FetchResponse]:
+        entry = self.store.get(request.content_hash)
+        if entry is None:
+            yield pb.FetchResponse(error="not held here")
+            return
+        rate = self.config.upload_bytes_per_s
+        started = self.loop.time()
+        sent = 0
+        for message in response_stream(entry.header, entry.data, offset=min(request.offset, len(entry.data))):
+            yield message
+            if message.HasField("chunk"):
+                sent += len(message.chunk.data)
+                self.stats.bytes_sent += len(message.chunk.data)
+                if rate:
+                    await asyncio.sleep(max(0.0, started + sent / rate - self.loop.time()))
+
+    async def _serve_libp2p(
+        self, request: pb.FetchRequest, context: P2PContext
+    ) -> AsyncIterator[pb.FetchResponse]:
+        async for message in self._serve(request):
+            yield message
+
+    # ---------------------------------------------------------------- finding and choosing
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self._poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("polling the DHT failed; retrying")
+            await asyncio.sleep(self.config.poll_interval)
+
+    async def _poll_once(self) -> None:
+        assert self.dht_node is not None
+        run_id = self.config.run_id
+        interest = dict(self._interest)
+        keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id)]
+        found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"))
+
+        progress_entry = found.get(progress_key(run_id))
+        if progress_entry is not None and isinstance(progress_entry.value, dict):
+            live: dict[str, Progress] = {}
+            for owner, item in progress_entry.value.items():
+                try:
+                    progress = parse_progress(owner, item.value)
+                except FragmentError as error:
+                    self._reject_record(error, ("progress", owner, item.expiration_time))
+                    continue
+                live[progress.peer_id] = progress
+            live.setdefault(self.peer_id, self._progress)
+            self._live = live
+
+        for fragment, numel in interest.items():
+            entry = found.get(fragment_key(run_id, fragment))
+            if entry is None or not isinstance(entry.value, dict):
+                continue
+            holdings: list[Holdings] = []
+            for owner, item in entry.value.items():
+                try:
+                    holdings.append(parse_holdings(owner, item.value))
+                except FragmentError as error:
+                    self._reject_record(error, (fragment, owner, item.expiration_time))
+            for candidate in self._choose(fragment, numel, holdings):
+                self._attempted.add(candidate.offer.content_hash)
+                self._spawn(self._fetch(candidate))
+
+    def _reject_record(self, error: FragmentError, identity: tuple) -> None:
+        if identity not in self._judged:
+            self._judged.add(identity)
+            self._reject(error.reason, error.detail)
+
+    def _choose(self, fragment: int, numel: int, holdings: list[Holdings]) -> list[_Candidate]:
+        """New origin offers worth fetching, with their holders, within the fan-in cap."""
+        by_hash: dict[bytes, list[Holdings]] = defaultdict(list)
+        for holder in holdings:
+            for offer in holder.offers:
+                by_hash[offer.content_hash].append(holder)
+        fresh: dict[tuple[int, Kind, int], list[_Candidate]] = defaultdict(list)
+        for holder in holdings:
+            for offer in holder.offers:
+                if offer.publisher != holder.peer_id or offer.publisher == self.peer_id:
+                    continue  # only a publisher's own record vouches for content
+                kind = Kind(offer.kind)
+                key = FragmentKey(self.config.run_id, fragment, offer.base_version, offer.publisher, kind)
+                delivered_hash = self._delivered.get(key)
+                if delivered_hash is not None:
+                    if delivered_hash != offer.content_hash and kind is Kind.DELTA:
+                        self._reject_record(
+                            FragmentError("replay", f"{key} again with other bytes"),
+                            ("replay", offer.content_hash),
+                        )
+                    continue
+                if offer.content_hash in self._attempted:
+                    continue
+                problem = self._check_offer(offer, numel)
+                if problem is not None:
+                    self._attempted.add(offer.content_hash)
+                    self._reject(problem.reason, f"{key}: {problem.detail}")
+                    continue
+                others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
+                random.shuffle(others)
+                fresh[(fragment, kind, offer.base_version)].append(_Candidate(key, offer, [*others, holder]))
+        chosen: list[_Candidate] = []
+        for round_key, candidates in fresh.items():
+            taken = self._chosen[round_key]
+            random.shuffle(candidates)
+            for candidate in candidates:
+                if candidate.key.publisher in taken:
+                    continue
+                if len(taken) >= self.config.fan_in:
+                    self.fan_in_skipped += 1
+                    self._attempted.add(candidate.offer.content_hash)
+                    continue
+                taken.add(candidate.key.publisher)
+                chosen.append(candidate)
+        return chosen
+
+    @staticmethod
+    def _check_offer(offer: Offer, numel: int) -> FragmentError | None:
+        """What can be refused from the signed record alone, before any byte moves."""
+        if offer.numel != numel:
+            return FragmentError("bad_shape", f"{offer.numel} values, expected {numel}")
+        try:
+            expected = encoded_size(numel, offer.codec)
+        except ValueError:
+            return FragmentError("unknown_codec", offer.codec)
+        if offer.byte_length > expected:
+            return FragmentError(
+                "oversized", f"{offer.byte_length} bytes for {numel} values in {offer.codec}"
+            )
+        if offer.byte_length != expected:
+            return FragmentError("bad_length", f"{offer.byte_length} bytes, expected {expected}")
+        return None
+
+    # ---------------------------------------------------------------- fetching
+
+    async def _fetch(self, candidate: _Candidate) -> None:
+        offer = candidate.offer
+        assembler = ChunkAssembler(offer.content_hash, offer.byte_length)
+        data: bytearray | None = None
+        try:
+            async with asyncio.timeout(self.config.fetch_timeout):
+                for holder in candidate.holders:
+                    data = await self._fetch_from(holder, assembler)
+                    if data is not None:
+                        break
+        except TimeoutError:
+            logger.debug("fetching %s took longer than %.0f s", candidate.key, self.config.fetch_timeout)
+        if data is None:
+            self._reject("unavailable", f"no holder delivered {candidate.key}")
+            return
+        await self._accept(candidate, data)
+
+    async def _fetch_from(self, holder: Holdings, assembler: ChunkAssembler) -> bytearray | None:
+        """Bytes from one holder over the first path that works, resuming where a previous holder
+        stopped; None when this holder could not deliver."""
+        for path in self.config.paths:
+            if path == "grpc" and holder.grpc is None:
+                continue
+            received_before = assembler.received
+            try:
+                stream = (
+                    self._open_grpc(holder, assembler)
+                    if path == "grpc"
+                    else self._open_libp2p(holder, assembler)
+                )
+                await self._drain(stream, assembler)
+                data = assembler.finish()
+            except FragmentError as error:
+                self.bytes_by_path[path] += assembler.received - received_before
+                if error.reason == "bad_hash":
+                    self._reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
+                    assembler.restart()
+                    return None  # the holder is lying or broken: no other path to it helps
+                logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
+                continue
+            except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
+                self.bytes_by_path[path] += assembler.received - received_before
+                logger.debug("holder %s over %s failed: %r", holder.peer_id, path, error)
+                continue
+            self.bytes_by_path[path] += assembler.received - received_before
+            return data
+        return None
+
+    async def _open_grpc(
+        self, holder: Holdings, assembler: ChunkAssembler
+    ) -> AsyncIterator[pb.FetchResponse]:
+        channel = self._channels.get(holder.grpc)
+        if channel is None:
+            channel = self._channels[holder.grpc] = grpc.aio.insecure_channel(holder.grpc)
+        await asyncio.wait_for(channel.channel_ready(), self.config.connect_timeout)
+        stub = pb_grpc.FragmentServiceStub(channel)
+        call = stub.Fetch(pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received))
+        try:
+            async for message in call:
+                yield message
+        finally:
+            call.cancel()
+
+    async def _open_libp2p(
+        self, holder: Holdings, assembler: ChunkAssembler
+    ) -> AsyncIterator[pb.FetchResponse]:
+        assert self.p2p is not None
+        request = pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received)
+        stream = await asyncio.wait_for(
+            self.p2p.iterate_protobuf_handler(
+                PeerID.from_base58(holder.peer_id), FETCH_HANDLER, request, pb.FetchResponse
+            ),
+            self.config.connect_timeout,
+        )
+        try:
+            async for message in stream:
+                yield message
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def _drain(self, stream: AsyncIterator[pb.FetchResponse], assembler: ChunkAssembler) -> None:
+        iterator = aiter(stream)
+        first = True
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(anext(iterator), self.config.chunk_timeout)
+                except StopAsyncIteration:
+                    return
+                part = message.WhichOneof("part")
+                if first:
+                    if part != "header":
+                        raise FragmentError(
+                            "bad_header", message.error or "stream did not start with a header"
+                        )
+                    assembler.check_header(message.header)
+                    first = False
+                elif part == "chunk":
+                    assembler.add(message.chunk)
+                else:
+                    raise FragmentError("bad_chunk", f"unexpected {part} inside a transfer")
+        finally:
+            with contextlib.suppress(Exception):
+                await iterator.aclose()
+
+    async def _accept(self, candidate: _Candidate, data: bytearray) -> None:
+        """Decode and validate off the loop; deliver; offer the bytes onward."""
+        key, offer = candidate.key, candidate.offer
+        try:
+            tensor = await self.loop.run_in_executor(None, self._decode_and_check, data, offer.numel)
+        except FragmentError as error:
+            self._reject(error.reason, f"{key} from {key.publisher}: {error.detail}")
+            return
+        if key in self._delivered:  # a second announcement of the same key raced this fetch
+            if key.kind is Kind.DELTA:
+                self._reject("replay", f"{key} delivered already")
+            return
+        self._delivered[key] = offer.content_hash
+        with self._inbox_lock:
+            self._inbox[(key.fragment, key.kind)].append(
+                Fragment(key=key, tensor=tensor, tokens=offer.tokens)
+            )
+        self.stats.received += 1
+        self.stats.bytes_received += len(data)
+        self.store.put(StoredFragment(self._header(key, offer), data, offer, own=False))
+        await self._announce(key.fragment)
+
+    def _decode_and_check(self, data: bytearray, numel: int) -> torch.Tensor:
+        tensor = decode(data)
+        if tensor.dim() != 1 or tensor.numel() != numel:
+            raise FragmentError("bad_shape", f"shape {tuple(tensor.shape)}, expected ({numel},)")
+        if not tensor.is_floating_point():
+            raise FragmentError("bad_dtype", str(tensor.dtype))
+        tensor = tensor.float()
+        if self.config.max_norm is not None:
+            norm = float(torch.linalg.vector_norm(tensor))
+            if not norm <= self.config.max_norm:
+                raise FragmentError("norm_too_large", f"norm {norm:.4g} > {self.config.max_norm:.4g}")
+        return tensor
