@@ -188,6 +188,7 @@ class NetworkTransport(Transport):
         self._inbox: dict[tuple[int, Kind], list[Fragment]] = defaultdict(list)
         self._inbox_lock = threading.Lock()
         self._delivered: dict[FragmentKey, bytes] = {}
+        self._transfers: dict[FragmentKey, ChunkAssembler] = {}
         self._attempted: set[bytes] = set()  # content hashes fetched, in flight or given up
         # publishers chosen per (fragment, kind, base version): the fan-in cap's ledger
         self._chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
@@ -266,6 +267,10 @@ class NetworkTransport(Transport):
             for peer, progress in self._live.items()
             if peer != self.peer_id and progress.time + self.config.liveness_ttl > now
         )
+
+    def transfers(self) -> dict[FragmentKey, tuple[int, int]]:
+        """Fetches in progress: bytes received so far and in all, per fragment key."""
+        return {key: (a.received, a.byte_length) for key, a in list(self._transfers.items())}
 
     def swarm_progress(self) -> dict[str, Progress]:
         """The latest progress record of every live peer, this one included."""
@@ -596,6 +601,7 @@ class NetworkTransport(Transport):
     async def _fetch(self, candidate: _Candidate) -> None:
         offer = candidate.offer
         assembler = ChunkAssembler(offer.content_hash, offer.byte_length)
+        self._transfers[candidate.key] = assembler
         data: bytearray | None = None
         try:
             async with asyncio.timeout(self.config.fetch_timeout):
@@ -605,6 +611,8 @@ class NetworkTransport(Transport):
                         break
         except TimeoutError:
             logger.debug("fetching %s took longer than %.0f s", candidate.key, self.config.fetch_timeout)
+        finally:
+            del self._transfers[candidate.key]
         if data is None:
             self._reject("unavailable", f"no holder delivered {candidate.key}")
             return

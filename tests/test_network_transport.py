@@ -1,0 +1,317 @@
+"""NetworkTransport with real hivemind peers on 127.0.0.1 (one of them in another process).
+
+The module's swarm: p0 fetches over either path, p1 over gRPC only, p2 over libp2p only, and p3
+starts with no fragments to receive and a fan-in of 2, so tests can decide when it starts looking.
+Each test uses its own fragment indices, so the tests do not see each other's fragments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from cgad.protocol.codec import Codec, decode, encode, encoded_size
+from cgad.protocol.network import NetworkConfig, NetworkTransport
+from cgad.protocol.records import Holdings, Offer, fragment_key
+from cgad.protocol.transport import Fragment, FragmentKey, Kind
+from cgad.protocol.wire import content_hash
+
+RUN = "net-test"
+NUM_FRAGMENTS = 16
+BIG = 1 << 21  # 8 MiB of fp32: several chunks on every path
+SMALL = 4096
+KILLED = 5 << 20  # 20 MiB of fp32, served at 10 MB/s: long enough to kill its publisher mid-way
+NUMEL = {0: BIG, 1: KILLED, 2: 1 << 20, 3: 1 << 20} | {f: SMALL for f in range(4, NUM_FRAGMENTS)}
+MAX_NORM = 1e5
+
+
+def _config(**overrides: object) -> NetworkConfig:
+    settings: dict = dict(
+        run_id=RUN,
+        num_fragments=NUM_FRAGMENTS,
+        fragment_numel=NUMEL,
+        poll_interval=0.2,
+        connect_timeout=1.0,
+        chunk_timeout=3.0,
+        max_norm=MAX_NORM,
+    )
+    settings.update(overrides)
+    return NetworkConfig(**settings)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def collect(transport: NetworkTransport, fragment: int, count: int, timeout: float = 20.0) -> list[Fragment]:
+    got: list[Fragment] = []
+
+    def enough() -> bool:
+        got.extend(transport.receive(fragment))
+        return len(got) >= count
+
+    wait_for(enough, timeout, f"{count} fragment(s) {fragment} at {transport.peer_id[-6:]}")
+    return got
+
+
+def key(transport: NetworkTransport, fragment: int, base: int, kind: Kind = Kind.DELTA) -> FragmentKey:
+    return FragmentKey(RUN, fragment, base, transport.peer_id, kind)
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[NetworkTransport]]:
+    peers = [NetworkTransport(_config())]
+    initial = peers[0].maddrs()
+    try:
+        peers.append(NetworkTransport(_config(initial_peers=initial, paths=("grpc",))))
+        peers.append(NetworkTransport(_config(initial_peers=initial, paths=("libp2p",))))
+        peers.append(NetworkTransport(_config(initial_peers=initial, fragment_numel={}, fan_in=2)))
+        yield peers
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.timeout(90)
+def test_every_codec_over_both_paths(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, _ = swarm
+    for base, codec in enumerate(Codec):
+        x = torch.randn(BIG) * 0.01
+        p0.publish(Fragment(key(p0, 0, base), x, tokens=1000 + base), codec=codec)
+        expected = decode(encode(x, codec))  # first use of a codec: no error-feedback residual
+        for fetcher in (p1, p2):
+            [got] = collect(fetcher, 0, 1)
+            assert got.key == key(p0, 0, base)
+            assert got.tokens == 1000 + base
+            assert torch.equal(got.tensor, expected), f"{codec} via {fetcher.config.paths}"
+    # each fetcher pulled every byte over its one path
+    total = sum(encoded_size(BIG, codec) for codec in Codec)
+    assert p1.bytes_by_path["grpc"] == total and p1.bytes_by_path["libp2p"] == 0
+    assert p2.bytes_by_path["libp2p"] == total and p2.bytes_by_path["grpc"] == 0
+    assert p0.receive(0) == []  # never one's own
+    assert not p1.stats.rejected and not p2.stats.rejected
+
+
+@pytest.mark.timeout(90)
+def test_reserved_bytes_verify_by_hash_and_tampered_ones_are_refused(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = swarm
+    x2, x3 = torch.randn(1 << 20), torch.randn(1 << 20)
+    p0.publish(Fragment(key(p0, 2, 1), x2), codec="fp32")
+    p0.publish(Fragment(key(p0, 3, 1), x3), codec="fp32")
+    for fetcher in (p1, p2):
+        collect(fetcher, 2, 1)
+        collect(fetcher, 3, 1)
+    digest2 = content_hash(encode(x2, "fp32"))
+    digest3 = content_hash(encode(x3, "fp32"))
+    wait_for(
+        lambda: all(p.store.get(d) for p in (p1, p2) for d in (digest2, digest3)), what="re-served copies"
+    )
+
+    # The publisher no longer holds fragment 2: the bytes can only come from the re-servers.
+    p0.store.discard(digest2)
+    p3.expect(2, 1 << 20)
+    [got] = collect(p3, 2, 1)
+    assert torch.equal(got.tensor, x2)
+
+    # Both re-servers' copies of fragment 3 are tampered with: p3 tries them first (re-servers
+    # before the publisher), refuses both by hash, and gets the true bytes from the publisher.
+    for peer in (p1, p2):
+        entry = peer.store.get(digest3)
+        assert entry is not None
+        entry.data[5000] ^= 0xFF
+    before = p3.stats.rejected["bad_hash"]
+    p3.expect(3, 1 << 20)
+    [got] = collect(p3, 3, 1)
+    assert torch.equal(got.tensor, x3)
+    assert p3.stats.rejected["bad_hash"] - before == 2
+
+
+def _store_as(transport: NetworkTransport, fragment: int, value: dict, owner: bytes) -> bool:
+    assert transport.dht_node is not None
+    store = transport.dht_node.store(fragment_key(RUN, fragment), value, get_dht_time() + 60, subkey=owner)
+    return asyncio.run_coroutine_threadsafe(store, transport.loop).result(10)
+
+
+@pytest.mark.timeout(60)
+def test_forged_records_are_refused(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, _ = swarm
+    data = encode(torch.randn(SMALL), "fp32")
+    offer = Offer(
+        publisher=p0.peer_id,
+        base_version=4,
+        kind="delta",
+        tokens=1,
+        codec="fp32",
+        numel=SMALL,
+        content_hash=content_hash(data),
+        byte_length=len(data),
+    )
+    forged = Holdings(peer_id=p0.peer_id, grpc=p2.grpc_endpoint, offers=[offer]).dict()
+    # p2 cannot write under p0's subkey: no DHT node accepts the unsigned record
+    assert not _store_as(p2, 4, forged, p0.identity.owner_subkey)
+    # p2 can write its own subkey, but a record that claims to be p0's is refused as forged
+    before = p1.stats.rejected["forged"]
+    assert _store_as(p2, 4, forged, p2.identity.owner_subkey)
+    wait_for(lambda: p1.stats.rejected["forged"] > before, what="forged record counted")
+    time.sleep(1.0)  # several more polls see the same record: it is counted once
+    assert p1.stats.rejected["forged"] == before + 1
+    # and an offer naming p0 as publisher in p2's own, honest record vouches for nothing
+    honest_but_hearsay = Holdings(peer_id=p2.peer_id, grpc=p2.grpc_endpoint, offers=[offer]).dict()
+    assert _store_as(p2, 5, honest_but_hearsay, p2.identity.owner_subkey)
+    time.sleep(1.0)
+    assert p1.receive(4) == [] and p1.receive(5) == []
+
+
+@pytest.mark.timeout(60)
+def test_fan_in_cap_is_honoured(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = swarm
+    publishers = (p0, p1, p2)
+    for peer in publishers:
+        peer.publish(Fragment(key(peer, 6, 9), torch.randn(SMALL)))
+    p3.expect(6, SMALL)
+    got = collect(p3, 6, 2)
+    wait_for(lambda: p3.fan_in_skipped >= 1, what="the third publisher to be passed over")
+    time.sleep(1.0)
+    got += p3.receive(6)
+    assert len(got) == 2
+    assert {g.key.publisher for g in got} < {p.peer_id for p in publishers}
+
+
+@pytest.mark.timeout(60)
+def test_hostile_fragments_are_rejected_and_counted(swarm: list[NetworkTransport]) -> None:
+    _, p1, p2, _ = swarm
+    before = p1.stats.rejected.copy()
+
+    def rejected(reason: str) -> int:
+        return p1.stats.rejected[reason] - before[reason]
+
+    # wrong length for the fragment: refused from the record, before any byte moves
+    p2.publish(Fragment(key(p2, 7, 1), torch.randn(SMALL + 1)), codec="fp32")
+    # a norm beyond the bound
+    p2.publish(Fragment(key(p2, 8, 1), torch.full((SMALL,), 1e4)), codec="fp32")
+    # garbage whose hash the record does match
+    garbage = os.urandom(encoded_size(SMALL, "fp32"))
+    p2.publish_encoded(key(p2, 9, 1), garbage, codec=Codec.FP32, numel=SMALL, tokens=1)
+    # NaN in a well-formed, correctly checksummed payload
+    nan = bytearray(encode(torch.ones(SMALL), "fp32"))
+    nan[-4:] = struct.pack("<f", float("nan"))
+    payload_offset = len(nan) - SMALL * 4
+    crc = zlib.crc32(bytes(nan[payload_offset:]), zlib.crc32(bytes(nan[: payload_offset - 4])))
+    nan[payload_offset - 4 : payload_offset] = struct.pack("<I", crc)
+    p2.publish_encoded(key(p2, 10, 1), bytes(nan), codec=Codec.FP32, numel=SMALL, tokens=1)
+    # more bytes than the codec needs for this many values
+    padded = encode(torch.ones(SMALL), "fp32") + b"\0" * 64
+    p2.publish_encoded(key(p2, 11, 1), padded, codec=Codec.FP32, numel=SMALL, tokens=1)
+    # a replay: the same (peer, fragment, base) delta again, with other bytes
+    first = torch.randn(SMALL)
+    p2.publish(Fragment(key(p2, 12, 1), first), codec="fp32")
+    [got] = collect(p1, 12, 1)
+    assert torch.equal(got.tensor, first)
+    p2.publish(Fragment(key(p2, 12, 1), torch.randn(SMALL)), codec="fp32")
+
+    expected = {
+        "bad_shape": 1,
+        "norm_too_large": 1,
+        "garbage": 1,
+        "non_finite": 1,
+        "oversized": 1,
+        "replay": 1,
+    }
+    wait_for(lambda: all(rejected(r) >= n for r, n in expected.items()), what=f"rejections {expected}")
+    time.sleep(1.0)
+    assert {r: rejected(r) for r in expected} == expected
+    assert all(p1.receive(f) == [] for f in (7, 8, 9, 10, 11, 12))
+    # and the peer keeps working
+    fine = torch.randn(SMALL)
+    p2.publish(Fragment(key(p2, 7, 2), fine), codec="fp32")
+    [got] = collect(p1, 7, 1)
+    assert torch.equal(got.tensor, fine)
+
+
+@pytest.mark.timeout(60)
+def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = swarm
+    wait_for(lambda: set(p0.live_peers()) == {p1.peer_id, p2.peer_id, p3.peer_id}, what="live peers")
+    assert p0.peer_id not in p0.live_peers()
+    p1.report_progress([3] * NUM_FRAGMENTS, inner_step=120, tokens_per_second=4096.0)
+    wait_for(lambda: p0.swarm_progress().get(p1.peer_id, None) is not None, what="p1's progress")
+    wait_for(lambda: p0.swarm_progress()[p1.peer_id].inner_step == 120, what="p1's report")
+    assert p0.swarm_progress()[p1.peer_id].versions == [3] * NUM_FRAGMENTS
+
+
+def _publisher_process(initial_peers: list[str], report: multiprocessing.Queue) -> None:
+    transport = NetworkTransport(_config(initial_peers=initial_peers, upload_bytes_per_s=10e6))
+    assert transport.p2p is not None
+    report.put((transport.peer_id, transport.p2p._child.pid))
+    transport.publish(Fragment(key(transport, 1, 1), torch.randn(KILLED)), codec="fp32")
+    time.sleep(600)  # until killed
+
+
+@pytest.mark.timeout(120)
+def test_publisher_killed_mid_transfer(swarm: list[NetworkTransport]) -> None:
+    p0, p1, _, _ = swarm
+    context = multiprocessing.get_context("spawn")
+    report = context.Queue()
+    child = context.Process(target=_publisher_process, args=(p0.maddrs(), report), daemon=True)
+    child.start()
+    try:
+        publisher, daemon_pid = report.get(timeout=60)
+        victim = FragmentKey(RUN, 1, 1, publisher)
+        wait_for(lambda: p1.transfers().get(victim, (0, 0))[0] > 0, 30, "the transfer to start")
+        os.kill(child.pid, signal.SIGKILL)
+        os.kill(daemon_pid, signal.SIGKILL)  # a killed process leaves its p2pd behind
+        received, total = p1.transfers()[victim]
+        assert 0 < received < total
+        before = p1.stats.rejected["unavailable"]
+        wait_for(lambda: victim not in p1.transfers(), 30, "the fetch to give up")
+        assert p1.stats.rejected["unavailable"] == before + 1
+        assert p1.receive(1) == []
+    finally:
+        child.kill()
+        child.join(10)
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(daemon_pid, signal.SIGKILL)
+    wait_for(lambda: not _alive(daemon_pid), 10, "the killed peer's p2pd to exit")
+    # the fetcher keeps working: the next version from a live publisher arrives
+    x = torch.randn(KILLED)
+    p0.publish(Fragment(key(p0, 1, 2), x), codec="4bit")
+    [got] = collect(p1, 1, 1, timeout=30)
+    assert got.key == key(p0, 1, 2)
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (p2pd of a killed peer is not our child, so we cannot reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_close_leaves_no_daemon_thread_or_port() -> None:
+    transport = NetworkTransport(_config(fragment_numel={}))
+    assert transport.p2p is not None and transport.grpc_endpoint is not None
+    daemon_pid = transport.p2p._child.pid
+    host, port = transport.grpc_endpoint.rsplit(":", 1)
+    transport.close()
+    assert not transport._thread.is_alive()
+    wait_for(lambda: not _alive(daemon_pid), 10, "p2pd to exit")
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=1).close()
