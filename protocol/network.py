@@ -81,6 +81,7 @@ class NetworkConfig:
     keep_versions: int = 2  # own encoded versions kept per fragment and kind
     keep_reserved: int = 8  # others' fragments kept per fragment to serve onward
     fan_in: int = 4  # at most this many publishers per (fragment, kind, base version)
+    history_versions: int = 64  # offers this many versions older than the newest seen are ignored
     paths: Sequence[str] = PATHS  # data paths this peer fetches over, in order of preference
     max_norm: float | None = None  # refuse a fragment whose L2 norm is larger
     poll_interval: float = 1.0
@@ -189,10 +190,12 @@ class NetworkTransport(Transport):
         self._inbox_lock = threading.Lock()
         self._delivered: dict[FragmentKey, bytes] = {}
         self._transfers: dict[FragmentKey, ChunkAssembler] = {}
-        self._attempted: set[bytes] = set()  # content hashes fetched, in flight or given up
+        # content hashes fetched, in flight or given up, with their (fragment, base version)
+        self._attempted: dict[bytes, tuple[int, int]] = {}
         # publishers chosen per (fragment, kind, base version): the fan-in cap's ledger
         self._chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
-        self._judged: set[tuple] = set()  # DHT records already counted as rejected
+        self._newest_base: dict[int, int] = {}  # the newest base version seen per fragment
+        self._judged: dict[tuple, float] = {}  # DHT records already counted as rejected, and when
         self._logged_reasons: set[str] = set()
         self._feedback: dict[int, ErrorFeedback] = {}
         self._live: dict[str, Progress] = {}
@@ -420,7 +423,7 @@ class NetworkTransport(Transport):
 
     async def _add_and_announce(self, entry: StoredFragment) -> None:
         self.store.put(entry)
-        self._attempted.add(entry.header.content_hash)
+        self._attempted[entry.header.content_hash] = (entry.header.fragment, entry.header.base_version)
         await self._announce(entry.header.fragment)
 
     async def _announce(self, fragment: int) -> None:
@@ -525,12 +528,26 @@ class NetworkTransport(Transport):
                 except FragmentError as error:
                     self._reject_record(error, (fragment, owner, item.expiration_time))
             for candidate in self._choose(fragment, numel, holdings):
-                self._attempted.add(candidate.offer.content_hash)
                 self._spawn(self._fetch(candidate))
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Bound the bookkeeping: versions beyond the horizon are refused unseen anyway, and a
+        record judged longer ago than two lifetimes has expired from the DHT."""
+
+        def stale(fragment: int, base: int) -> bool:
+            return base < self._newest_base.get(fragment, 0) - self.config.history_versions
+
+        self._delivered = {k: v for k, v in self._delivered.items() if not stale(k.fragment, k.base_version)}
+        self._attempted = {h: fb for h, fb in self._attempted.items() if not stale(*fb)}
+        for round_key in [k for k in self._chosen if stale(k[0], k[2])]:
+            del self._chosen[round_key]
+        oldest = get_dht_time() - 2 * self.config.record_ttl
+        self._judged = {identity: when for identity, when in self._judged.items() if when > oldest}
 
     def _reject_record(self, error: FragmentError, identity: tuple) -> None:
         if identity not in self._judged:
-            self._judged.add(identity)
+            self._judged[identity] = get_dht_time()
             self._reject(error.reason, error.detail)
 
     def _choose(self, fragment: int, numel: int, holdings: list[Holdings]) -> list[_Candidate]:
@@ -544,6 +561,10 @@ class NetworkTransport(Transport):
             for offer in holder.offers:
                 if offer.publisher != holder.peer_id or offer.publisher == self.peer_id:
                     continue  # only a publisher's own record vouches for content
+                newest = max(self._newest_base.get(fragment, 0), offer.base_version)
+                self._newest_base[fragment] = newest
+                if offer.base_version < newest - self.config.history_versions:
+                    continue  # far too old to matter to any outer step
                 kind = Kind(offer.kind)
                 key = FragmentKey(self.config.run_id, fragment, offer.base_version, offer.publisher, kind)
                 delivered_hash = self._delivered.get(key)
@@ -558,7 +579,7 @@ class NetworkTransport(Transport):
                     continue
                 problem = self._check_offer(offer, numel)
                 if problem is not None:
-                    self._attempted.add(offer.content_hash)
+                    self._attempted[offer.content_hash] = (fragment, offer.base_version)
                     self._reject(problem.reason, f"{key}: {problem.detail}")
                     continue
                 others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
@@ -571,9 +592,9 @@ class NetworkTransport(Transport):
             for candidate in candidates:
                 if candidate.key.publisher in taken:
                     continue
+                self._attempted[candidate.offer.content_hash] = (fragment, candidate.key.base_version)
                 if len(taken) >= self.config.fan_in:
                     self.fan_in_skipped += 1
-                    self._attempted.add(candidate.offer.content_hash)
                     continue
                 taken.add(candidate.key.publisher)
                 chosen.append(candidate)

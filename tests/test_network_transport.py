@@ -22,8 +22,9 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.codec import Codec, decode, encode, encoded_size
-from cgad.protocol.network import NetworkConfig, NetworkTransport
+from cgad.protocol.network import FragmentStore, NetworkConfig, NetworkTransport, StoredFragment
 from cgad.protocol.records import Holdings, Offer, fragment_key
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 from cgad.protocol.wire import content_hash
@@ -273,12 +274,10 @@ def test_publisher_killed_mid_transfer(swarm: list[NetworkTransport]) -> None:
     try:
         publisher, daemon_pid = report.get(timeout=60)
         victim = FragmentKey(RUN, 1, 1, publisher)
+        before = p1.stats.rejected["unavailable"]
         wait_for(lambda: p1.transfers().get(victim, (0, 0))[0] > 0, 30, "the transfer to start")
         os.kill(child.pid, signal.SIGKILL)
         os.kill(daemon_pid, signal.SIGKILL)  # a killed process leaves its p2pd behind
-        received, total = p1.transfers()[victim]
-        assert 0 < received < total
-        before = p1.stats.rejected["unavailable"]
         wait_for(lambda: victim not in p1.transfers(), 30, "the fetch to give up")
         assert p1.stats.rejected["unavailable"] == before + 1
         assert p1.receive(1) == []
@@ -315,3 +314,41 @@ def test_close_leaves_no_daemon_thread_or_port() -> None:
     wait_for(lambda: not _alive(daemon_pid), 10, "p2pd to exit")
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=1).close()
+
+
+def _entry(fragment: int, base: int, own: bool, kind: Kind = Kind.DELTA) -> StoredFragment:
+    data = os.urandom(64)
+    offer = Offer(
+        publisher="QmFakePeer",
+        base_version=base,
+        kind=str(kind),
+        tokens=0,
+        codec="fp32",
+        numel=1,
+        content_hash=content_hash(data),
+        byte_length=len(data),
+    )
+    header = pb.FragmentHeader(
+        fragment=fragment,
+        base_version=base,
+        kind=pb.DELTA if kind is Kind.DELTA else pb.PARAMS,
+        content_hash=offer.content_hash,
+    )
+    return StoredFragment(header, data, offer, own)
+
+
+def test_store_keeps_the_newest_versions_per_fragment() -> None:
+    store = FragmentStore(keep_own=2, keep_reserved=3)
+    own = [_entry(0, base, own=True) for base in range(5)]
+    params = _entry(0, 0, own=True, kind=Kind.PARAMS)
+    others = [_entry(0, base, own=False) for base in range(5)]
+    elsewhere = _entry(1, 0, own=True)
+    for entry in [*own, params, *others, elsewhere]:
+        store.put(entry)
+    held = {
+        e.offer.content_hash for e in [*own, params, *others, elsewhere] if store.get(e.offer.content_hash)
+    }
+    expected = [own[3], own[4], params, others[2], others[3], others[4], elsewhere]
+    assert held == {e.offer.content_hash for e in expected}
+    # announced: own versions first, newest first
+    assert [o.base_version for o in store.offers(0)[:3]] == [4, 3, 0]
