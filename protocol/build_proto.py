@@ -1,8 +1,10 @@
-"""Compile ``fragment.proto`` into ``fragment_pb2.py`` and ``fragment_pb2_grpc.py`` beside it.
+"""Compile ``fragment.proto`` into ``fragment_pb2.py`` beside it.
 
-The generated files are committed; ``tests/test_wire.py`` fails when they are stale. The proto is
-compiled under the virtual path ``cgad/protocol/`` so the generated gRPC module imports its
-messages as ``cgad.protocol.fragment_pb2``.
+The generated module is committed; ``tests/test_wire.py`` fails when it is stale. The proto is
+compiled under the virtual path ``cgad/protocol/`` so that its descriptor has a name no other
+project's ``fragment.proto`` can collide with. No gRPC stubs are generated: the transport
+registers the service's methods itself, so that it can stream pre-serialized chunks
+(``cgad.protocol.wire.serialized_response_stream``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 PROTO_DIR = Path(__file__).resolve().parent
-GENERATED = ("fragment_pb2.py", "fragment_pb2_grpc.py")
+GENERATED = ("fragment_pb2.py",)
 
 
 def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> list[Path]:
@@ -25,7 +27,6 @@ def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> list[Path]:
             "grpc_tools.protoc",
             f"-Icgad/protocol={proto_dir}",
             f"--python_out={tmp}",
-            f"--grpc_python_out={tmp}",
             f"{proto_dir / 'fragment.proto'}",
         ]
         if protoc.main(args) != 0:

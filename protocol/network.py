@@ -38,7 +38,6 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils import get_dht_time
 
 from cgad.protocol import fragment_pb2 as pb
-from cgad.protocol import fragment_pb2_grpc as pb_grpc
 from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode, encoded_size
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.records import (
@@ -54,13 +53,23 @@ from cgad.protocol.records import (
     schema_validator,
 )
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
-from cgad.protocol.wire import ChunkAssembler, content_hash, response_stream
+from cgad.protocol.wire import (
+    CHUNK_BYTES,
+    ChunkAssembler,
+    content_hash,
+    parse,
+    response_stream,
+    serialized_response_stream,
+    split_chunk,
+)
 
 __all__ = ["FragmentStore", "NetworkConfig", "NetworkTransport", "StoredFragment"]
 
 logger = logging.getLogger(__name__)
 
-FETCH_HANDLER = "cgad.FragmentService.Fetch"
+_SERVICE = pb.DESCRIPTOR.services_by_name["FragmentService"].full_name
+GRPC_FETCH = f"/{_SERVICE}/Fetch"
+FETCH_HANDLER = f"{_SERVICE}.Fetch"  # the libp2p protocol name
 PATHS = ("grpc", "libp2p")
 _KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS}
 
@@ -157,17 +166,6 @@ class _Candidate:
     key: FragmentKey
     offer: Offer
     holders: list[Holdings]  # in the order to try
-
-
-class _GrpcServicer(pb_grpc.FragmentServiceServicer):
-    def __init__(self, transport: NetworkTransport) -> None:
-        self._transport = transport
-
-    async def Fetch(
-        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.FetchResponse]:
-        async for message in self._transport._serve(request):
-            yield message
 
 
 class NetworkTransport(Transport):
@@ -301,6 +299,24 @@ class NetworkTransport(Transport):
         assert self.p2p is not None
         return [str(addr) for addr in self._call(self.p2p.get_visible_maddrs(), timeout=10)]
 
+    def download(
+        self, holder: Holdings, digest: bytes, byte_length: int, path: str, timeout: float = 600.0
+    ) -> bytearray:
+        """Pull the bytes with this content hash from one holder over one path, verified against
+        the hash; blocks the caller (for tools, benchmarks, and a joining peer's state)."""
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}")
+        assembler = ChunkAssembler(digest, byte_length)
+        opener = self._open_grpc if path == "grpc" else self._open_libp2p
+
+        async def pull() -> bytearray:
+            await self._drain(opener(holder, assembler), assembler)
+            return assembler.finish()
+
+        data = self._call(pull(), timeout)
+        self.bytes_by_path[path] += len(data)
+        return data
+
     def close(self) -> None:
         if self._closed:
             return
@@ -376,7 +392,12 @@ class NetworkTransport(Transport):
         )
         if config.grpc_listen is not None:
             self._grpc_server = grpc.aio.server()
-            pb_grpc.add_FragmentServiceServicer_to_server(_GrpcServicer(self), self._grpc_server)
+            fetch = grpc.unary_stream_rpc_method_handler(
+                self._serve_grpc, request_deserializer=pb.FetchRequest.FromString
+            )  # no response serializer: _serve_grpc yields messages already serialized
+            self._grpc_server.add_generic_rpc_handlers(
+                [grpc.method_handlers_generic_handler(_SERVICE, {"Fetch": fetch})]
+            )
             port = self._grpc_server.add_insecure_port(config.grpc_listen)
             if port == 0:
                 raise RuntimeError(f"cannot listen for gRPC on {config.grpc_listen}")
@@ -463,26 +484,39 @@ class NetworkTransport(Transport):
 
     # ---------------------------------------------------------------- serving
 
-    async def _serve(self, request: pb.FetchRequest) -> AsyncIterator[pb.FetchResponse]:
+    async def _serve(
+        self, request: pb.FetchRequest, serialized: bool
+    ) -> AsyncIterator[pb.FetchResponse | bytes]:
         entry = self.store.get(request.content_hash)
         if entry is None:
-            yield pb.FetchResponse(error="not held here")
+            missing = pb.FetchResponse(error="not held here")
+            yield missing.SerializeToString() if serialized else missing
             return
+        offset = min(request.offset, len(entry.data))
+        stream = serialized_response_stream if serialized else response_stream
         rate = self.config.upload_bytes_per_s
         started = self.loop.time()
-        sent = 0
-        for message in response_stream(entry.header, entry.data, offset=min(request.offset, len(entry.data))):
+        position = offset
+        for index, message in enumerate(stream(entry.header, entry.data, offset)):
             yield message
-            if message.HasField("chunk"):
-                sent += len(message.chunk.data)
-                self.stats.bytes_sent += len(message.chunk.data)
-                if rate:
-                    await asyncio.sleep(max(0.0, started + sent / rate - self.loop.time()))
+            if index == 0:
+                continue  # the header
+            size = min(CHUNK_BYTES, len(entry.data) - position)
+            position += size
+            self.stats.bytes_sent += size
+            if rate:
+                await asyncio.sleep(max(0.0, started + (position - offset) / rate - self.loop.time()))
+
+    async def _serve_grpc(
+        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        async for message in self._serve(request, serialized=True):
+            yield message
 
     async def _serve_libp2p(
         self, request: pb.FetchRequest, context: P2PContext
     ) -> AsyncIterator[pb.FetchResponse]:
-        async for message in self._serve(request):
+        async for message in self._serve(request, serialized=False):
             yield message
 
     # ---------------------------------------------------------------- finding and choosing
@@ -670,15 +704,14 @@ class NetworkTransport(Transport):
             return data
         return None
 
-    async def _open_grpc(
-        self, holder: Holdings, assembler: ChunkAssembler
-    ) -> AsyncIterator[pb.FetchResponse]:
+    async def _open_grpc(self, holder: Holdings, assembler: ChunkAssembler) -> AsyncIterator[bytes]:
+        """Serialized ``FetchResponse`` messages: ``_drain`` reads chunks out of them in place."""
         channel = self._channels.get(holder.grpc)
         if channel is None:
             channel = self._channels[holder.grpc] = grpc.aio.insecure_channel(holder.grpc)
         await asyncio.wait_for(channel.channel_ready(), self.config.connect_timeout)
-        stub = pb_grpc.FragmentServiceStub(channel)
-        call = stub.Fetch(pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received))
+        fetch = channel.unary_stream(GRPC_FETCH, request_serializer=pb.FetchRequest.SerializeToString)
+        call = fetch(pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received))
         try:
             async for message in call:
                 yield message
@@ -703,15 +736,25 @@ class NetworkTransport(Transport):
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    async def _drain(self, stream: AsyncIterator[pb.FetchResponse], assembler: ChunkAssembler) -> None:
+    async def _drain(
+        self, stream: AsyncIterator[pb.FetchResponse | bytes], assembler: ChunkAssembler
+    ) -> None:
         iterator = aiter(stream)
         first = True
         try:
             while True:
                 try:
-                    message = await asyncio.wait_for(anext(iterator), self.config.chunk_timeout)
+                    item = await asyncio.wait_for(anext(iterator), self.config.chunk_timeout)
                 except StopAsyncIteration:
                     return
+                if isinstance(item, bytes):
+                    piece = None if first else split_chunk(item)
+                    if piece is not None:
+                        assembler.add_slice(*piece)
+                        continue
+                    message = parse(pb.FetchResponse, item)
+                else:
+                    message = item
                 part = message.WhichOneof("part")
                 if first:
                     if part != "header":
