@@ -85,7 +85,8 @@ class NetworkConfig:
     identity_path: str | None = None  # a libp2p RSA key file for a stable peer id
     grpc_listen: str | None = "127.0.0.1:0"  # None: no direct endpoint (NAT): serve over libp2p only
     grpc_announce_host: str | None = None  # the host others dial, when it differs from the listen one
-    codec: Codec = Codec.FP4
+    codec: Codec = Codec.FP4  # for pseudo-gradients (Streaming DiLoCo exchanges 4-bit floats)
+    params_codec: Codec = Codec.FP32  # for outer parameters, which mixing averages as they are
     error_feedback: bool = True  # carry lossy codecs' residual into the next DELTA of a fragment
     keep_versions: int = 2  # own encoded versions kept per fragment and kind
     keep_reserved: int = 8  # others' fragments kept per fragment to serve onward
@@ -107,6 +108,7 @@ class NetworkConfig:
         if unknown or not self.paths:
             raise ValueError(f"paths must be a non-empty subset of {PATHS}, got {self.paths}")
         self.codec = Codec(self.codec)
+        self.params_codec = Codec(self.params_codec)
 
 
 @dataclass
@@ -224,8 +226,8 @@ class NetworkTransport(Transport):
 
     def publish(self, fragment: Fragment, codec: Codec | str | None = None) -> None:
         """Encode now (the bytes are the snapshot) and hand them to the background loop."""
-        codec = Codec(codec or self.config.codec)
         key = fragment.key
+        codec = Codec(codec or (self.config.codec if key.kind is Kind.DELTA else self.config.params_codec))
         tensor = fragment.tensor.detach().reshape(-1)
         if key.kind is Kind.DELTA and self.config.error_feedback and codec in (Codec.INT8, Codec.FP4):
             feedback = self._feedback.get(key.fragment)

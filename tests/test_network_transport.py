@@ -246,6 +246,18 @@ def test_hostile_fragments_are_rejected_and_counted(swarm: list[NetworkTransport
 
 
 @pytest.mark.timeout(60)
+def test_parameters_travel_as_their_own_kind_in_fp32(swarm: list[NetworkTransport]) -> None:
+    p0, p1, _, _ = swarm
+    params = torch.randn(SMALL)
+    p0.publish(Fragment(key(p0, 13, 4, Kind.PARAMS), params))
+    got: list[Fragment] = []
+    wait_for(lambda: got.extend(p1.receive(13, Kind.PARAMS)) or got, what="parameters")
+    assert got[0].key.kind is Kind.PARAMS
+    assert torch.equal(got[0].tensor, params)  # the default parameter codec is exact
+    assert p1.receive(13) == []
+
+
+@pytest.mark.timeout(60)
 def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
     p0, p1, p2, p3 = swarm
     wait_for(lambda: set(p0.live_peers()) == {p1.peer_id, p2.peer_id, p3.peer_id}, what="live peers")
