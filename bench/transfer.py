@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "transfer.json")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
     codecs = codec_speeds(64 * 2**20 // 4, args.codec_repeats)
 
     fetcher = NetworkTransport(_config())
@@ -212,6 +213,8 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "hivemind": hivemind.__version__,
+            # other work on the machine slows every number alike; the ratios suffer least
+            "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         },
         "records": [r for r in records if r["path"] != "raw_socket"],
         "raw_socket": [r for r in records if r["path"] == "raw_socket"],

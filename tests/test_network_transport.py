@@ -34,7 +34,10 @@ NUM_FRAGMENTS = 16
 BIG = 1 << 21  # 8 MiB of fp32: several chunks on every path
 SMALL = 4096
 KILLED = 5 << 20  # 20 MiB of fp32, served at 10 MB/s: long enough to kill its publisher mid-way
-NUMEL = {0: BIG, 1: KILLED, 2: 1 << 20, 3: 1 << 20} | {f: SMALL for f in range(4, NUM_FRAGMENTS)}
+HUGE = 1 << 25  # 128 MiB of fp32: a fragment of 100 MB+ must flow on both paths
+NUMEL = {0: BIG, 1: KILLED, 2: 1 << 20, 3: 1 << 20, 14: HUGE} | {
+    f: SMALL for f in range(4, NUM_FRAGMENTS) if f != 14
+}
 MAX_NORM = 1e5
 
 
@@ -107,6 +110,17 @@ def test_every_codec_over_both_paths(swarm: list[NetworkTransport]) -> None:
     assert p2.bytes_by_path["libp2p"] == total and p2.bytes_by_path["grpc"] == 0
     assert p0.receive(0) == []  # never one's own
     assert not p1.stats.rejected and not p2.stats.rejected
+
+
+@pytest.mark.timeout(120)
+def test_a_fragment_of_over_100_mb_flows_on_both_paths(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, _ = swarm
+    x = torch.randn(HUGE)
+    p0.publish(Fragment(key(p0, 14, 0), x), codec="fp32")
+    for fetcher in (p1, p2):
+        [got] = collect(fetcher, 14, 1, timeout=90)
+        assert torch.equal(got.tensor, x)
+    del x, got
 
 
 @pytest.mark.timeout(90)
