@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
@@ -73,6 +74,71 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the virtual swarm once per (optimizer, seed); write the JSON and a PNG beside it."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from tqdm import tqdm
+
+    from cgad.node.data import load_dataset
+    from cgad.node.report import plot_records
+    from cgad.node.simulate import SimConfig, parse_stragglers, simulate
+    from cgad.node.tokenizer import load_tokenizer
+
+    optimizers = args.optimizer or ["cgad"]
+    configs = [
+        SimConfig(
+            optimizer=opt,
+            workers=args.workers,
+            inner_steps=args.inner_steps,
+            rounds=args.rounds,
+            delay=args.delay,
+            drop=args.drop,
+            bandwidth=args.bandwidth,
+            stragglers=parse_stragglers(args.stragglers, args.workers),
+            churn=args.churn,
+            fragments=args.fragments,
+            outer_lr=args.outer_lr,
+            alpha=args.alpha,
+            cutoff=args.cutoff,
+            seed=seed,
+            model=args.model,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            inner_lr=args.inner_lr,
+            warmup_steps=args.warmup_steps,
+            eval_batches=args.eval_batches,
+        )
+        for opt in optimizers
+        for seed in range(args.seeds)
+    ]  # every configuration is validated before any work starts
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(args.tokenizer)
+    dataset = load_dataset(tokenizer, args.data)
+    total = sum(c.workers * c.inner_steps * c.rounds for c in configs)
+    records = []
+    with tqdm(total=total, unit="step", desc="simulate", dynamic_ncols=True) as bar:
+        for config in configs:
+            bar.set_postfix_str(f"{config.optimizer} seed {config.seed}")
+            record = simulate(config, dataset, tokenizer.vocab_size, progress=bar.update)
+            records.append(record)
+            bar.write(
+                f"{config.optimizer:>16} seed {config.seed}: loss {record['initial_loss']:.3f} -> "
+                f"{record['final_loss']:.3f}  mean age {record['mean_age']:.2f}"
+                + ("  DIVERGED" if record["diverged"] else "")
+            )
+    shared = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "optimizer", "out")}
+    out.write_text(json.dumps({"config": {**shared, "optimizers": optimizers}, "records": records}, indent=1))
+    png = plot_records(records, out.with_suffix(".png"), title=f"{args.workers} workers, delay {args.delay}")
+    print(f"wrote {out} and {png}")
+    return 0
+
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -86,7 +152,49 @@ def build_parser() -> _Parser:
 
     info = subparsers.add_parser("info", help="show versions, accelerator and available outer optimizers")
     info.set_defaults(handler=_cmd_info)
+    _add_simulate(subparsers)
     return parser
+
+
+def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
+    from cgad.node.outer import OPTIMIZERS
+
+    sim = subparsers.add_parser(
+        "simulate",
+        help="run the outer loop over a virtual swarm with controlled delay and failure",
+        description="W workers in one process, each a full replica with its own data shard, the "
+        "daemon's outer loop over an in-memory network with injected delay, loss, bandwidth, "
+        "stragglers and churn. Writes one JSON record per (optimizer, seed) and a PNG beside it.",
+    )
+    sim.add_argument("--workers", type=int, default=4)
+    sim.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per outer round")
+    sim.add_argument("--rounds", type=int, default=20)
+    sim.add_argument("--delay", default="0", help="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
+    sim.add_argument("--drop", type=float, default=0.0, help="probability a delivery is lost")
+    sim.add_argument("--bandwidth", type=float, default=None, help="uplink bytes per virtual second")
+    sim.add_argument(
+        "--stragglers", default="", help="slow-down factors: F1,F2,... or K:F (K workers F x slower)"
+    )
+    sim.add_argument(
+        "--churn", type=float, default=0.0, help="chance per round a worker leaves for 1-4 rounds"
+    )
+    sim.add_argument("--optimizer", action="append", choices=OPTIMIZERS, help="repeatable; default cgad")
+    sim.add_argument("--outer-lr", type=float, default=None, help="overrides each optimizer's default")
+    sim.add_argument("--alpha", type=float, default=0.2, help="CGAD decay per round of age")
+    sim.add_argument("--cutoff", type=float, default=8.0, help="CGAD gate cutoff in rounds")
+    sim.add_argument("--fragments", type=int, default=4, help="PA-CGAD's fragments (H must be a multiple)")
+    sim.add_argument("--seeds", type=int, default=1)
+    sim.add_argument("--data", default=None, help=".txt/.md file, folder of them, or .jsonl with 'text'")
+    sim.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer directory")
+    sim.add_argument("--model", default="tiny", help="preset (tiny, small, base, 1b) or a config.json")
+    sim.add_argument("--batch-size", type=int, default=8)
+    sim.add_argument("--seq-len", type=int, default=128)
+    sim.add_argument("--inner-lr", type=float, default=4e-4)
+    sim.add_argument("--warmup-steps", type=int, default=0)
+    sim.add_argument("--eval-batches", type=int, default=4)
+    sim.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    sim.add_argument("--out", default="results.json")
+    sim.set_defaults(handler=_cmd_simulate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,7 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
         parser.error(f"a command is required (choose from {', '.join(commands)})")
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError) as exc:
+        # bad input (a data path, a model config, an option's value): say what, not where
+        if os.environ.get("CGAD_DEBUG"):
+            raise
+        print(f"cgad-node {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,237 @@
+"""The virtual swarm: determinism, DiLoCo equivalence, ages, at-most-once delivery, and errors."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgad.node.data import load_dataset
+from cgad.node.model import build_model
+from cgad.node.outer import OuterConfig, OuterLoop
+from cgad.node.simulate import SimConfig, parse_stragglers, simulate
+from cgad.node.tokenizer import load_tokenizer
+from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.optim import CGAD
+from cgad.protocol.memory import Delay, VirtualNetwork
+from cgad.protocol.transport import Fragment, FragmentKey
+
+CLI = str(Path(sys.executable).with_name("cgad-node"))
+SMALL = dict(batch_size=2, seq_len=32, eval_batches=2, inner_lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    tokenizer = load_tokenizer(None)
+    return tokenizer, load_dataset(tokenizer)
+
+
+def run(corpus, **overrides):
+    tokenizer, dataset = corpus
+    config = SimConfig(**{**dict(workers=3, inner_steps=4, rounds=4, **SMALL), **overrides})
+    return simulate(config, dataset, tokenizer.vocab_size)
+
+
+def test_same_seed_same_numbers(corpus):
+    a = run(corpus, optimizer="cgad", delay="random:2", drop=0.2, seed=3)
+    b = run(corpus, optimizer="cgad", delay="random:2", drop=0.2, seed=3)
+    assert a["losses"] == b["losses"]
+    assert a["age_counts"] == b["age_counts"]
+    c = run(corpus, optimizer="cgad", delay="random:2", drop=0.2, seed=4)
+    assert c["losses"] != a["losses"]
+
+
+def test_one_worker_at_age_zero_is_diloco_with_adam_outer_step(corpus):
+    tokenizer, dataset = corpus
+    h, rounds = 4, 3
+    record = run(corpus, optimizer="cgad", workers=1, inner_steps=h, rounds=rounds, outer_lr=0.02)
+
+    model = build_model("tiny", tokenizer.vocab_size, seed=0)
+    batches = dataset.shard(0, 1).batches(SMALL["batch_size"], SMALL["seq_len"], seed=0)
+    trainer = InnerTrainer(model, batches, lr=SMALL["inner_lr"])
+    phi = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    outer = CGAD(phi, lr=0.02, betas=(0.9, 0.95))
+    evals = dataset.eval_batches(SMALL["eval_batches"], SMALL["batch_size"], SMALL["seq_len"])
+    losses = []
+    for _ in range(rounds):
+        for _ in range(h):
+            trainer.step()
+        with torch.no_grad():
+            for p, theta in zip(phi, model.parameters(), strict=True):
+                p.grad = p - theta
+            outer.step(age=0)
+            for p, theta in zip(phi, model.parameters(), strict=True):
+                theta.copy_(p)
+        losses.append(evaluate(model, evals))
+    assert record["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("delay", [1, 3])
+def test_ages_match_a_fixed_delay(corpus, delay):
+    record = run(corpus, optimizer="nesterov", delay=str(delay), rounds=delay + 3)
+    assert set(record["age_counts"]) == {str(delay)}
+    # each worker receives 2 peers' fragments from every round but the last `delay` ones
+    assert record["age_counts"][str(delay)] == 3 * 2 * 3
+    assert record["mean_age"] == delay
+
+
+def test_random_delay_ages_stay_in_range_and_vary(corpus):
+    record = run(corpus, optimizer="pa-cgad", fragments=2, delay="random:3", rounds=6, cutoff=8.0)
+    ages = {int(a) for a in record["age_counts"]}
+    assert ages <= {0, 1, 2, 3} and len(ages) >= 3
+
+
+def test_cgad_gate_drops_deliveries_at_the_cutoff(corpus):
+    record = run(corpus, optimizer="cgad", delay="2", rounds=5, cutoff=2.0)
+    assert record["dropped_stale"] == 3 * 2 * 3  # every peer fragment arrives at age 2 = cutoff
+    assert record["applied"] == 0
+    decayed = run(corpus, optimizer="adam-decay", delay="2", rounds=5)
+    assert decayed["applied"] == 3 * 2 * 3 and decayed["dropped_stale"] == 0
+
+
+def test_slow_worker_fragments_arrive_older(corpus):
+    record = run(corpus, optimizer="cgad", stragglers=[1.0, 1.0, 2.0], rounds=6)
+    assert max(int(a) for a in record["age_counts"]) >= 2
+
+
+def test_loss_falls_and_bytes_are_counted(corpus):
+    record = run(corpus, optimizer="sgd", outer_lr=0.7, rounds=5)
+    assert record["final_loss"] < record["initial_loss"] - 0.5
+    assert not record["diverged"]
+    numel = sum(p.numel() for p in build_model("tiny", corpus[0].vocab_size, seed=0).parameters())
+    assert record["bytes_sent"] == 5 * 3 * 2 * numel * 4  # rounds x workers x peers x fp32 bytes
+
+
+def test_narrow_uplink_costs_utilization(corpus):
+    numel = sum(p.numel() for p in build_model("tiny", corpus[0].vocab_size, seed=0).parameters())
+    # two copies of the model per round through an uplink that moves one per 4 s of compute
+    slow = run(corpus, optimizer="cgad", bandwidth=numel * 4 / 8.0, rounds=4)
+    fast = run(corpus, optimizer="cgad", rounds=4)
+    assert fast["utilization"] == 1.0
+    assert slow["utilization"] < 0.9
+
+
+def test_dropped_and_churned_fragments_are_applied_at_most_once():
+    network = VirtualNetwork(delay=Delay(1, random=True), drop=0.3, seed=1)
+    transports = [network.join(f"p{i}") for i in range(4)]
+    loops = [OuterLoop([torch.zeros(6), torch.zeros(3)], OuterConfig("sgd"), t, "run") for t in transports]
+    for rnd in range(12):
+        for i, (t, loop) in enumerate(zip(transports, loops, strict=True)):
+            t.advance(float(rnd), rnd)
+            t.set_alive((rnd + i) % 5 != 0)  # every peer drops out now and then
+            if t.alive:
+                loop.publish(0, tokens=10)
+        for t, loop in zip(transports, loops, strict=True):
+            if t.alive:
+                loop.apply(0)
+    for loop in loops:
+        keys = [(d.publisher, d.fragment, d.base_version) for d in loop.history]
+        assert len(keys) == len(set(keys))
+    assert sum(t.stats.rejected["dropped_in_flight"] for t in transports) > 0
+
+
+def test_a_republished_key_is_rejected_as_replay():
+    network = VirtualNetwork()
+    a, b = network.join("a"), network.join("b")
+    frag = Fragment(FragmentKey("run", 0, 5, "a"), torch.ones(4), tokens=1)
+    a.publish(frag)
+    assert len(b.receive(0)) == 1
+    a.publish(frag)
+    assert b.receive(0) == []
+    assert b.stats.rejected["replay"] == 1
+
+
+def test_outer_state_round_trip_continues_identically():
+    t1, t2 = VirtualNetwork().join("a"), VirtualNetwork().join("b")  # two swarms of one
+    params = [torch.randn(5), torch.randn(2, 3)]
+    first = OuterLoop([p.clone() for p in params], OuterConfig("cgad"), t1, "run")
+    for _ in range(3):
+        for th in first.theta:
+            th.add_(torch.randn_like(th) * 0.1)
+        first.sync(0, tokens=1)
+    second = OuterLoop([p.clone() for p in params], OuterConfig("cgad"), t2, "run")
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert second.versions == first.versions == [3]
+    step = [torch.randn_like(th) * 0.1 for th in first.theta]
+    for loop in (first, second):
+        for th, s in zip(loop.theta, step, strict=True):
+            th.add_(s)
+        loop.publish(0, tokens=1)
+    first.apply(0)
+    second.apply(0)
+    for x, y in zip(first.phi, second.phi, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"delay": "-1"}, "delay"),
+        ({"delay": "soon"}, "delay"),
+        ({"optimizer": "adamw"}, "unknown optimizer"),
+        ({"drop": 1.5}, "drop"),
+        ({"inner_steps": 6, "optimizer": "pa-cgad", "fragments": 4}, "multiple"),
+        ({"workers": 0}, "workers"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SimConfig(**kwargs)
+
+
+def test_bad_stragglers():
+    assert parse_stragglers("1:3", 3) == [1.0, 1.0, 3.0]
+    for text in ("1,2", "x", "5:2"):
+        with pytest.raises(ValueError, match="stragglers"):
+            parse_stragglers(text, 3)
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_cli_simulate_with_a_users_text_file(tmp_path, monkeypatch):
+    text = tmp_path / "mine.txt"
+    text.write_text("All the world's a stage, and all the men and women merely players.\n" * 400)
+    cache = tmp_path / "cache"
+    out = tmp_path / "r.json"
+    result = subprocess.run(
+        [CLI, "simulate", "--workers", "2", "--rounds", "2", "--inner-steps", "2", "--delay", "1",
+         "--optimizer", "cgad", "--optimizer", "nesterov", "--batch-size", "2", "--seq-len", "16",
+         "--eval-batches", "1", "--threads", "1", "--data", str(text), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env={"CGAD_CACHE_DIR": str(cache), "PATH": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    assert [r["optimizer"] for r in doc["records"]] == ["cgad", "nesterov"]
+    for key in ("optimizer", "delay", "seed", "final_loss", "initial_loss", "losses", "diverged",
+                "bytes_sent", "virtual_seconds", "utilization"):  # fmt: skip
+        assert key in doc["records"][0]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--delay", "-2"], "delay must be >= 0"),
+        (["--optimizer", "nesterof"], "did you mean 'nesterov'"),
+        (["--data", "does/not/exist.txt"], "does not exist"),
+        (["--wrokers", "2"], "--workers"),
+    ],
+)
+def test_cli_simulate_bad_options(args, match, tmp_path):
+    result = cli("simulate", *args, "--rounds", "1", "--out", str(tmp_path / "r.json"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert match in result.stderr
+
+
+def test_cli_simulate_empty_corpus(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("   \n")
+    result = cli("simulate", "--data", str(empty), "--rounds", "1", "--out", str(tmp_path / "r.json"))
+    assert result.returncode == 2
+    assert str(empty) in result.stderr
