@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no screen on servers and CI
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 __all__ = ["delay_sort_key", "plot_records", "summarize"]
 
