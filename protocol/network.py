@@ -91,7 +91,8 @@ class NetworkConfig:
     keep_versions: int = 2  # own encoded versions kept per fragment and kind
     keep_reserved: int = 8  # others' fragments kept per fragment to serve onward
     fan_in: int = 4  # at most this many publishers per (fragment, kind, base version)
-    history_versions: int = 64  # offers this many versions older than the newest seen are ignored
+    # offers this many versions behind this peer's own (``report_progress``) are ignored unseen
+    history_versions: int = 64
     paths: Sequence[str] = PATHS  # data paths this peer fetches over, in order of preference
     max_norm: float | None = None  # refuse a fragment whose L2 norm is larger
     poll_interval: float = 1.0
@@ -194,7 +195,6 @@ class NetworkTransport(Transport):
         self._attempted: dict[bytes, tuple[int, int]] = {}
         # publishers chosen per (fragment, kind, base version): the fan-in cap's ledger
         self._chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
-        self._newest_base: dict[int, int] = {}  # the newest base version seen per fragment
         self._judged: dict[tuple, float] = {}  # DHT records already counted as rejected, and when
         self._logged_reasons: set[str] = set()
         self._feedback: dict[int, ErrorFeedback] = {}
@@ -570,16 +570,20 @@ class NetworkTransport(Transport):
     def _forget_old(self) -> None:
         """Bound the bookkeeping: versions beyond the horizon are refused unseen anyway, and a
         record judged longer ago than two lifetimes has expired from the DHT."""
-
-        def stale(fragment: int, base: int) -> bool:
-            return base < self._newest_base.get(fragment, 0) - self.config.history_versions
-
-        self._delivered = {k: v for k, v in self._delivered.items() if not stale(k.fragment, k.base_version)}
-        self._attempted = {h: fb for h, fb in self._attempted.items() if not stale(*fb)}
-        for round_key in [k for k in self._chosen if stale(k[0], k[2])]:
+        old = self._too_old
+        self._delivered = {k: v for k, v in self._delivered.items() if not old(k.fragment, k.base_version)}
+        self._attempted = {h: fb for h, fb in self._attempted.items() if not old(*fb)}
+        for round_key in [k for k in self._chosen if old(k[0], k[2])]:
             del self._chosen[round_key]
         oldest = get_dht_time() - 2 * self.config.record_ttl
         self._judged = {identity: when for identity, when in self._judged.items() if when > oldest}
+
+    def _too_old(self, fragment: int, base: int) -> bool:
+        # Measured against this peer's own version, never against what others announce: a
+        # record claiming a far-future version must not make honest offers look stale.
+        versions = self._progress.versions
+        own = versions[fragment] if fragment < len(versions) else 0
+        return base < own - self.config.history_versions
 
     def _reject_record(self, error: FragmentError, identity: tuple) -> None:
         if identity not in self._judged:
@@ -597,9 +601,7 @@ class NetworkTransport(Transport):
             for offer in holder.offers:
                 if offer.publisher != holder.peer_id or offer.publisher == self.peer_id:
                     continue  # only a publisher's own record vouches for content
-                newest = max(self._newest_base.get(fragment, 0), offer.base_version)
-                self._newest_base[fragment] = newest
-                if offer.base_version < newest - self.config.history_versions:
+                if self._too_old(fragment, offer.base_version):
                     continue  # far too old to matter to any outer step
                 kind = Kind(offer.kind)
                 key = FragmentKey(self.config.run_id, fragment, offer.base_version, offer.publisher, kind)

@@ -272,6 +272,24 @@ def test_parameters_travel_as_their_own_kind_in_fp32(swarm: list[NetworkTranspor
 
 
 @pytest.mark.timeout(60)
+def test_versions_far_behind_this_peer_are_ignored(swarm: list[NetworkTransport]) -> None:
+    p0, p1, _, _ = swarm
+    versions = [0] * NUM_FRAGMENTS
+    versions[15] = 100
+    p1.report_progress(versions, inner_step=0, tokens_per_second=0.0)
+    try:
+        p0.publish(Fragment(key(p0, 15, 100 - 65), torch.randn(SMALL)))  # beyond the 64-version horizon
+        recent = torch.randn(SMALL)
+        p0.publish(Fragment(key(p0, 15, 100 - 64), recent), codec="fp32")
+        [got] = collect(p1, 15, 1)
+        assert got.key.base_version == 36 and torch.equal(got.tensor, recent)
+        time.sleep(1.0)
+        assert p1.receive(15) == []
+    finally:
+        p1.report_progress([0] * NUM_FRAGMENTS, inner_step=0, tokens_per_second=0.0)
+
+
+@pytest.mark.timeout(60)
 def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
     p0, p1, p2, p3 = swarm
     wait_for(lambda: set(p0.live_peers()) == {p1.peer_id, p2.peer_id, p3.peer_id}, what="live peers")
