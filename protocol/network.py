@@ -305,18 +305,14 @@ class NetworkTransport(Transport):
         self, holder: Holdings, digest: bytes, byte_length: int, path: str, timeout: float = 600.0
     ) -> bytearray:
         """Pull the bytes with this content hash from one holder over one path, verified against
-        the hash; blocks the caller (for tools, benchmarks, and a joining peer's state)."""
+        the hash; blocks the caller (for tools, benchmarks, and a joining peer's state). Raises
+        ``FragmentError("unavailable")`` when the holder does not deliver verified bytes."""
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}")
         assembler = ChunkAssembler(digest, byte_length)
-        opener = self._open_grpc if path == "grpc" else self._open_libp2p
-
-        async def pull() -> bytearray:
-            await self._drain(opener(holder, assembler), assembler)
-            return assembler.finish()
-
-        data = self._call(pull(), timeout)
-        self.bytes_by_path[path] += len(data)
+        data = self._call(self._fetch_from(holder, assembler, paths=(path,)), timeout)
+        if data is None:
+            raise FragmentError("unavailable", f"{holder.peer_id} did not deliver over {path}")
         return data
 
     def close(self) -> None:
@@ -677,35 +673,37 @@ class NetworkTransport(Transport):
             return
         await self._accept(candidate, data)
 
-    async def _fetch_from(self, holder: Holdings, assembler: ChunkAssembler) -> bytearray | None:
+    async def _fetch_from(
+        self, holder: Holdings, assembler: ChunkAssembler, paths: Sequence[str] | None = None
+    ) -> bytearray | None:
         """Bytes from one holder over the first path that works, resuming where a previous holder
-        stopped; None when this holder could not deliver."""
-        for path in self.config.paths:
+        or stream stopped; None when this holder could not deliver."""
+        for path in paths or self.config.paths:
             if path == "grpc" and holder.grpc is None:
                 continue
-            received_before = assembler.received
-            try:
-                stream = (
-                    self._open_grpc(holder, assembler)
-                    if path == "grpc"
-                    else self._open_libp2p(holder, assembler)
-                )
-                await self._drain(stream, assembler)
-                data = assembler.finish()
-            except FragmentError as error:
-                self.bytes_by_path[path] += assembler.received - received_before
-                if error.reason == "bad_hash":
-                    self._reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
-                    assembler.restart()
-                    return None  # the holder is lying or broken: no other path to it helps
-                logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
-                continue
-            except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
-                self.bytes_by_path[path] += assembler.received - received_before
-                logger.debug("holder %s over %s failed: %r", holder.peer_id, path, error)
-                continue
-            self.bytes_by_path[path] += assembler.received - received_before
-            return data
+            opener = self._open_grpc if path == "grpc" else self._open_libp2p
+            fruitless = 0
+            while fruitless < 2:
+                received_before = assembler.received
+                try:
+                    await self._drain(opener(holder, assembler), assembler)
+                    if assembler.received == assembler.byte_length:
+                        return assembler.finish()
+                    # libp2p reports a dropped connection as a clean end of stream: resume
+                    logger.debug("stream from %s over %s ended early", holder.peer_id, path)
+                except FragmentError as error:
+                    if error.reason == "bad_hash":
+                        self._reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
+                        assembler.restart()
+                        return None  # the holder is lying or broken: no other path to it helps
+                    logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
+                    break
+                except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
+                    logger.debug("holder %s over %s failed: %r", holder.peer_id, path, error)
+                    break
+                finally:
+                    self.bytes_by_path[path] += assembler.received - received_before
+                fruitless = 0 if assembler.received > received_before else fruitless + 1
         return None
 
     async def _open_grpc(self, holder: Holdings, assembler: ChunkAssembler) -> AsyncIterator[bytes]:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from cgad.protocol import FragmentError
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.codec import Codec, decode, encode, encoded_size
 from cgad.protocol.network import FragmentStore, NetworkConfig, NetworkTransport, StoredFragment
@@ -287,6 +288,20 @@ def test_versions_far_behind_this_peer_are_ignored(swarm: list[NetworkTransport]
         assert p1.receive(15) == []
     finally:
         p1.report_progress([0] * NUM_FRAGMENTS, inner_step=0, tokens_per_second=0.0)
+
+
+@pytest.mark.timeout(60)
+def test_download_from_a_chosen_holder_over_a_chosen_path(swarm: list[NetworkTransport]) -> None:
+    p0, _, _, p3 = swarm
+    data = encode(torch.randn(SMALL), "fp16")
+    p0.publish_encoded(key(p0, 4, 77), data, codec=Codec.FP16, numel=SMALL, tokens=0)
+    wait_for(lambda: p0.store.get(content_hash(data)) is not None, what="the publisher's store")
+    holder = Holdings(peer_id=p0.peer_id, grpc=p0.grpc_endpoint, offers=[])
+    for path in ("grpc", "libp2p"):
+        assert bytes(p3.download(holder, content_hash(data), len(data), path)) == data
+    with pytest.raises(FragmentError) as info:
+        p3.download(holder, bytes(32), len(data), "grpc")  # nobody holds these bytes
+    assert info.value.reason == "unavailable"
 
 
 @pytest.mark.timeout(60)
