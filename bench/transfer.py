@@ -11,7 +11,8 @@ machine noise falls on all alike.
 
 ``cpu_seconds_per_gb`` is the CPU time of every process involved (both Python processes and both
 p2pd daemons) per GB of encoded bytes delivered: what a transfer takes from training.
-The codec table times ``encode`` and ``decode`` of the 64 MB fp32 tensor (GB/s of fp32 input).
+The codec table times ``encode`` and ``decode`` of the 64 MB fp32 tensor (GB/s of fp32 input;
+CPU seconds per GB of fp32 input, summed over torch's threads).
 
     python bench/transfer.py [--repeats 3] [--sizes-mb 64 256] [--out bench/results/transfer.json]
 """
@@ -107,19 +108,27 @@ def codec_speeds(numel: int, repeats: int) -> list[dict]:
         encode_times, decode_times = [], []
         data = encode(x, codec)  # warm the per-thread scratch buffers
         decode(data)
+        encode_cpu = decode_cpu = 0.0
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             data = encode(x, codec)
             encode_times.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            encode_cpu += time.process_time() - cpu
+            start, cpu = time.perf_counter(), time.process_time()
             decode(data)
             decode_times.append(time.perf_counter() - start)
+            decode_cpu += time.process_time() - cpu
         gb = numel * 4 / 1e9
         rows.append(
             {
                 "codec": str(codec),
                 "encode_gb_per_s": round(gb / statistics.median(encode_times), 3),
                 "decode_gb_per_s": round(gb / statistics.median(decode_times), 3),
+                # the fastest repeat: the least disturbed by other work on the machine
+                "encode_gb_per_s_best": round(gb / min(encode_times), 3),
+                "decode_gb_per_s_best": round(gb / min(decode_times), 3),
+                "encode_cpu_seconds_per_gb": round(encode_cpu / (repeats * gb), 3),
+                "decode_cpu_seconds_per_gb": round(decode_cpu / (repeats * gb), 3),
                 "encoded_bytes": len(data),
             }
         )

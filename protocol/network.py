@@ -26,8 +26,9 @@ import random
 import tempfile
 import threading
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -72,6 +73,7 @@ GRPC_FETCH = f"/{_SERVICE}/Fetch"
 FETCH_HANDLER = f"{_SERVICE}.Fetch"  # the libp2p protocol name
 PATHS = ("grpc", "libp2p")
 _KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS}
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,7 +84,7 @@ class NetworkConfig:
     initial_peers: Sequence[str] = ()  # multiaddrs of peers already in the swarm
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: Sequence[str] | None = None
-    identity_path: str | None = None  # a libp2p RSA key file for a stable peer id
+    identity_path: str | None = None  # a libp2p RSA key file for a stable peer id (made if absent)
     grpc_listen: str | None = "127.0.0.1:0"  # None: no direct endpoint (NAT): serve over libp2p only
     grpc_announce_host: str | None = None  # the host others dial, when it differs from the listen one
     codec: Codec = Codec.FP4  # for pseudo-gradients (Streaming DiLoCo exchanges 4-bit floats)
@@ -176,7 +178,9 @@ class NetworkTransport(Transport):
 
     def __init__(self, config: NetworkConfig, identity: Identity | None = None) -> None:
         self.config = config
-        self.identity = identity or Identity()
+        if identity is None:
+            identity = Identity.load_or_create(config.identity_path) if config.identity_path else Identity()
+        self.identity = identity
         self.peer_id = self.identity.peer_id
         self.stats = TransportStats()
         self.bytes_by_path: Counter[str] = Counter()  # bytes fetched over each path
@@ -339,10 +343,10 @@ class NetworkTransport(Transport):
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def _call(self, coroutine, timeout: float):
+    def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from typing import Optional
 
 import multihash  # pymultihash, a hivemind dependency: the helper PeerID itself uses
@@ -126,6 +127,24 @@ def peer_id_of_owner(owner: bytes) -> str:
 
 class Identity:
     """One RSA key that is both this peer's libp2p identity and its DHT signing key."""
+
+    @classmethod
+    def load_or_create(cls, path: str) -> Identity:
+        """The identity kept in ``path`` (libp2p's key file format, as ``p2pd -id`` reads it),
+        written there first if the file does not exist: a stable peer id across restarts."""
+        if os.path.exists(path):
+            with open(path, "rb") as key_file:
+                stored = crypto_pb2.PrivateKey.FromString(key_file.read())
+            if stored.key_type != crypto_pb2.KeyType.RSA:
+                raise ValueError(f"{path} holds no RSA key: hivemind's signatures need one")
+            private_key = RSAPrivateKey.__new__(RSAPrivateKey)
+            private_key.__setstate__({"_private_key": stored.data})  # hivemind's unpickling path
+            return cls(private_key)
+        identity = cls()
+        with open(path, "wb") as key_file:
+            key_file.write(identity.libp2p_identity)
+        os.chmod(path, 0o400)
+        return identity
 
     def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
         self.private_key = private_key or RSAPrivateKey()

@@ -17,6 +17,7 @@ import struct
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -360,6 +361,16 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.timeout(60)
+def test_identity_file_gives_a_stable_peer_id(tmp_path: Path) -> None:
+    path = str(tmp_path / "peer.key")
+    with NetworkTransport(_config(fragment_numel={}, identity_path=path)) as first:
+        peer_id = first.peer_id
+    with NetworkTransport(_config(fragment_numel={}, identity_path=path)) as second:
+        assert second.peer_id == peer_id
+        assert second.p2p is not None and second.p2p.peer_id.to_base58() == peer_id
 
 
 @pytest.mark.timeout(60)
