@@ -7,17 +7,26 @@ every error exits with status 2 before anything runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import json
 import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from cgad.node import __version__
+from cgad.node.outer import OPTIMIZERS
 
 
 class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors suggest the closest known flag or subcommand."""
+    """ArgumentParser whose errors suggest the closest known flag or subcommand. Prefixes of flags
+    are not accepted: `--inner-step` is a typo to report, not a guess to act on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         hint = self._suggestion(message)
@@ -76,7 +85,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     """Run the virtual swarm once per (optimizer, seed); write the JSON and a PNG beside it."""
-    import json
     from pathlib import Path
 
     import torch
@@ -139,6 +147,163 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+_JOIN_HELP = {
+    "run_id": "name of the training run; peers of other runs are refused",
+    "peers": "multiaddrs of peers already in the swarm (none: start a new swarm)",
+    "host_maddrs": "multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337",
+    "announce_maddrs": "multiaddrs others should dial (a public IP behind port forwarding)",
+    "identity": "key file for a stable peer id across restarts (created if missing)",
+    "client_mode": "behind NAT: only dial out; be reached through relays",
+    "use_relay": "use libp2p relays to reach and be reached by NATed peers",
+    "grpc_host": "host for the direct gRPC data path ('none': libp2p only)",
+    "maddrs_file": "write this node's multiaddrs here, one per line",
+    "checkpoint_dir": "checkpoint here, and resume from it if it holds one",
+    "data": ".txt/.md file, folder of them, or .jsonl with 'text' (default: bundled corpus)",
+    "tokenizer": "a Hugging Face tokenizer directory (default: the bundled BPE)",
+    "model": "preset (tiny, small, base, 1b) or a Llama config.json",
+    "inner_steps": "H: inner steps per outer round",
+    "fragments": "F: fragments synced in turn, one every H/F steps (Streaming DiLoCo)",
+    "codec": "pseudo-gradient encoding on the wire",
+    "fan_in": "at most this many peers' fragments fetched per fragment and round",
+    "mixing": "gossip: also average outer parameters with a random peer",
+    "device": "auto picks CUDA (with bf16 autocast) when present",
+    "max_rounds": "stop after this many outer rounds (0: until told to leave)",
+    "admin_port": "admin gRPC port on --admin-host (0: any free port)",
+    "metrics_port": "serve Prometheus metrics on this port",
+    "dry_run": "validate the whole configuration, print it, and exit",
+    "config": "YAML file of options (flags given on the command line win)",
+}
+
+
+def _add_join(subparsers: argparse._SubParsersAction) -> None:
+    from cgad.node.config import CODECS, DEVICES, MIXING, NodeConfig
+
+    join = subparsers.add_parser(
+        "join",
+        help="run a node: join a swarm (or start one) and train",
+        description="Train locally and exchange age-weighted pseudo-gradient fragments with the swarm. "
+        "Options can also come from a YAML file (--config); flags win.",
+        argument_default=argparse.SUPPRESS,  # only flags actually given override the YAML file
+    )
+    join.add_argument("--config", help=_JOIN_HELP["config"])
+    choices = {"optimizer": OPTIMIZERS, "codec": CODECS, "mixing": MIXING, "device": DEVICES}
+    for name, spec in NodeConfig.fields().items():
+        flag = "--" + name.replace("_", "-")
+        kind = str(spec.type)
+        default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+        helptext = _JOIN_HELP.get(name, "") + f" (default: {default})"
+        if kind.startswith("bool"):
+            join.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
+        elif kind.startswith("list"):
+            join.add_argument(flag, nargs="*", metavar="MULTIADDR", help=helptext)
+        else:
+            convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+            join.add_argument(flag, type=convert, choices=choices.get(name), help=helptext)
+    join.set_defaults(handler=_cmd_join)
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    import logging
+
+    from cgad.node.config import NodeConfig, load_yaml
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "config")}
+    file_values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    config = NodeConfig.build(file_values, flags)
+    if config.dry_run:
+        print(json.dumps(dataclasses.asdict(config), indent=1))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cgad.node.daemon import Node
+
+    node = Node(config)
+    try:
+        return node.run()
+    finally:
+        node.close()
+
+
+def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
+    status = subparsers.add_parser("status", help="show a running node's status")
+    status.add_argument("--admin", default="127.0.0.1:7780", help="the node's admin API (HOST:PORT)")
+    status.add_argument("--json", action="store_true", help="print the raw status document")
+    status.set_defaults(handler=_cmd_status)
+    leave = subparsers.add_parser("leave", help="ask a node to finish its step, publish, checkpoint and exit")
+    leave.add_argument("--admin", default="127.0.0.1:7780", help="the node's admin API (HOST:PORT)")
+    leave.set_defaults(handler=_cmd_leave)
+    export = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    export.add_argument("--checkpoint-dir", required=True)
+    export.add_argument("--out", required=True, help="directory for config.json, weights and tokenizer")
+    export.set_defaults(handler=_cmd_export)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from cgad.node.admin import call_admin
+
+    status = call_admin(args.admin, "Status")
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    for key, value in status.items():
+        if key not in ("eval_history", "applied_by_peer"):
+            print(f"{key:<18} {value}")
+    return 0
+
+
+def _cmd_leave(args: argparse.Namespace) -> int:
+    from cgad.node.admin import call_admin
+
+    call_admin(args.admin, "Leave")
+    print(f"asked the node at {args.admin} to leave")
+    return 0
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo",
+        help="run a small real swarm on this machine and show it train",
+        description="Start N nodes on 127.0.0.1 as separate processes (bundled corpus, tiny model), "
+        "show their progress, and end with a summary table and a PNG of their loss curves.",
+    )
+    demo.add_argument("--nodes", type=int, default=3)
+    demo.add_argument("--minutes", type=float, default=5.0)
+    demo.add_argument("--out", default=".", help="folder for the PNG and the nodes' logs and checkpoints")
+    demo.add_argument("--optimizer", default="cgad", choices=OPTIMIZERS)
+    demo.add_argument("--model", default="tiny")
+    demo.add_argument("--inner-steps", type=int, default=20)
+    demo.add_argument("--batch-size", type=int, default=4)
+    demo.add_argument("--seq-len", type=int, default=64)
+    demo.add_argument("--inner-lr", type=float, default=1e-3)
+    demo.set_defaults(handler=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cgad.node.demo import run_demo
+
+    options = {
+        "optimizer": args.optimizer,
+        "model": args.model,
+        "inner_steps": args.inner_steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "inner_lr": args.inner_lr,
+        "codec": "fp16",
+    }
+    png = run_demo(args.nodes, args.minutes, Path(args.out), options)
+    print(f"loss curves: {png.resolve()}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from cgad.node.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint_dir, args.out)
+    print(f"wrote a Hugging Face model directory to {out}")
+    return 0
+
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -152,13 +317,14 @@ def build_parser() -> _Parser:
 
     info = subparsers.add_parser("info", help="show versions, accelerator and available outer optimizers")
     info.set_defaults(handler=_cmd_info)
+    _add_join(subparsers)
+    _add_admin_commands(subparsers)
+    _add_demo(subparsers)
     _add_simulate(subparsers)
     return parser
 
 
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
-    from cgad.node.outer import OPTIMIZERS
-
     sim = subparsers.add_parser(
         "simulate",
         help="run the outer loop over a virtual swarm with controlled delay and failure",
@@ -210,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
         # bad input (a data path, a model config, an option's value): say what, not where
         if os.environ.get("CGAD_DEBUG"):
             raise

@@ -60,6 +60,8 @@ class OuterConfig:
     momentum: float = 0.9  # Nesterov family
     noloco_beta: float = 0.5
     restart_every: int = 0
+    mixing: str = "none"  # "gossip": after the outer step, average φ with one random peer's
+    mixing_period: int = 1  # rounds between gossip mixes
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -68,6 +70,10 @@ class OuterConfig:
             raise ValueError(f"fragments must be >= 1, got {self.fragments}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"outer lr must be > 0, got {self.lr}")
+        if self.mixing not in ("none", "gossip"):
+            raise ValueError(f"mixing must be none or gossip, got {self.mixing!r}")
+        if self.mixing_period < 1:
+            raise ValueError(f"mixing_period must be >= 1, got {self.mixing_period}")
 
     @property
     def outer_lr(self) -> float:
@@ -100,8 +106,10 @@ class _Counters:
     dropped_stale: int = 0
     from_future: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    applied_by_peer: Counter[str] = field(default_factory=Counter)
     age_sum: int = 0
     age_count: int = 0
+    mixed: int = 0
 
 
 class OuterLoop:
@@ -159,8 +167,10 @@ class OuterLoop:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def fragment_numel(self, f: int) -> int:
-        return sum(self.phi[i].numel() for i in self.fragments[f])
+    @staticmethod
+    def layout_numels(params: list[Tensor], fragments: int) -> list[int]:
+        """How many values each fragment holds, for a transport that validates what it fetches."""
+        return [sum(params[i].numel() for i in idx) for idx in strided_fragments(len(params), fragments)]
 
     def sync(self, f: int, tokens: int) -> list[Delivery]:
         """Fragment f's turn: publish its pseudo-gradient, then apply what has arrived."""
@@ -176,7 +186,7 @@ class OuterLoop:
         self._own[f] = Fragment(key, own, tokens)
         self.transport.publish(self._own[f])
         self.counters.published += 1
-        if self.config.optimizer == "noloco":
+        if self.config.optimizer == "noloco" or self._mixing_due(f):
             params = torch.cat([self.phi[i].detach().flatten() for i in idx])
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
 
@@ -199,6 +209,8 @@ class OuterLoop:
             incoming.append((frag, age))
         with torch.no_grad():
             taken = self._apply(f, incoming)
+            if self._mixing_due(f):
+                self._gossip(f)
             self.versions[f] += 1
             for i in self.fragments[f]:
                 self.theta[i].copy_(self.phi[i])
@@ -215,6 +227,8 @@ class OuterLoop:
                 continue
             d = Delivery(f, frag.key.publisher, frag.key.base_version, age, w, own=n == 0)
             taken.append(d)
+            if n:
+                self.counters.applied_by_peer[frag.key.publisher] += 1
             self.counters.age_sum += age
             self.counters.age_count += 1
         self.counters.applied += len(taken) - 1  # the own fragment is not counted as applied
@@ -254,6 +268,25 @@ class OuterLoop:
             out.append(flat[offset : offset + n].view_as(self.phi[i]))
             offset += n
         return out
+
+    def _mixing_due(self, f: int) -> bool:
+        c = self.config
+        return c.mixing == "gossip" and c.optimizer != "noloco" and self.versions[f] % c.mixing_period == 0
+
+    def _gossip(self, f: int) -> None:
+        """Average fragment f's φ with one random peer's latest published φ (pairwise gossip)."""
+        offers = [p for p in self.transport.receive(f, Kind.PARAMS) if p.tensor.numel() == self._numel(f)]
+        if not offers:
+            return
+        partner = self._rng.choice(sorted(offers, key=lambda p: p.key.publisher))
+        for mine, theirs in zip(
+            [self.phi[i].data for i in self.fragments[f]], self._unflatten(f, partner.tensor), strict=True
+        ):
+            mine.lerp_(theirs.to(mine.dtype), 0.5)
+        self.counters.mixed += 1
+
+    def _numel(self, f: int) -> int:
+        return sum(self.phi[i].numel() for i in self.fragments[f])
 
     def _noloco_step(self, f: int, kept: list[tuple[Fragment, int, float]]) -> None:
         idx = self.fragments[f]

@@ -1,0 +1,356 @@
+"""One peer of a real swarm: `cgad-node join`.
+
+The node trains its local model with inner AdamW steps and, at each fragment's turn, runs the
+``OuterLoop`` over the network transport: publish the fragment's pseudo-gradient, apply whatever
+peers' fragments have arrived, weighted by their age, and continue from the new outer parameters.
+It never waits for a peer. Around that loop: it starts from its checkpoint if it has one, else
+from a live peer's state (refusing a swarm whose run id, model or tokenizer differ, and saying
+which); it re-syncs when it has fallen more than the cutoff behind; it checkpoints atomically; it
+answers the admin API (status, leave, health) and serves Prometheus metrics; on `leave`, SIGINT or
+SIGTERM it finishes the step, publishes, checkpoints and exits 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cgad.node.admin import AdminServer
+from cgad.node.checkpoint import CheckpointError, load_checkpoint, pack, save_checkpoint, unpack
+from cgad.node.config import NodeConfig
+from cgad.node.data import load_dataset
+from cgad.node.export import TOKENIZER_DIR
+from cgad.node.metrics import Metrics
+from cgad.node.model import build_model
+from cgad.node.outer import OuterConfig, OuterLoop
+from cgad.node.tokenizer import load_tokenizer
+from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.protocol.errors import FragmentError
+from cgad.protocol.network import NetworkConfig, NetworkTransport
+from cgad.protocol.records import Identity
+
+__all__ = ["IncompatibleSwarm", "Node"]
+
+logger = logging.getLogger(__name__)
+
+
+class IncompatibleSwarm(RuntimeError):
+    """The swarm (or a checkpoint) trains something else: another run, model or tokenizer."""
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = c = config
+        self.device = _device(c.device)
+        self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
+        self.tokenizer = load_tokenizer(c.tokenizer)
+        self.dataset = load_dataset(self.tokenizer, c.data)
+        self.model = build_model(c.model, self.tokenizer.vocab_size, seed=c.seed).to(self.device)
+        self.swarm = {
+            "run_id": c.run_id,
+            "model": _model_fingerprint(self.model.config.to_dict()),
+            "tokenizer": self.tokenizer.fingerprint,
+        }
+        self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
+        self.peer_id = self.identity.peer_id
+        # no coordinator assigns shards: each peer draws windows from the whole training split
+        # with a stream seeded by its own id, so peers' batches differ
+        seed = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "little")
+        self.batches = self.dataset.shard(0, 1).batches(c.batch_size, c.seq_len, seed=seed)
+        self.trainer = InnerTrainer(
+            self.model,
+            self.batches,
+            lr=c.inner_lr,
+            warmup_steps=c.warmup_steps,
+            device=self.device,
+            autocast_dtype=self.autocast,
+        )
+        self.eval_batches = self.dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
+        outer = OuterConfig(
+            optimizer=c.optimizer,
+            lr=c.outer_lr,
+            fragments=c.fragments,
+            alpha=c.alpha,
+            cutoff=c.cutoff,
+            mixing=c.mixing,
+            mixing_period=c.mixing_period,
+        )
+        params = list(self.model.parameters())
+        numels = OuterLoop.layout_numels(params, c.fragments)
+        self.transport = NetworkTransport(
+            NetworkConfig(
+                run_id=c.run_id,
+                num_fragments=c.fragments,
+                fragment_numel=dict(enumerate(numels)),
+                initial_peers=c.peers,
+                host_maddrs=c.host_maddrs,
+                announce_maddrs=c.announce_maddrs or None,
+                identity_path=c.identity,
+                client_mode=c.client_mode,
+                use_relay=c.use_relay,
+                grpc_listen=None if c.grpc_host == "none" else f"{c.grpc_host}:{c.grpc_port}",
+                grpc_announce_host=c.grpc_announce_host,
+                codec=c.codec,
+                fan_in=c.fan_in,
+            ),
+            identity=self.identity,
+        )
+        self.loop = OuterLoop(params, outer, self.transport, c.run_id, seed=seed)
+        self.transport.serve_state(self.state_blob)
+        self.round = 0
+        self.losses: deque[float] = deque(maxlen=50)
+        self.eval_history: list[tuple[int, float]] = []
+        self.tokens_per_second = 0.0
+        self.resyncs = 0
+        self.started_from = "scratch"
+        self._leave = threading.Event()
+        self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
+        self.admin = AdminServer(c.admin_host, c.admin_port, status=self.status, leave=self.request_leave)
+
+    # ------------------------------------------------------------------ state
+
+    def state_blob(self) -> bytes:
+        """What a joining peer downloads: the swarm's identity and this peer's outer state."""
+        return pack({"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round})
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "swarm": self.swarm,
+            "peer_id": self.peer_id,
+            "outer": self.loop.state_dict(),
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.trainer.optimizer.state_dict(),
+            "inner_step": self.trainer.steps,
+            "tokens": self.trainer.tokens,
+            "round": self.round,
+            "data": self.batches.state_dict(),
+            "eval_history": [list(e) for e in self.eval_history],
+            "model_config": self.model.config.to_dict(),
+        }
+
+    def save(self) -> None:
+        """Checkpoint atomically; the first time, also the tokenizer beside it (for export)."""
+        directory = Path(self.config.checkpoint_dir)
+        tokenizer_dir = directory / TOKENIZER_DIR
+        if not tokenizer_dir.exists():
+            tmp = directory / f".{TOKENIZER_DIR}.tmp"
+            self.tokenizer.save_pretrained(tmp)
+            tmp.replace(tokenizer_dir)
+        save_checkpoint(directory, self._checkpoint_state())
+
+    def _check_compatible(self, theirs: dict[str, Any], where: str) -> None:
+        for key, what in (("run_id", "run id"), ("model", "model config"), ("tokenizer", "tokenizer")):
+            if theirs.get(key) != self.swarm[key]:
+                raise IncompatibleSwarm(
+                    f"{where} has a different {what} ({theirs.get(key)!r}, this node: {self.swarm[key]!r});"
+                    f" refusing to join"
+                )
+
+    def resume_or_join(self) -> None:
+        c = self.config
+        state = load_checkpoint(c.checkpoint_dir) if c.checkpoint_dir else None
+        if state is not None:
+            self._check_compatible(state["swarm"], f"checkpoint in {c.checkpoint_dir}")
+            self.loop.load_state_dict(state["outer"])  # φ and versions; it sets θ = φ
+            self.model.load_state_dict(state["model"])  # then θ as it was, mid-round
+            self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
+            self.trainer.steps = state["inner_step"]
+            self.trainer.tokens = state["tokens"]
+            self.batches.load_state_dict(state["data"])
+            self.round = state["round"]
+            self.eval_history = [tuple(e) for e in state["eval_history"]]
+            self.started_from = "checkpoint"
+            logger.info("resumed from %s at round %d", c.checkpoint_dir, self.round)
+        if c.peers:
+            # a fresh node starts from the swarm's model; a resumed one catches up if it lags
+            self.sync_from_swarm(required=state is None)
+
+    def sync_from_swarm(self, required: bool) -> bool:
+        """Adopt the outer state of the most advanced live peer (if ahead of ours)."""
+        deadline = time.monotonic() + (60.0 if required else 10.0)
+        while time.monotonic() < deadline and not self._leave.is_set():
+            progress = self.transport.swarm_progress()
+            progress.pop(self.peer_id, None)
+            candidates = sorted(progress.values(), key=lambda p: -min(p.versions or [0]))
+            candidates = [p.peer_id for p in candidates] or self._bootstrap_peer_ids()
+            for peer in candidates:
+                try:
+                    blob = self.transport.download_state(peer, timeout=120)
+                    state = unpack(bytes(blob))
+                except (FragmentError, CheckpointError) as exc:
+                    logger.warning("state download from %s failed: %s", peer, exc)
+                    continue
+                self._check_compatible(state["swarm"], f"peer {peer}")
+                if min(state["outer"]["versions"]) <= min(self.loop.versions):
+                    return False  # we are not behind this peer
+                self.loop.load_state_dict(state["outer"])
+                self.round = max(self.round, state["round"])
+                self.started_from = f"peer {peer}"
+                logger.info("adopted the outer state of %s at versions %s", peer, self.loop.versions)
+                return True
+            time.sleep(1.0)
+        if required:
+            raise RuntimeError("could not download the swarm's state from any peer; is --peers right?")
+        return False
+
+    def _bootstrap_peer_ids(self) -> list[str]:
+        return [addr.rsplit("/p2p/", 1)[1] for addr in self.config.peers if "/p2p/" in addr]
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        c = self.config
+        self._install_signal_handlers()
+        self._announce()
+        self.resume_or_join()
+        if not self.eval_history:
+            self.eval_history.append(
+                (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
+            )
+        block = c.inner_steps // c.fragments
+        last, last_tokens = time.monotonic(), self.trainer.tokens
+        while not self._leave.is_set():
+            self.losses.append(self.trainer.step())
+            now = time.monotonic()
+            if now - last >= 2.0:
+                self.tokens_per_second = (self.trainer.tokens - last_tokens) / (now - last)
+                last, last_tokens = now, self.trainer.tokens
+            if self.trainer.steps % block:
+                continue
+            self._sync((self.trainer.steps // block - 1) % c.fragments, block)
+            if c.max_rounds and self.round >= c.max_rounds:
+                break
+        self._finish(block)
+        return 0
+
+    def _sync(self, fragment: int, block: int) -> None:
+        c = self.config
+        self.loop.sync(fragment, tokens=block * c.batch_size * c.seq_len)
+        self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
+        if fragment == c.fragments - 1:
+            self.round += 1
+            if self.round % c.eval_every == 0:
+                loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
+                self.eval_history.append((self.round, loss))
+            if c.checkpoint_dir and self.round % c.checkpoint_every == 0:
+                self.save()
+            if self.loop.behind_by() > c.cutoff:
+                logger.warning("%d versions behind the swarm: re-syncing", self.loop.behind_by())
+                if self.sync_from_swarm(required=False):
+                    self.resyncs += 1
+        if self.metrics:
+            self.metrics.update(self.status())
+        self._status_line()
+
+    def _finish(self, block: int) -> None:
+        """Publish what was trained since the last sync, checkpoint, and let peers fetch it."""
+        c = self.config
+        pending = self.trainer.steps % block
+        if pending:
+            self.loop.sync((self.trainer.steps // block) % c.fragments, pending)
+        if c.checkpoint_dir:
+            self.save()
+        self._status_line(final=True)
+
+    def close(self) -> None:
+        self.admin.stop()
+        self.transport.close()
+        if self.metrics:
+            self.metrics.stop()
+
+    def request_leave(self) -> None:
+        self._leave.set()
+
+    def _install_signal_handlers(self) -> None:
+        # hivemind sets SIGINT to ignored in the host process: take both signals back
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.request_leave())
+
+    def _announce(self) -> None:
+        maddrs = self.transport.maddrs()
+        print(f"peer id   {self.peer_id}", flush=True)
+        for addr in maddrs:
+            print(f"multiaddr {addr}", flush=True)
+        print(f"admin     {self.admin.address}", flush=True)
+        if self.config.maddrs_file:
+            path = Path(self.config.maddrs_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text("".join(f"{a}\n" for a in maddrs))
+            tmp.replace(path)
+
+    # ------------------------------------------------------------------ what it shows
+
+    def status(self) -> dict[str, Any]:
+        counters = self.loop.counters
+        rejected = dict(self.transport.stats.rejected)
+        for reason, count in counters.rejected.items():
+            rejected[reason] = rejected.get(reason, 0) + count
+        recent = list(self.losses)
+        return {
+            "peer_id": self.peer_id,
+            "run_id": self.config.run_id,
+            "optimizer": self.config.optimizer,
+            "versions": list(self.loop.versions),
+            "round": self.round,
+            "inner_step": self.trainer.steps,
+            "loss": sum(recent) / len(recent) if recent else None,
+            "eval_loss": self.eval_history[-1][1] if self.eval_history else None,
+            "eval_history": [list(e) for e in self.eval_history],
+            "tokens_per_second": self.tokens_per_second,
+            "peers": len(self.transport.live_peers()),
+            "published": counters.published,
+            "applied": counters.applied,
+            "applied_by_peer": dict(counters.applied_by_peer),
+            "rejected": rejected,
+            "dropped_stale": counters.dropped_stale,
+            "mean_age": self.loop.mean_age(),
+            "resyncs": self.resyncs,
+            "started_from": self.started_from,
+            "device": str(self.device),
+        }
+
+    def _status_line(self, final: bool = False) -> None:
+        s = self.status()
+        loss = "-" if s["loss"] is None else f"{s['loss']:.3f}"
+        evl = "-" if s["eval_loss"] is None or not math.isfinite(s["eval_loss"]) else f"{s['eval_loss']:.3f}"
+        line = (
+            f"round {s['round']} step {s['inner_step']} loss {loss} eval {evl} "
+            f"tok/s {s['tokens_per_second']:.0f} peers {s['peers']} "
+            f"out {s['published']} in {s['applied']} age {s['mean_age']:.2f}"
+        )
+        if sys.stderr.isatty() and not final:
+            sys.stderr.write("\r" + line[:200].ljust(100))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _model_fingerprint(config: dict[str, Any]) -> str:
+    """The shape-defining part of a model config, hashed: peers must train the same network."""
+    keys = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "tie_word_embeddings", "max_position_embeddings", "model_type",
+    )  # fmt: skip
+    shape = {k: config.get(k) for k in keys}
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
