@@ -1,0 +1,132 @@
+"""Checkpoints (atomic, lossless, safe to parse) and the node's configuration (YAML + flags)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgad.node.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    load_checkpoint,
+    pack,
+    save_checkpoint,
+    unpack,
+)
+from cgad.node.config import NodeConfig, load_yaml
+
+CLI = str(Path(sys.executable).with_name("cgad-node"))
+
+
+def sample_state():
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    return {
+        "opt": opt.state_dict(),
+        "versions": [3, 4],
+        "betas": (0.9, 0.95),
+        "bf16": torch.ones(2, dtype=torch.bfloat16),
+    }
+
+
+def test_pack_round_trip_keeps_types_and_values():
+    state = sample_state()
+    back = unpack(pack(state))
+    assert back["versions"] == [3, 4] and back["betas"] == (0.9, 0.95)
+    assert back["bf16"].dtype == torch.bfloat16
+    assert list(back["opt"]["state"]) == [0]  # int keys survive
+    torch.testing.assert_close(back["opt"]["state"][0]["exp_avg"], state["opt"]["state"][0]["exp_avg"])
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4, 3))])
+    fresh.load_state_dict(back["opt"])
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage", b"\xff" * 64, (8).to_bytes(8, "little") + b"{}{}{}{}"])
+def test_unpack_rejects_malformed_blobs(data):
+    with pytest.raises(CheckpointError):
+        unpack(data)
+
+
+def test_save_replaces_atomically_and_leaves_no_temp_files(tmp_path):
+    save_checkpoint(tmp_path, {"round": 1, "w": torch.zeros(3)})
+    save_checkpoint(tmp_path, {"round": 2, "w": torch.ones(3)})
+    assert load_checkpoint(tmp_path)["round"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+    assert load_checkpoint(tmp_path / "empty") is None
+
+
+def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, {"round": 1, "w": torch.zeros(1000)})
+    # a child process that dies (SIGKILL) while writing a much larger checkpoint
+    code = (
+        "import os, signal, torch\n"
+        "import cgad.node.checkpoint as c\n"
+        "real = os.fsync\n"
+        "def die(fd):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "os.fsync = die\n"
+        f"c.save_checkpoint({str(tmp_path)!r}, {{'round': 2, 'w': torch.ones(10**6)}})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert result.returncode == -9
+    state = load_checkpoint(tmp_path)
+    assert state["round"] == 1 and state["w"].numel() == 1000
+
+
+def test_yaml_config_and_flags(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("run-id: shakespeare\ninner_steps: 20\nfragments: 2\npeers: /ip4/1.2.3.4/tcp/5/p2p/Qm\n")
+    values = load_yaml(path)
+    config = NodeConfig.build(values, {"inner_steps": 40})
+    assert config.run_id == "shakespeare" and config.inner_steps == 40 and config.fragments == 2
+    assert config.peers == ["/ip4/1.2.3.4/tcp/5/p2p/Qm"]
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("inner-step: 20\n", "unknown option 'inner-step' .*did you mean 'inner-steps'"),
+        ("inner_steps: many\n", "inner_steps must be a number"),
+        ("client_mode: 3\n", "client_mode must be true or false"),
+        ("- a\n- b\n", "mapping"),
+        ("a: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_yaml(tmp_path, text, match):
+    path = tmp_path / "node.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_yaml(path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"optimizer": "adamw"}, "optimizer must be one of"),
+        ({"codec": "3bit"}, "codec must be one of"),
+        ({"inner_steps": 10, "fragments": 3}, "multiple"),
+        ({"data": "does/not/exist"}, "does not exist"),
+    ],
+)
+def test_bad_node_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        NodeConfig(**kwargs)
+
+
+def test_join_dry_run_validates_flags_and_file(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("run_id: from-file\ninner_steps: 8\n")
+    env = {**os.environ, "CGAD_CACHE_DIR": str(tmp_path)}
+    ok = subprocess.run([CLI, "join", "--config", str(path), "--fragments", "2", "--dry-run"],
+                        capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert '"run_id": "from-file"' in ok.stdout and '"fragments": 2' in ok.stdout
+    typo = subprocess.run([CLI, "join", "--fragmnets", "2"], capture_output=True, text=True, timeout=120)
+    assert typo.returncode == 2 and "--fragments" in typo.stderr
+    bad = subprocess.run([CLI, "join", "--config", str(path), "--fragments", "3", "--dry-run"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "multiple of fragments" in bad.stderr
