@@ -21,7 +21,6 @@ import hashlib
 import os
 from typing import Optional
 
-import multihash  # pymultihash, a hivemind dependency: the helper PeerID itself uses
 import pydantic.v1 as pydantic
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
@@ -118,11 +117,10 @@ def peer_id_of_owner(owner: bytes) -> str:
     except (ValueError, TypeError) as error:
         raise FragmentError("forged", f"unreadable owner key: {error}") from None
     der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    # libp2p: a peer id is the sha2-256 multihash of the protobuf-wrapped public key (RSA keys are
-    # too long for the identity hash).
+    # libp2p: a peer id is the sha2-256 multihash (code 0x12, length 32, digest) of the
+    # protobuf-wrapped public key; RSA keys are too long for the identity hash.
     wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    digest = multihash.encode(hashlib.sha256(wrapped).digest(), multihash.coerce_code("sha2-256"))
-    return PeerID(digest).to_base58()
+    return PeerID(b"\x12\x20" + hashlib.sha256(wrapped).digest()).to_base58()
 
 
 class Identity:
