@@ -231,10 +231,23 @@ def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
     leave = subparsers.add_parser("leave", help="ask a node to finish its step, publish, checkpoint and exit")
     leave.add_argument("--admin", default="127.0.0.1:7780", help="the node's admin API (HOST:PORT)")
     leave.set_defaults(handler=_cmd_leave)
+    keygen = subparsers.add_parser(
+        "keygen", help="create (or read) an identity key file and print its peer id"
+    )
+    keygen.add_argument("--out", required=True, help="key file; an existing one is read, not replaced")
+    keygen.set_defaults(handler=_cmd_keygen)
     export = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("--checkpoint-dir", required=True)
     export.add_argument("--out", required=True, help="directory for config.json, weights and tokenizer")
     export.set_defaults(handler=_cmd_export)
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from cgad.protocol.records import Identity
+
+    identity = Identity.load_or_create(args.out)
+    print(identity.peer_id)
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
