@@ -26,13 +26,14 @@ import random
 import tempfile
 import threading
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import torch
 import uvloop
+from google.protobuf.message import Message
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -70,7 +71,9 @@ logger = logging.getLogger(__name__)
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["FragmentService"].full_name
 GRPC_FETCH = f"/{_SERVICE}/Fetch"
-FETCH_HANDLER = f"{_SERVICE}.Fetch"  # the libp2p protocol name
+GRPC_STATE = f"/{_SERVICE}/DownloadState"
+FETCH_HANDLER = f"{_SERVICE}.Fetch"  # libp2p protocol names
+STATE_HANDLER = f"{_SERVICE}.DownloadState"
 PATHS = ("grpc", "libp2p")
 _KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS}
 T = TypeVar("T")
@@ -105,6 +108,9 @@ class NetworkConfig:
     fetch_timeout: float = 300.0
     upload_bytes_per_s: float | None = None  # cap on what this peer serves (volunteers' uplinks)
     startup_timeout: float = 60.0
+    client_mode: bool = False  # behind NAT: dial out only, be reached through relays
+    use_relay: bool = True  # let libp2p relay connections (to and from NATed peers)
+    max_state_bytes: int = 1 << 36  # the largest state blob a joining peer accepts
 
     def __post_init__(self) -> None:
         unknown = set(self.paths) - set(PATHS)
@@ -214,6 +220,7 @@ class NetworkTransport(Transport):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._grpc_server: grpc.aio.Server | None = None
         self._closed = False
+        self._state_provider: Callable[[], bytes] | None = None
 
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(
@@ -380,6 +387,9 @@ class NetworkTransport(Transport):
                 announce_maddrs=list(config.announce_maddrs) if config.announce_maddrs else None,
                 identity_path=identity_path,
                 check_if_identity_free=False,
+                use_relay=config.use_relay,
+                use_auto_relay=config.client_mode,
+                dht_mode="client" if config.client_mode else "server",
             )
         if self.p2p.peer_id.to_base58() != self.peer_id:
             raise RuntimeError("libp2p identity and signing key disagree")
@@ -387,18 +397,28 @@ class NetworkTransport(Transport):
             [schema_validator(config.run_id, config.num_fragments), self.identity.signature_validator]
         )
         self.dht_node = await DHTNode.create(
-            p2p=self.p2p, initial_peers=list(config.initial_peers) or None, record_validator=validator
+            p2p=self.p2p,
+            initial_peers=list(config.initial_peers) or None,
+            record_validator=validator,
+            client_mode=config.client_mode,
         )
         await self.p2p.add_protobuf_handler(
             FETCH_HANDLER, self._serve_libp2p, pb.FetchRequest, stream_output=True
         )
+        await self.p2p.add_protobuf_handler(
+            STATE_HANDLER, self._serve_state_libp2p, pb.StateRequest, stream_output=True
+        )
         if config.grpc_listen is not None:
             self._grpc_server = grpc.aio.server()
+            # no response serializers: the handlers yield messages already serialized
             fetch = grpc.unary_stream_rpc_method_handler(
                 self._serve_grpc, request_deserializer=pb.FetchRequest.FromString
-            )  # no response serializer: _serve_grpc yields messages already serialized
+            )
+            state = grpc.unary_stream_rpc_method_handler(
+                self._serve_state_grpc, request_deserializer=pb.StateRequest.FromString
+            )
             self._grpc_server.add_generic_rpc_handlers(
-                [grpc.method_handlers_generic_handler(_SERVICE, {"Fetch": fetch})]
+                [grpc.method_handlers_generic_handler(_SERVICE, {"Fetch": fetch, "DownloadState": state})]
             )
             port = self._grpc_server.add_insecure_port(config.grpc_listen)
             if port == 0:
@@ -466,7 +486,7 @@ class NetworkTransport(Transport):
     async def _store_progress(self) -> None:
         if self.dht_node is None:
             return
-        progress = self._progress.copy(update={"time": get_dht_time()})
+        progress = self._progress.copy(update={"time": get_dht_time(), "grpc": self.grpc_endpoint})
         self._live[self.peer_id] = progress
         await self.dht_node.store(
             progress_key(self.config.run_id),
@@ -486,28 +506,65 @@ class NetworkTransport(Transport):
 
     # ---------------------------------------------------------------- serving
 
+    async def _stream_out(
+        self, header: pb.FragmentHeader, data: bytes | bytearray, offset: int, serialized: bool
+    ) -> AsyncIterator[pb.FetchResponse | bytes]:
+        """Header and chunks, within this peer's upload rate."""
+        stream = serialized_response_stream if serialized else response_stream
+        rate = self.config.upload_bytes_per_s
+        started = self.loop.time()
+        position = offset
+        for index, message in enumerate(stream(header, data, offset)):
+            yield message
+            if index == 0:
+                continue  # the header
+            size = min(CHUNK_BYTES, len(data) - position)
+            position += size
+            self.stats.bytes_sent += size
+            if rate:
+                await asyncio.sleep(max(0.0, started + (position - offset) / rate - self.loop.time()))
+
+    @staticmethod
+    def _refusal(reason: str, serialized: bool) -> pb.FetchResponse | bytes:
+        message = pb.FetchResponse(error=reason)
+        return message.SerializeToString() if serialized else message
+
     async def _serve(
         self, request: pb.FetchRequest, serialized: bool
     ) -> AsyncIterator[pb.FetchResponse | bytes]:
         entry = self.store.get(request.content_hash)
         if entry is None:
-            missing = pb.FetchResponse(error="not held here")
-            yield missing.SerializeToString() if serialized else missing
+            yield self._refusal("not held here", serialized)
             return
         offset = min(request.offset, len(entry.data))
-        stream = serialized_response_stream if serialized else response_stream
-        rate = self.config.upload_bytes_per_s
-        started = self.loop.time()
-        position = offset
-        for index, message in enumerate(stream(entry.header, entry.data, offset)):
+        async for message in self._stream_out(entry.header, entry.data, offset, serialized):
             yield message
-            if index == 0:
-                continue  # the header
-            size = min(CHUNK_BYTES, len(entry.data) - position)
-            position += size
-            self.stats.bytes_sent += size
-            if rate:
-                await asyncio.sleep(max(0.0, started + (position - offset) / rate - self.loop.time()))
+
+    async def _serve_state(
+        self, request: pb.StateRequest, serialized: bool
+    ) -> AsyncIterator[pb.FetchResponse | bytes]:
+        """This peer's state blob. ``StateResponse`` mirrors ``FetchResponse`` field for field,
+        so the fragment stream writer (and reader) serve it unchanged."""
+        provider = self._state_provider
+        if provider is None or request.run_id != self.config.run_id:
+            yield self._refusal("no state for this run here", serialized)
+            return
+        try:
+            blob = await self.loop.run_in_executor(None, provider)
+        except Exception as error:
+            logger.exception("the state provider failed")
+            yield self._refusal(f"state unavailable: {error}", serialized)
+            return
+        header = pb.FragmentHeader(
+            run_id=self.config.run_id,
+            publisher=self.peer_id,
+            kind=pb.PARAMS,
+            codec="state",
+            content_hash=content_hash(blob),
+            byte_length=len(blob),
+        )
+        async for message in self._stream_out(header, blob, 0, serialized):
+            yield message
 
     async def _serve_grpc(
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
@@ -519,6 +576,18 @@ class NetworkTransport(Transport):
         self, request: pb.FetchRequest, context: P2PContext
     ) -> AsyncIterator[pb.FetchResponse]:
         async for message in self._serve(request, serialized=False):
+            yield message
+
+    async def _serve_state_grpc(
+        self, request: pb.StateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        async for message in self._serve_state(request, serialized=True):
+            yield message
+
+    async def _serve_state_libp2p(
+        self, request: pb.StateRequest, context: P2PContext
+    ) -> AsyncIterator[pb.FetchResponse]:
+        async for message in self._serve_state(request, serialized=False):
             yield message
 
     # ---------------------------------------------------------------- finding and choosing
@@ -685,12 +754,11 @@ class NetworkTransport(Transport):
         for path in paths or self.config.paths:
             if path == "grpc" and holder.grpc is None:
                 continue
-            opener = self._open_grpc if path == "grpc" else self._open_libp2p
             fruitless = 0
             while fruitless < 2:
                 received_before = assembler.received
                 try:
-                    await self._drain(opener(holder, assembler), assembler)
+                    await self._drain(self._open_fetch(path, holder, assembler), assembler)
                     if assembler.received == assembler.byte_length:
                         return assembler.finish()
                     # libp2p reports a dropped connection as a clean end of stream: resume
@@ -710,14 +778,13 @@ class NetworkTransport(Transport):
                 fruitless = 0 if assembler.received > received_before else fruitless + 1
         return None
 
-    async def _open_grpc(self, holder: Holdings, assembler: ChunkAssembler) -> AsyncIterator[bytes]:
-        """Serialized ``FetchResponse`` messages: ``_drain`` reads chunks out of them in place."""
-        channel = self._channels.get(holder.grpc)
+    async def _open_grpc(self, endpoint: str, method: str, request: Message) -> AsyncIterator[bytes]:
+        """Serialized response messages: ``_drain`` reads chunks out of them in place."""
+        channel = self._channels.get(endpoint)
         if channel is None:
-            channel = self._channels[holder.grpc] = grpc.aio.insecure_channel(holder.grpc)
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
         await asyncio.wait_for(channel.channel_ready(), self.config.connect_timeout)
-        fetch = channel.unary_stream(GRPC_FETCH, request_serializer=pb.FetchRequest.SerializeToString)
-        call = fetch(pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received))
+        call = channel.unary_stream(method, request_serializer=type(request).SerializeToString)(request)
         try:
             async for message in call:
                 yield message
@@ -725,14 +792,11 @@ class NetworkTransport(Transport):
             call.cancel()
 
     async def _open_libp2p(
-        self, holder: Holdings, assembler: ChunkAssembler
-    ) -> AsyncIterator[pb.FetchResponse]:
+        self, peer_id: str, handler: str, request: Message, response_type: type[Message]
+    ) -> AsyncIterator[Message]:
         assert self.p2p is not None
-        request = pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received)
         stream = await asyncio.wait_for(
-            self.p2p.iterate_protobuf_handler(
-                PeerID.from_base58(holder.peer_id), FETCH_HANDLER, request, pb.FetchResponse
-            ),
+            self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer_id), handler, request, response_type),
             self.config.connect_timeout,
         )
         try:
@@ -742,9 +806,20 @@ class NetworkTransport(Transport):
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
+    def _open_fetch(
+        self, path: str, holder: Holdings, assembler: ChunkAssembler
+    ) -> AsyncIterator[Message | bytes]:
+        request = pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received)
+        if path == "grpc":
+            assert holder.grpc is not None
+            return self._open_grpc(holder.grpc, GRPC_FETCH, request)
+        return self._open_libp2p(holder.peer_id, FETCH_HANDLER, request, pb.FetchResponse)
+
     async def _drain(
-        self, stream: AsyncIterator[pb.FetchResponse | bytes], assembler: ChunkAssembler
-    ) -> None:
+        self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler | None
+    ) -> ChunkAssembler:
+        """Read a header-then-chunks stream into ``assembler``; without one (a state download,
+        which has no signed record), the stream's own header says what to expect."""
         iterator = aiter(stream)
         first = True
         try:
@@ -752,13 +827,14 @@ class NetworkTransport(Transport):
                 try:
                     item = await asyncio.wait_for(anext(iterator), self.config.chunk_timeout)
                 except StopAsyncIteration:
-                    return
+                    break
                 if isinstance(item, bytes):
                     piece = None if first else split_chunk(item)
                     if piece is not None:
+                        assert assembler is not None
                         assembler.add_slice(*piece)
                         continue
-                    message = parse(pb.FetchResponse, item)
+                    message = parse(pb.FetchResponse, item)  # StateResponse has the same fields
                 else:
                     message = item
                 part = message.WhichOneof("part")
@@ -767,15 +843,68 @@ class NetworkTransport(Transport):
                         raise FragmentError(
                             "bad_header", message.error or "stream did not start with a header"
                         )
+                    assembler = assembler or self._assembler_for(message.header)
                     assembler.check_header(message.header)
                     first = False
                 elif part == "chunk":
+                    assert assembler is not None
                     assembler.add(message.chunk)
                 else:
                     raise FragmentError("bad_chunk", f"unexpected {part} inside a transfer")
         finally:
             with contextlib.suppress(Exception):
                 await iterator.aclose()
+        if assembler is None:
+            raise FragmentError("truncated", "the stream ended before its header")
+        return assembler
+
+    def _assembler_for(self, header: pb.FragmentHeader) -> ChunkAssembler:
+        if header.byte_length > self.config.max_state_bytes:
+            raise FragmentError("oversized", f"state of {header.byte_length} bytes")
+        if len(header.content_hash) != 32:
+            raise FragmentError("bad_header", "no sha256 in the header")
+        return ChunkAssembler(header.content_hash, header.byte_length)
+
+    # ---------------------------------------------------------------- state for joining peers
+
+    def serve_state(self, provider: Callable[[], bytes]) -> None:
+        """Serve this peer's state to peers that join or fall behind: ``provider`` is called on a
+        worker thread for each request and returns the bytes to send."""
+        self._state_provider = provider
+
+    def download_state(self, peer_id: str, timeout: float = 120.0) -> bytearray:
+        """The state blob a peer serves, checked against the sha256 its stream announces (the
+        trust is in the peer chosen, as there is no signed record for state). Tries the peer's
+        direct gRPC endpoint from its progress record, then libp2p; ``FragmentError`` when both
+        fail."""
+        progress = self._live.get(peer_id)
+        endpoint = progress.grpc if progress is not None else None
+        return self._call(self._download_state(peer_id, endpoint), timeout)
+
+    async def _download_state(self, peer_id: str, endpoint: str | None) -> bytearray:
+        request = pb.StateRequest(run_id=self.config.run_id)
+        failures = []
+        for path in self.config.paths:
+            if path == "grpc" and endpoint is None:
+                continue
+            stream = (
+                self._open_grpc(endpoint, GRPC_STATE, request)
+                if path == "grpc"
+                else self._open_libp2p(peer_id, STATE_HANDLER, request, pb.StateResponse)
+            )
+            try:
+                assembler = await self._drain(stream, None)
+                data = assembler.finish()
+            except FragmentError as error:
+                failures.append(f"{path}: {error}")
+                continue
+            except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
+                failures.append(f"{path}: {error!r}")
+                continue
+            self.bytes_by_path[path] += len(data)
+            self.stats.bytes_received += len(data)
+            return data
+        raise FragmentError("unavailable", f"no state from {peer_id}: {'; '.join(failures) or 'no path'}")
 
     async def _accept(self, candidate: _Candidate, data: bytearray) -> None:
         """Decode and validate off the loop; deliver; offer the bytes onward."""

@@ -85,6 +85,7 @@ class Progress(_Strict):
     inner_step: _NON_NEGATIVE
     tokens_per_second: pydantic.confloat(strict=True, ge=0.0)
     time: pydantic.StrictFloat  # DHT time of the report
+    grpc: Optional[pydantic.constr(strict=True, max_length=256)] = None  # noqa: UP045 (direct endpoint)
 
 
 def fragment_key(run_id: str, fragment: int) -> str:

@@ -306,6 +306,27 @@ def test_download_from_a_chosen_holder_over_a_chosen_path(swarm: list[NetworkTra
 
 
 @pytest.mark.timeout(60)
+def test_state_download_over_each_path(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = swarm
+    blob = os.urandom(3 * (1 << 20) + 5)
+    p1.serve_state(lambda: blob)
+    wait_for(lambda: p1.peer_id in p0.swarm_progress() and p1.peer_id in p2.swarm_progress(), what="progress")
+    assert p0.swarm_progress()[p1.peer_id].grpc == p1.grpc_endpoint
+    assert bytes(p0.download_state(p1.peer_id)) == blob  # gRPC first
+    assert bytes(p2.download_state(p1.peer_id)) == blob  # libp2p only
+    with pytest.raises(FragmentError) as info:
+        p0.download_state(p3.peer_id)  # p3 serves no state
+    assert info.value.reason == "unavailable"
+
+    def broken() -> bytes:
+        raise RuntimeError("disk on fire")
+
+    p1.serve_state(broken)
+    with pytest.raises(FragmentError, match="disk on fire"):
+        p0.download_state(p1.peer_id)
+
+
+@pytest.mark.timeout(60)
 def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
     p0, p1, p2, p3 = swarm
     wait_for(lambda: set(p0.live_peers()) == {p1.peer_id, p2.peer_id, p3.peer_id}, what="live peers")
@@ -361,6 +382,25 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(swarm: list[NetworkTransport]) -> None:
+    p0 = swarm[0]
+    config = _config(initial_peers=p0.maddrs(), client_mode=True, grpc_listen=None, fragment_numel={5: SMALL})
+    libp2p_before = p0.bytes_by_path["libp2p"]
+    with NetworkTransport(config) as natted:
+        assert natted.grpc_endpoint is None
+        theirs, ours = torch.randn(SMALL), torch.randn(SMALL)
+        p0.publish(Fragment(key(p0, 5, 500), theirs), codec="fp32")
+        natted.publish(Fragment(key(natted, 5, 500), ours), codec="fp32")
+        [got] = collect(natted, 5, 1)
+        assert torch.equal(got.tensor, theirs)
+        got = []
+        wait_for(lambda: any(f.key.publisher == natted.peer_id for f in got.extend(p0.receive(5)) or got))
+        mine = next(f for f in got if f.key.publisher == natted.peer_id)
+        assert torch.equal(mine.tensor, ours)
+        assert p0.bytes_by_path["libp2p"] - libp2p_before >= encoded_size(SMALL, "fp32")
 
 
 @pytest.mark.timeout(60)
