@@ -12,7 +12,8 @@ machine noise falls on all alike.
 ``cpu_seconds_per_gb`` is the CPU time of every process involved (both Python processes and both
 p2pd daemons) per GB of encoded bytes delivered: what a transfer takes from training.
 The codec table times ``encode`` and ``decode`` of the 64 MB fp32 tensor (GB/s of fp32 input;
-CPU seconds per GB of fp32 input, summed over torch's threads).
+CPU seconds per GB of fp32 input, summed over torch's threads) on one torch thread, as the
+transport runs them, and again on two.
 
     python bench/transfer.py [--repeats 3] [--sizes-mb 64 256] [--out bench/results/transfer.json]
 """
@@ -28,6 +29,7 @@ import socket
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -101,7 +103,14 @@ def raw_socket_seconds(commands: Connection, nbytes: int, buffer: bytearray) -> 
         return time.perf_counter() - start
 
 
-def codec_speeds(numel: int, repeats: int) -> list[dict]:
+def codec_speeds(numel: int, repeats: int, threads: int) -> list[dict]:
+    """Encode and decode speeds on a thread that runs ``threads`` torch threads (the transport
+    runs its codec work on one)."""
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,)) as worker:
+        return worker.submit(_codec_speeds, numel, repeats).result()
+
+
+def _codec_speeds(numel: int, repeats: int) -> list[dict]:
     x = torch.randn(numel) * 0.01
     rows = []
     for codec in Codec:
@@ -132,7 +141,7 @@ def codec_speeds(numel: int, repeats: int) -> list[dict]:
                 "encoded_bytes": len(data),
             }
         )
-        print(f"codec {codec:>4}: {rows[-1]}", file=sys.stderr, flush=True)
+        print(f"codec {codec:>4} ({torch.get_num_threads()} thread): {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -147,7 +156,8 @@ def main() -> None:
     args = parser.parse_args()
 
     load_before = os.getloadavg()
-    codecs = codec_speeds(64 * 2**20 // 4, args.codec_repeats)
+    codecs = codec_speeds(64 * 2**20 // 4, args.codec_repeats, threads=1)
+    codecs_two_threads = codec_speeds(64 * 2**20 // 4, args.codec_repeats, threads=2)
 
     fetcher = NetworkTransport(_config())
     parent_end, child_end = multiprocessing.get_context("spawn").Pipe()
@@ -227,7 +237,8 @@ def main() -> None:
         },
         "records": [r for r in records if r["path"] != "raw_socket"],
         "raw_socket": [r for r in records if r["path"] == "raw_socket"],
-        "codecs": codecs,
+        "codecs": codecs,  # one torch thread, as the transport runs them
+        "codecs_two_torch_threads": codecs_two_threads,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -327,6 +327,16 @@ def test_state_download_over_each_path(swarm: list[NetworkTransport]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_publishing_nan_fails_at_once(swarm: list[NetworkTransport]) -> None:
+    p0 = swarm[0]
+    bad = torch.randn(SMALL)
+    bad[3] = float("nan")
+    with pytest.raises(FragmentError) as info:
+        p0.publish(Fragment(key(p0, 4, 900), bad))
+    assert info.value.reason == "non_finite"
+
+
+@pytest.mark.timeout(60)
 def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
     p0, p1, p2, p3 = swarm
     wait_for(lambda: set(p0.live_peers()) == {p1.peer_id, p2.peer_id, p3.peer_id}, what="live peers")
