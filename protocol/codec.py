@@ -257,9 +257,10 @@ def decode(data: bytes | bytearray | memoryview) -> Tensor:
     codec, dtype, shape, numel, offset = _parse_header(data)
 
     if codec is Codec.FP32 or codec is Codec.FP16:
-        flat = torch.empty(numel, dtype=torch.float32)
-        wire_dtype = np.float32 if codec is Codec.FP32 else np.float16
-        flat.numpy()[:] = np.frombuffer(data, dtype=wire_dtype, count=numel, offset=offset)
+        # copy the payload out of the (read-only) bytes; torch widens fp16 faster than numpy
+        wire = torch.empty(numel, dtype=torch.float32 if codec is Codec.FP32 else torch.float16)
+        wire.view(torch.uint8).numpy()[:] = np.frombuffer(data, np.uint8, wire.nbytes, offset)
+        flat = wire.float()
         if numel and not all(math.isfinite(v) for v in _finite_range(flat)):
             raise FragmentError("non_finite", "payload holds NaN or Inf")
     else:
