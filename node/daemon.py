@@ -45,7 +45,7 @@ __all__ = ["IncompatibleSwarm", "Node"]
 logger = logging.getLogger(__name__)
 
 
-class IncompatibleSwarm(RuntimeError):
+class IncompatibleSwarm(ValueError):
     """The swarm (or a checkpoint) trains something else: another run, model or tokenizer."""
 
 
@@ -227,6 +227,7 @@ class Node:
                 (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
             )
         block = c.inner_steps // c.fragments
+        self.training_started, self.tokens_at_start = time.perf_counter(), self.trainer.tokens
         last, last_tokens = time.monotonic(), self.trainer.tokens
         while not self._leave.is_set():
             self.losses.append(self.trainer.step())
