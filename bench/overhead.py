@@ -92,10 +92,8 @@ def main() -> None:
                         args.eval_every,
                     )
                 )
-            print(
-                f"repeat {i + 1}/{args.repeats} {which}: {(bare if which == 'bare' else node)[-1]:.0f} tokens/s",
-                flush=True,
-            )
+            latest = (bare if which == "bare" else node)[-1]
+            print(f"repeat {i + 1}/{args.repeats} {which}: {latest:.0f} tokens/s", flush=True)
     result = {
         "benchmark": "overhead",
         "model": args.model,
