@@ -108,9 +108,8 @@ def main() -> None:
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    print(
-        f"daemon / bare loop throughput: {result['median_ratio']:.3f} (median of {args.repeats}); wrote {RESULT}"
-    )
+    ratio = result["median_ratio"]
+    print(f"daemon / bare loop throughput: {ratio:.3f} (median of {args.repeats}); wrote {RESULT}")
 
 
 if __name__ == "__main__":
