@@ -15,7 +15,7 @@ The codec table times ``encode`` and ``decode`` of the 64 MB fp32 tensor (GB/s o
 CPU seconds per GB of fp32 input, summed over torch's threads) on one torch thread, as the
 transport runs them, and again on two.
 
-    python bench/transfer.py [--repeats 3] [--sizes-mb 64 256] [--out bench/results/transfer.json]
+    python bench/transfer.py [--repeats 5] [--sizes-mb 64 256] [--out bench/results/transfer.json]
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--codec-repeats", type=int, default=7)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "transfer.json")
@@ -190,7 +190,7 @@ def main() -> None:
                         elapsed = time.perf_counter() - start
                         assert len(data) == length
                         del data
-                    cpu[path].append((cpu_seconds(pids) - cpu_before) / (length / 1e9))
+                    cpu[path].append(cpu_seconds(pids) - cpu_before)
                     seconds[path].append(elapsed)
             raw_mb_per_s = length / 1e6 / statistics.median(seconds["raw"])
             for path in ("raw", *PATHS):
@@ -205,7 +205,8 @@ def main() -> None:
                         "mb_per_s": round(mb_per_s, 1),
                         "fp32_mb_per_s": round(size_bytes / 1e6 / statistics.median(seconds[path]), 1),
                         "ratio_to_raw_socket": round(mb_per_s / raw_mb_per_s, 3),
-                        "cpu_seconds_per_gb": round(statistics.median(cpu[path]), 3),
+                        # summed over the repeats: /proc counts CPU time in 10 ms ticks
+                        "cpu_seconds_per_gb": round(sum(cpu[path]) / (len(cpu[path]) * length / 1e9), 3),
                     }
                 )
             summary = ", ".join(f"{r['path']} {r['mb_per_s']:.0f} MB/s" for r in records[-3:])
