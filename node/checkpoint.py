@@ -34,18 +34,21 @@ class CheckpointError(ValueError):
     """A checkpoint or state blob that cannot be read back."""
 
 
-def _split(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _split(obj: Any, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
     if isinstance(obj, torch.Tensor):
-        name = f"t{len(tensors)}"
-        tensors[name] = obj.detach().cpu().contiguous()
-        return {_TENSOR: name}
+        # tied weights (embedding and LM head) are one tensor: store it once, refer to it twice
+        identity = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.dtype)
+        if identity not in seen:
+            seen[identity] = f"t{len(tensors)}"
+            tensors[seen[identity]] = obj.detach().cpu().contiguous()
+        return {_TENSOR: seen[identity]}
     if isinstance(obj, dict):
         # optimizer state dicts key by int: keep the key type through JSON
-        return {"__dict__": [[_split(k, tensors), _split(v, tensors)] for k, v in obj.items()]}
+        return {"__dict__": [[_split(k, tensors, seen), _split(v, tensors, seen)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {_TUPLE: [_split(v, tensors) for v in obj]}
+        return {_TUPLE: [_split(v, tensors, seen) for v in obj]}
     if isinstance(obj, list):
-        return [_split(v, tensors) for v in obj]
+        return [_split(v, tensors, seen) for v in obj]
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
     raise TypeError(f"cannot pack a {type(obj).__name__}")
@@ -65,7 +68,7 @@ def _join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def pack(state: Any) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split(state, tensors)
+    skeleton = _split(state, tensors, {})
     return save_tensors(tensors, metadata={"skeleton": json.dumps(skeleton)})
 
 

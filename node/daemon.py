@@ -123,14 +123,18 @@ class Node:
         self.resyncs = 0
         self.started_from = "scratch"
         self._leave = threading.Event()
+        self._outer_lock = threading.Lock()
         self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
         self.admin = AdminServer(c.admin_host, c.admin_port, status=self.status, leave=self.request_leave)
 
     # ------------------------------------------------------------------ state
 
     def state_blob(self) -> bytes:
-        """What a joining peer downloads: the swarm's identity and this peer's outer state."""
-        return pack({"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round})
+        """What a joining peer downloads: the swarm's identity and this peer's outer state
+        (called on the transport's thread: the lock keeps it from seeing half an outer step)."""
+        with self._outer_lock:
+            state = {"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round}
+        return pack(state)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -245,7 +249,8 @@ class Node:
 
     def _sync(self, fragment: int, block: int) -> None:
         c = self.config
-        self.loop.sync(fragment, tokens=block * c.batch_size * c.seq_len)
+        with self._outer_lock:
+            self.loop.sync(fragment, tokens=block * c.batch_size * c.seq_len)
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
