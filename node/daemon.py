@@ -121,7 +121,8 @@ class Node:
         self.eval_history: list[tuple[int, float]] = []
         self.tokens_per_second = 0.0
         self.resyncs = 0
-        self.started_from = "scratch"
+        self.started_from = "scratch"  # where the outer state came from: scratch, checkpoint, peer ID
+        self.resumed = False  # restarted from this node's own checkpoint
         self._leave = threading.Event()
         self._outer_lock = threading.Lock()
         self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
@@ -183,6 +184,7 @@ class Node:
             self.round = state["round"]
             self.eval_history = [tuple(e) for e in state["eval_history"]]
             self.started_from = "checkpoint"
+            self.resumed = True
             logger.info("resumed from %s at round %d", c.checkpoint_dir, self.round)
         if c.peers:
             # a fresh node starts from the swarm's model; a resumed one catches up if it lags
@@ -333,6 +335,7 @@ class Node:
             "mean_age": self.loop.mean_age(),
             "resyncs": self.resyncs,
             "started_from": self.started_from,
+            "resumed": self.resumed,
             "device": str(self.device),
         }
 

@@ -15,10 +15,13 @@ from cgad.node.admin import call_admin, check_health
 from cgad.node.export import export_checkpoint
 
 CLI = str(Path(sys.executable).with_name("cgad-node"))
+HOSTILE = {"bad_shape", "bad_dtype", "bad_length", "bad_header", "bad_chunk", "non_finite", "norm_too_large",
+           "bad_checksum", "bad_hash", "forged", "garbage", "oversized", "replay", "truncated"}  # fmt: skip
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
 SETTINGS = [
-    "--run-id", "itest", "--model", "tiny", "--inner-steps", "4", "--batch-size", "2", "--seq-len", "32",
-    "--eval-batches", "2", "--inner-lr", "2e-3", "--codec", "fp16", "--checkpoint-every", "1",
+    "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
+    "--eval-batches", "4", "--inner-lr", "2e-3", "--outer-lr", "3e-3", "--codec", "fp16",
+    "--checkpoint-every", "1",
 ]  # fmt: skip
 
 
@@ -103,14 +106,16 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
     for node in (a, b, c):
         others = {ids[o.name] for o in (a, b, c) if o is not node}
         status = node.wait(
-            lambda s, others=others: s["round"] >= 6 and others <= set(s["applied_by_peer"]),
-            "six rounds with fragments from both peers",
+            lambda s, others=others: len(s["eval_history"]) >= 6 and others <= set(s["applied_by_peer"]),
+            "six evaluations with fragments from both peers",
         )
         start, end = first_and_last_eval(status)
-        assert end < start - 0.3, (node.name, status["eval_history"])
+        # a starts from scratch; b and c from the state a had when they joined, and go lower still
+        assert end < start - (1.0 if node is a else 0.05), (node.name, status["eval_history"])
         assert status["peers"] == 2
         assert 0 <= status["mean_age"] <= 3  # peers run at the same cadence: fragments are fresh
-        assert status["rejected"] == {}
+        # honest peers: fetches may time out ("unavailable"), but nothing is malformed or forged
+        assert not set(status["rejected"]) & HOSTILE, status["rejected"]
 
     # 2. SIGKILL mid-round, restart from the same checkpoint dir and identity: it catches up
     killed_round = c.status()["round"]
@@ -119,7 +124,7 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
     nodes.append(c)
     status = c.wait(lambda s: s["round"] >= killed_round + 2, "the restarted node to train on")
     assert status["peer_id"] == ids["c"]
-    assert status["started_from"] == "checkpoint"
+    assert status["resumed"]  # from its own checkpoint, then caught up with the swarm
     swarm_round = a.status()["round"]
     assert status["round"] >= swarm_round - 3
 
