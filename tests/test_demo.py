@@ -1,0 +1,26 @@
+"""The README's main-job command, shortened: `cgad-node demo` runs a real swarm and reports."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+CLI = str(Path(sys.executable).with_name("cgad-node"))
+
+
+def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path):
+    env = {**os.environ, "CGAD_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [CLI, "demo", "--nodes", "2", "--minutes", "0.6", "--out", str(tmp_path), "--inner-steps", "8"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = re.findall(r"^\s+(\d)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+(\d+)\s+([\d.]+)$", result.stdout, re.M)
+    assert [r[0] for r in rows] == ["0", "1"], result.stdout
+    for _, start, end, published, applied, _ in rows:
+        assert float(end) < float(start)
+        assert int(published) > 0 and int(applied) > 0
+    png = tmp_path / "demo_loss.png"
+    assert str(png.resolve()) in result.stdout and png.stat().st_size > 10_000
+    assert not list((tmp_path / "demo-swarm").glob("*.maddrs.tmp"))
