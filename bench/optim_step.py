@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -49,6 +50,8 @@ def strided_fragments(params: list[torch.nn.Parameter], count: int) -> list[dict
 
 
 def measure(repeats: int, warmup: int) -> dict:
+    """Wall time and this process's CPU time of each step. On a shared machine the CPU time is the
+    steadier measure of cost (a preempted step accrues wall time, not CPU time)."""
     records = []
     for name, dims in SIZES.items():
         shapes = llama_shapes(*dims)
@@ -63,27 +66,36 @@ def measure(repeats: int, warmup: int) -> dict:
         }
         numel = sum(p.numel() for p in contenders["adam"][0].param_groups[0]["params"])
         times: dict[str, list[float]] = {k: [] for k in contenders}
+        cpu: dict[str, list[float]] = {k: [] for k in contenders}
         for i in tqdm(range(warmup + repeats), desc=f"{name} ({numel / 1e6:.1f}M params)", leave=False):
             # rotate who goes first, so a cold cache or a noisy neighbour hits everyone alike
             keys = list(contenders)
             for key in keys[i % len(keys) :] + keys[: i % len(keys)]:
                 opt, kwargs = contenders[key]
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 opt.step(**kwargs)
-                elapsed = time.perf_counter() - start
+                elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
                 if i >= warmup:
                     times[key].append(elapsed)
+                    cpu[key].append(elapsed_cpu)
         medians = {k: statistics.median(v) for k, v in times.items()}
+        cpu_medians = {k: statistics.median(v) for k, v in cpu.items()}
         record = {
             "size": name,
             "parameters": numel,
             "median_seconds": medians,
+            "median_cpu_seconds": cpu_medians,
             "ratio_to_adam": {k: medians[k] / medians["adam"] for k in medians if k != "adam"},
+            "cpu_ratio_to_adam": {
+                k: cpu_medians[k] / cpu_medians["adam"] for k in cpu_medians if k != "adam"
+            },
         }
         records.append(record)
         print(
-            f"{name:>5} {numel / 1e6:6.1f}M  adam {medians['adam'] * 1e3:7.1f} ms  "
+            f"{name:>5} {numel / 1e6:6.1f}M  adam {medians['adam'] * 1e3:7.1f} ms  wall "
             + "  ".join(f"{k} {v:.3f}x" for k, v in record["ratio_to_adam"].items())
+            + "  cpu "
+            + "  ".join(f"{k} {v:.3f}x" for k, v in record["cpu_ratio_to_adam"].items())
         )
     return {
         "benchmark": "optim_step",
@@ -99,9 +111,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time = work done)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "optim_step.json")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     result = measure(args.repeats, args.warmup)
+    result["load_average"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
