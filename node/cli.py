@@ -338,6 +338,8 @@ def build_parser() -> _Parser:
 
 
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
+    from cgad.optim import DEFAULT_ALPHA, DEFAULT_CUTOFF
+
     sim = subparsers.add_parser(
         "simulate",
         help="run the outer loop over a virtual swarm with controlled delay and failure",
@@ -359,8 +361,8 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     )
     sim.add_argument("--optimizer", action="append", choices=OPTIMIZERS, help="repeatable; default cgad")
     sim.add_argument("--outer-lr", type=float, default=None, help="overrides each optimizer's default")
-    sim.add_argument("--alpha", type=float, default=0.2, help="CGAD decay per round of age")
-    sim.add_argument("--cutoff", type=float, default=8.0, help="CGAD gate cutoff in rounds")
+    sim.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="CGAD decay per round of age")
+    sim.add_argument("--cutoff", type=float, default=DEFAULT_CUTOFF, help="CGAD gate cutoff in rounds")
     sim.add_argument("--fragments", type=int, default=4, help="PA-CGAD's fragments (H must be a multiple)")
     sim.add_argument("--seeds", type=int, default=1)
     sim.add_argument("--data", default=None, help=".txt/.md file, folder of them, or .jsonl with 'text'")

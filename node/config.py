@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from cgad.node.outer import OPTIMIZERS
+from cgad.optim import DEFAULT_ALPHA, DEFAULT_CUTOFF
 
 __all__ = ["CODECS", "DEVICES", "MIXING", "NodeConfig", "load_yaml"]
 
@@ -45,8 +46,8 @@ class NodeConfig:
     model: str = "tiny"
     optimizer: str = "cgad"
     outer_lr: float | None = None
-    alpha: float = 0.2
-    cutoff: float = 8.0
+    alpha: float = DEFAULT_ALPHA
+    cutoff: float = DEFAULT_CUTOFF
     inner_steps: int = 50
     inner_lr: float = 4e-4
     warmup_steps: int = 0

@@ -27,7 +27,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cgad.optim import CGAD, PACGAD, DelayedNesterov, OuterNesterov, noloco_update, staleness_weight
+from cgad.optim import (
+    CGAD,
+    DEFAULT_ALPHA,
+    DEFAULT_CUTOFF,
+    DEFAULT_LR,
+    PACGAD,
+    DelayedNesterov,
+    OuterNesterov,
+    noloco_update,
+    staleness_weight,
+)
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 __all__ = ["OPTIMIZERS", "Delivery", "OuterConfig", "OuterLoop", "strided_fragments"]
@@ -37,11 +47,11 @@ _AGE_AWARE = ("cgad", "pa-cgad", "adam-decay", "adam")
 
 # Outer learning rates when none is given: DiLoCo's 0.7 for the momentum-SGD family and NoLoCo's
 # reference η; the Adam family's from the delay sweep (docs/RESULTS.md).
-DEFAULT_LR = {
-    "cgad": 1e-2,
-    "pa-cgad": 1e-2,
-    "adam-decay": 1e-2,
-    "adam": 1e-2,
+OUTER_LR = {
+    "cgad": DEFAULT_LR,
+    "pa-cgad": DEFAULT_LR,
+    "adam-decay": DEFAULT_LR,
+    "adam": DEFAULT_LR,
     "nesterov": 0.7,
     "delayed-nesterov": 0.7,
     "sgd": 0.7,
@@ -52,10 +62,10 @@ DEFAULT_LR = {
 @dataclass
 class OuterConfig:
     optimizer: str = "cgad"
-    lr: float | None = None  # None: DEFAULT_LR[optimizer]
+    lr: float | None = None  # None: OUTER_LR[optimizer]
     fragments: int = 1
-    alpha: float = 0.2  # CGAD's decay rate per round of age
-    cutoff: float = 8.0  # CGAD's gate reaches zero here; also the re-sync threshold
+    alpha: float = DEFAULT_ALPHA  # CGAD's decay rate per round of age
+    cutoff: float = DEFAULT_CUTOFF  # CGAD's gate reaches zero here; also the re-sync threshold
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = 0.9  # Nesterov family
     noloco_beta: float = 0.5
@@ -77,7 +87,7 @@ class OuterConfig:
 
     @property
     def outer_lr(self) -> float:
-        return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+        return OUTER_LR[self.optimizer] if self.lr is None else self.lr
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from cgad.node.data import TokenDataset
 from cgad.node.model import build_model
 from cgad.node.outer import OPTIMIZERS, Delivery, OuterConfig, OuterLoop
 from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.optim import DEFAULT_ALPHA, DEFAULT_CUTOFF
 from cgad.protocol.memory import Delay, MemoryTransport, VirtualNetwork
 
 __all__ = ["SimConfig", "parse_stragglers", "simulate"]
@@ -44,8 +45,8 @@ class SimConfig:
     churn: float = 0.0  # chance per round that a worker leaves for 1..4 rounds
     fragments: int = 4  # PA-CGAD's partial-sync schedule; the other optimizers sync all at once
     outer_lr: float | None = None
-    alpha: float = 0.2
-    cutoff: float = 8.0
+    alpha: float = DEFAULT_ALPHA
+    cutoff: float = DEFAULT_CUTOFF
     seed: int = 0
     model: str = "tiny"
     batch_size: int = 8

@@ -22,7 +22,14 @@ from torch.optim import Optimizer
 
 from .staleness import check_age, staleness_weight
 
-__all__ = ["CGAD", "PACGAD", "AdamDecay", "cgad_update"]
+__all__ = ["CGAD", "DEFAULT_ALPHA", "DEFAULT_CUTOFF", "DEFAULT_LR", "PACGAD", "AdamDecay", "cgad_update"]
+
+# Chosen by the delay sweep (bench/delay_sweep.py; the evidence is in docs/RESULTS.md). The outer
+# lr is scale-dependent: Adam moves every coordinate by about lr per step, so it should be of the
+# order of a pseudo-gradient's typical coordinate (roughly H × inner lr / 2).
+DEFAULT_LR = 1e-2
+DEFAULT_ALPHA = 0.6
+DEFAULT_CUTOFF = 4.0
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -150,18 +157,18 @@ class _AgeWeightedAdam(Optimizer):
 class CGAD(_AgeWeightedAdam):
     """Cosine-Gated Adam-Decay: every group receives pseudo-gradients of one age per step.
 
-    Defaults are the ones the simulator's delay sweep settled on (docs/RESULTS.md).
+    Defaults: see DEFAULT_LR, DEFAULT_ALPHA and DEFAULT_CUTOFF.
     ``restart_every`` = K > 0 resets m, v and t every K applied steps (outer-momentum restart).
     """
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-2,
+        lr: float = DEFAULT_LR,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        alpha: float = 0.2,
-        cutoff: float = 8.0,
+        alpha: float = DEFAULT_ALPHA,
+        cutoff: float = DEFAULT_CUTOFF,
         restart_every: int = 0,
     ) -> None:
         super().__init__(
@@ -187,10 +194,10 @@ class AdamDecay(CGAD):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-2,
+        lr: float = DEFAULT_LR,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        alpha: float = 0.2,
+        alpha: float = DEFAULT_ALPHA,
         restart_every: int = 0,
     ) -> None:
         super().__init__(
@@ -204,11 +211,11 @@ class PACGAD(_AgeWeightedAdam):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-2,
+        lr: float = DEFAULT_LR,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        alpha: float = 0.2,
-        cutoff: float = 8.0,
+        alpha: float = DEFAULT_ALPHA,
+        cutoff: float = DEFAULT_CUTOFF,
         restart_every: int = 0,
     ) -> None:
         super().__init__(
