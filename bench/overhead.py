@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -29,8 +30,9 @@ from cgad.node.tokenizer import load_tokenizer
 RESULT = Path(__file__).parent / "results" / "overhead.json"
 
 
-def bare_loop(model_name: str, steps: int, batch: int, seq: int) -> float:
-    """Tokens per second of the plainest loop: forward, backward, clip, AdamW."""
+def bare_loop(model_name: str, steps: int, batch: int, seq: int) -> tuple[float, float]:
+    """Tokens per wall second and per CPU second of the plainest loop: forward, backward, clip,
+    AdamW."""
     tokenizer = load_tokenizer(None)
     dataset = load_dataset(tokenizer)
     model = build_model(model_name, tokenizer.vocab_size, seed=0)
@@ -38,7 +40,7 @@ def bare_loop(model_name: str, steps: int, batch: int, seq: int) -> float:
         model.parameters(), lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95), foreach=True
     )
     batches = dataset.shard(0, 1).batches(batch, seq, seed=1)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         ids = next(batches)
         loss = model(input_ids=ids, labels=ids).loss
@@ -46,10 +48,14 @@ def bare_loop(model_name: str, steps: int, batch: int, seq: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return steps * batch * seq / (time.perf_counter() - start)
+    tokens = steps * batch * seq
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - start_cpu)
 
 
-def daemon(model_name: str, rounds: int, inner_steps: int, batch: int, seq: int, eval_every: int) -> float:
+def daemon(
+    model_name: str, rounds: int, inner_steps: int, batch: int, seq: int, eval_every: int
+) -> tuple[float, float]:
+    """The same per wall and CPU second (this process's threads, the transport's included)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = NodeConfig(
             run_id="overhead", model=model_name, inner_steps=inner_steps, batch_size=batch, seq_len=seq,
@@ -59,7 +65,9 @@ def daemon(model_name: str, rounds: int, inner_steps: int, batch: int, seq: int,
         try:
             node.run()
             elapsed = time.perf_counter() - node.training_started
-            return (node.trainer.tokens - node.tokens_at_start) / elapsed
+            elapsed_cpu = time.process_time() - node.cpu_at_start
+            tokens = node.trainer.tokens - node.tokens_at_start
+            return tokens / elapsed, tokens / elapsed_cpu
         finally:
             node.close()
 
@@ -72,28 +80,35 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in both loops")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     steps = args.rounds * args.inner_steps
-    bare, node = [], []
+    runs: dict[str, list[tuple[float, float]]] = {"bare": [], "daemon": []}
     for i in range(args.repeats):
-        order = ("bare", "node") if i % 2 == 0 else ("node", "bare")
-        for which in order:
+        for which in ("bare", "daemon") if i % 2 == 0 else ("daemon", "bare"):
             if which == "bare":
-                bare.append(bare_loop(args.model, steps, args.batch_size, args.seq_len))
+                runs[which].append(bare_loop(args.model, steps, args.batch_size, args.seq_len))
             else:
-                node.append(
-                    daemon(
-                        args.model,
-                        args.rounds,
-                        args.inner_steps,
-                        args.batch_size,
-                        args.seq_len,
-                        args.eval_every,
-                    )
+                shape = (
+                    args.model,
+                    args.rounds,
+                    args.inner_steps,
+                    args.batch_size,
+                    args.seq_len,
+                    args.eval_every,
                 )
-            latest = (bare if which == "bare" else node)[-1]
-            print(f"repeat {i + 1}/{args.repeats} {which}: {latest:.0f} tokens/s", flush=True)
+                runs[which].append(daemon(*shape))
+            wall, cpu = runs[which][-1]
+            print(
+                f"repeat {i + 1}/{args.repeats} {which}: {wall:.0f} tokens/s, {cpu:.0f} tokens/CPU-s",
+                flush=True,
+            )
+
+    def median(which: str, column: int) -> float:
+        return statistics.median(r[column] for r in runs[which])
+
     result = {
         "benchmark": "overhead",
         "model": args.model,
@@ -101,15 +116,21 @@ def main() -> None:
         "rounds": args.rounds,
         "batch": [args.batch_size, args.seq_len],
         "eval_every": args.eval_every,
-        "threads": torch.get_num_threads(),
-        "bare_tokens_per_second": bare,
-        "daemon_tokens_per_second": node,
-        "median_ratio": statistics.median(node) / statistics.median(bare),
+        "threads": args.threads,
+        "load_average": os.getloadavg(),
+        "bare_tokens_per_second": [r[0] for r in runs["bare"]],
+        "daemon_tokens_per_second": [r[0] for r in runs["daemon"]],
+        "bare_tokens_per_cpu_second": [r[1] for r in runs["bare"]],
+        "daemon_tokens_per_cpu_second": [r[1] for r in runs["daemon"]],
+        "median_ratio": median("daemon", 0) / median("bare", 0),
+        "median_cpu_ratio": median("daemon", 1) / median("bare", 1),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    ratio = result["median_ratio"]
-    print(f"daemon / bare loop throughput: {ratio:.3f} (median of {args.repeats}); wrote {RESULT}")
+    wall, cpu = result["median_ratio"], result["median_cpu_ratio"]
+    print(
+        f"daemon / bare loop: {wall:.3f} per wall second, {cpu:.3f} per CPU second (medians); wrote {RESULT}"
+    )
 
 
 if __name__ == "__main__":

@@ -233,7 +233,9 @@ class Node:
                 (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
             )
         block = c.inner_steps // c.fragments
-        self.training_started, self.tokens_at_start = time.perf_counter(), self.trainer.tokens
+        # for throughput measurements (bench/overhead.py): from here on, it is all training
+        self.training_started, self.cpu_at_start = time.perf_counter(), time.process_time()
+        self.tokens_at_start = self.trainer.tokens
         last, last_tokens = time.monotonic(), self.trainer.tokens
         while not self._leave.is_set():
             self.losses.append(self.trainer.step())
