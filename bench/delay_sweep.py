@@ -36,11 +36,11 @@ OPTIMIZERS = ["nesterov", "delayed-nesterov", "sgd", "adam", "adam-decay", "cgad
 DELAYS = ["0", "1", "2", "4", "8", "random:4", "random:8"]
 SEEDS = [0, 1, 2]
 TUNING_SEEDS = [100, 101]
-ADAM_LRS = [3e-3, 1e-2, 3e-2]
+ADAM_LRS = [1e-3, 3e-3, 1e-2, 3e-2]
 LR_GRID = {
     "nesterov": [0.1, 0.3, 0.7],
     "delayed-nesterov": [0.1, 0.3, 0.7],
-    "sgd": [0.3, 0.7, 1.0],
+    "sgd": [0.3, 0.7, 1.0],  # 1.0: plain averaging of the deliveries, the natural ceiling
     "noloco": [0.3, 0.7, 1.0],
     "adam": ADAM_LRS,
     "adam-decay": ADAM_LRS,
@@ -49,7 +49,8 @@ LR_GRID = {
 }
 ALPHAS = [0.1, 0.3, 0.6]
 CUTOFFS = [4.0, 8.0, 16.0]
-DEFAULT_ALPHA, DEFAULT_CUTOFF = 0.2, 8.0
+# CGAD's alpha and cutoff while the outer lrs are tuned (stage 1), before its own grid (stage 2)
+TUNING_ALPHA, TUNING_CUTOFF = 0.2, 8.0
 HARDEST = "random:8"
 
 # One size for every run: 4 workers of a 0.6M-parameter Llama (bench/sweep_model.json), H = 8
@@ -124,7 +125,7 @@ def score(records: list[dict]) -> float:
 def tune_lrs(jobs: int) -> dict[str, dict[str, float]]:
     chosen: dict[str, dict[str, float]] = {}
     configs = [
-        config(opt, delay, TUNING_SEEDS[0], lr, DEFAULT_ALPHA, DEFAULT_CUTOFF)
+        config(opt, delay, TUNING_SEEDS[0], lr, TUNING_ALPHA, TUNING_CUTOFF)
         for delay in ("0", HARDEST)
         for opt in OPTIMIZERS
         for lr in LR_GRID[opt]
@@ -135,7 +136,7 @@ def tune_lrs(jobs: int) -> dict[str, dict[str, float]]:
         for opt in OPTIMIZERS:
             by_lr = {
                 lr: score(
-                    [records[run_key(config(opt, delay, TUNING_SEEDS[0], lr, DEFAULT_ALPHA, DEFAULT_CUTOFF))]]
+                    [records[run_key(config(opt, delay, TUNING_SEEDS[0], lr, TUNING_ALPHA, TUNING_CUTOFF))]]
                 )
                 for lr in LR_GRID[opt]
             }
@@ -165,7 +166,7 @@ def main() -> None:
     def optimizer_hp(opt: str, tuned_at: str) -> tuple[float, float, float]:
         if opt in ("cgad", "pa-cgad", "adam-decay"):
             return lrs[tuned_at][opt], alpha, cutoff
-        return lrs[tuned_at][opt], DEFAULT_ALPHA, DEFAULT_CUTOFF
+        return lrs[tuned_at][opt], TUNING_ALPHA, TUNING_CUTOFF
 
     table = [config(o, d, s, *optimizer_hp(o, "0")) for o in OPTIMIZERS for d in DELAYS for s in SEEDS]
     main_records = run_all(table, args.jobs, "3/4 delay table")
