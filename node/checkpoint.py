@@ -72,14 +72,15 @@ def pack(state: Any) -> bytes:
     return save_tensors(tensors, metadata={"skeleton": json.dumps(skeleton)})
 
 
-def unpack(data: bytes) -> Any:
+def unpack(data: bytes | bytearray) -> Any:
     """Inverse of ``pack``; anything malformed raises ``CheckpointError``."""
     try:
+        data = bytes(data)
         tensors = load_tensors(data)
         header_len = int.from_bytes(data[:8], "little")
         metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
         return _join(json.loads(metadata["skeleton"]), tensors)
-    except (SafetensorError, KeyError, ValueError, TypeError, IndexError) as exc:
+    except (SafetensorError, KeyError, ValueError, TypeError, IndexError, RecursionError) as exc:
         raise CheckpointError(f"not a cgad-node state blob: {exc}") from exc
 
 

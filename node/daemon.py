@@ -44,6 +44,8 @@ __all__ = ["IncompatibleSwarm", "Node"]
 
 logger = logging.getLogger(__name__)
 
+LINGER_SECONDS = 3.0  # after the last publish, so peers (polling every second) can fetch it
+
 
 class IncompatibleSwarm(ValueError):
     """The swarm (or a checkpoint) trains something else: another run, model or tokenizer."""
@@ -69,6 +71,8 @@ class Node:
             "run_id": c.run_id,
             "model": _model_fingerprint(self.model.config.to_dict()),
             "tokenizer": self.tokenizer.fingerprint,
+            "optimizer": c.optimizer,
+            "fragments": c.fragments,
         }
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
         self.peer_id = self.identity.peer_id
@@ -114,28 +118,31 @@ class Node:
             ),
             identity=self.identity,
         )
-        self.loop = OuterLoop(params, outer, self.transport, c.run_id, seed=seed)
-        self.transport.serve_state(self.state_blob)
-        self.round = 0
-        self.losses: deque[float] = deque(maxlen=50)
-        self.eval_history: list[tuple[int, float]] = []
-        self.tokens_per_second = 0.0
-        self.resyncs = 0
-        self.started_from = "scratch"  # where the outer state came from: scratch, checkpoint, peer ID
-        self.resumed = False  # restarted from this node's own checkpoint
-        self._leave = threading.Event()
-        self._outer_lock = threading.Lock()
-        self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
-        self.admin = AdminServer(c.admin_host, c.admin_port, status=self.status, leave=self.request_leave)
+        try:  # from here on, a failure must not leave the transport's sockets and p2pd behind
+            self.loop = OuterLoop(params, outer, self.transport, c.run_id, seed=seed)
+            self.round = 0
+            self.losses: deque[float] = deque(maxlen=50)
+            self.eval_history: list[tuple[int, float]] = []
+            self.tokens_per_second = 0.0
+            self.resyncs = 0
+            self.started_from = "scratch"  # where the outer state came from: scratch, checkpoint, peer ID
+            self.resumed = False  # restarted from this node's own checkpoint
+            self._leave = threading.Event()
+            self._outer_lock = threading.Lock()
+            self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
+            self.admin = AdminServer(c.admin_host, c.admin_port, status=self.status, leave=self.request_leave)
+            self.transport.serve_state(self.state_blob)  # last: it reads what is set up above
+        except BaseException:
+            self.transport.close()
+            raise
 
     # ------------------------------------------------------------------ state
 
     def state_blob(self) -> bytes:
         """What a joining peer downloads: the swarm's identity and this peer's outer state
         (called on the transport's thread: the lock keeps it from seeing half an outer step)."""
-        with self._outer_lock:
-            state = {"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round}
-        return pack(state)
+        with self._outer_lock:  # serialized under the lock: one consistent snapshot
+            return pack({"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round})
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -163,7 +170,14 @@ class Node:
         save_checkpoint(directory, self._checkpoint_state())
 
     def _check_compatible(self, theirs: dict[str, Any], where: str) -> None:
-        for key, what in (("run_id", "run id"), ("model", "model config"), ("tokenizer", "tokenizer")):
+        checks = (
+            ("run_id", "run id"),
+            ("model", "model config"),
+            ("tokenizer", "tokenizer"),
+            ("optimizer", "outer optimizer"),
+            ("fragments", "number of fragments"),
+        )
+        for key, what in checks:
             if theirs.get(key) != self.swarm[key]:
                 raise IncompatibleSwarm(
                     f"{where} has a different {what} ({theirs.get(key)!r}, this node: {self.swarm[key]!r});"
@@ -175,7 +189,8 @@ class Node:
         state = load_checkpoint(c.checkpoint_dir) if c.checkpoint_dir else None
         if state is not None:
             self._check_compatible(state["swarm"], f"checkpoint in {c.checkpoint_dir}")
-            self.loop.load_state_dict(state["outer"])  # φ and versions; it sets θ = φ
+            with self._outer_lock:
+                self.loop.load_state_dict(state["outer"])  # φ and versions; it sets θ = φ
             self.model.load_state_dict(state["model"])  # then θ as it was, mid-round
             self.trainer.optimizer.load_state_dict(state["inner_optimizer"])
             self.trainer.steps = state["inner_step"]
@@ -200,22 +215,30 @@ class Node:
             candidates = [p.peer_id for p in candidates] or self._bootstrap_peer_ids()
             for peer in candidates:
                 try:
-                    blob = self.transport.download_state(peer, timeout=120)
-                    state = unpack(bytes(blob))
-                except (FragmentError, CheckpointError) as exc:
+                    state = unpack(self.transport.download_state(peer, timeout=120))
+                except (FragmentError, CheckpointError, TimeoutError) as exc:
                     logger.warning("state download from %s failed: %s", peer, exc)
                     continue
-                self._check_compatible(state["swarm"], f"peer {peer}")
-                if min(state["outer"]["versions"]) <= min(self.loop.versions):
-                    return False  # we are not behind this peer
-                self.loop.load_state_dict(state["outer"])
+                self._check_compatible(
+                    state.get("swarm", {}) if isinstance(state, dict) else {}, f"peer {peer}"
+                )
+                try:
+                    if min(state["outer"]["versions"]) <= min(self.loop.versions):
+                        continue  # not ahead of us; another peer may be
+                    with self._outer_lock:
+                        self.loop.load_state_dict(state["outer"])
+                except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                    logger.warning("state from %s is unusable: %s", peer, exc)
+                    continue
                 self.round = max(self.round, state["round"])
                 self.started_from = f"peer {peer}"
                 logger.info("adopted the outer state of %s at versions %s", peer, self.loop.versions)
                 return True
+            if not required and candidates:
+                return False
             time.sleep(1.0)
-        if required:
-            raise RuntimeError("could not download the swarm's state from any peer; is --peers right?")
+        if required and not self._leave.is_set():
+            raise ConnectionError("could not download the swarm's state from any peer; is --peers right?")
         return False
 
     def _bootstrap_peer_ids(self) -> list[str]:
@@ -251,10 +274,17 @@ class Node:
         self._finish(block)
         return 0
 
-    def _sync(self, fragment: int, block: int) -> None:
+    def _sync(self, fragment: int, block: int, steps: int | None = None) -> None:
+        """Fragment ``fragment``'s turn, after ``steps`` inner steps (a whole block by default)."""
         c = self.config
+        tokens = (steps or block) * c.batch_size * c.seq_len
         with self._outer_lock:
-            self.loop.sync(fragment, tokens=block * c.batch_size * c.seq_len)
+            bad_before = self.loop.counters.rejected["local_non_finite"]
+            self.loop.sync(fragment, tokens=tokens)
+            if self.loop.counters.rejected["local_non_finite"] > bad_before:
+                # the block diverged locally: θ_f was reset to φ_f; restart the inner moments too
+                logger.warning("non-finite pseudo-gradient on fragment %d: block discarded", fragment)
+                self.trainer.optimizer.state.clear()
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
@@ -272,14 +302,19 @@ class Node:
         self._status_line()
 
     def _finish(self, block: int) -> None:
-        """Publish what was trained since the last sync, checkpoint, and let peers fetch it."""
+        """Leaving: the fragment whose block is under way syncs now with the steps it has (one
+        version step, as in a full block, so versions keep counting rounds), then checkpoint, and
+        give peers a moment to fetch the last fragment."""
         c = self.config
         pending = self.trainer.steps % block
         if pending:
-            self.loop.sync((self.trainer.steps // block) % c.fragments, pending)
+            self._sync((self.trainer.steps // block) % c.fragments, block, steps=pending)
+            self.trainer.steps += block - pending  # the schedule continues at the next fragment
         if c.checkpoint_dir:
             self.save()
         self._status_line(final=True)
+        if pending and self.transport.live_peers():
+            time.sleep(LINGER_SECONDS)
 
     def close(self) -> None:
         self.admin.stop()
@@ -314,7 +349,7 @@ class Node:
     def status(self) -> dict[str, Any]:
         counters = self.loop.counters
         rejected = dict(self.transport.stats.rejected)
-        for reason, count in counters.rejected.items():
+        for reason, count in dict(counters.rejected).items():
             rejected[reason] = rejected.get(reason, 0) + count
         recent = list(self.losses)
         return {
@@ -331,7 +366,7 @@ class Node:
             "peers": len(self.transport.live_peers()),
             "published": counters.published,
             "applied": counters.applied,
-            "applied_by_peer": dict(counters.applied_by_peer),
+            "applied_by_peer": dict(counters.applied_by_peer.copy()),
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
             "mean_age": self.loop.mean_age(),

@@ -58,13 +58,14 @@ def _start(index: int, workdir: Path, peers: list[str], options: dict[str, Any])
     port = _free_port()
     log = workdir / f"node{index}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # N nodes share the cores
-    process = subprocess.Popen(
-        _join_command(index, workdir, port, peers, options),
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            _join_command(index, workdir, port, peers, options),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     return _Proc(index, process, f"127.0.0.1:{port}", log)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +39,8 @@ from cgad.optim import (
     staleness_weight,
 )
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
+
+HISTORY = 100_000
 
 __all__ = ["OPTIMIZERS", "Delivery", "OuterConfig", "OuterLoop", "strided_fragments"]
 
@@ -80,6 +82,7 @@ class OuterConfig:
             raise ValueError(f"fragments must be >= 1, got {self.fragments}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"outer lr must be > 0, got {self.lr}")
+        staleness_weight(0, self.alpha, self.cutoff)  # alpha >= 0 and cutoff > 0, or a clear error
         if self.mixing not in ("none", "gossip"):
             raise ValueError(f"mixing must be none or gossip, got {self.mixing!r}")
         if self.mixing_period < 1:
@@ -142,7 +145,8 @@ class OuterLoop:
         self.versions = [0] * config.fragments
         self.newest_seen = [0] * config.fragments
         self.counters = _Counters()
-        self.history: list[Delivery] = []  # every delivery the optimizer took, in order
+        # the deliveries the optimizer took, newest last (bounded: a daemon runs for weeks)
+        self.history: deque[Delivery] = deque(maxlen=HISTORY)
         self._rng = random.Random(seed)
         self._own: dict[int, Fragment] = {}  # published, not yet applied
         self._noloco_momentum = (
@@ -192,6 +196,13 @@ class OuterLoop:
         idx = self.fragments[f]
         with torch.no_grad():
             own = torch.cat([(self.phi[i] - self.theta[i].float()).flatten() for i in idx])
+            if not torch.isfinite(own).all():
+                # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply
+                self.counters.rejected["local_non_finite"] += 1
+                for i in idx:
+                    self.theta[i].copy_(self.phi[i])
+                self._own[f] = None
+                return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         self._own[f] = Fragment(key, own, tokens)
         self.transport.publish(self._own[f])
@@ -202,13 +213,13 @@ class OuterLoop:
 
     def apply(self, f: int) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since."""
-        own = self._own.pop(f, None)
-        if own is None:
+        if f not in self._own:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
+        own = self._own.pop(f)
         base = self.versions[f]
-        incoming: list[tuple[Fragment, int]] = [(own, 0)]
+        incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
         for frag in self.transport.receive(f):
-            if frag.tensor.numel() != own.tensor.numel():
+            if frag.tensor.numel() != self._numel(f):
                 self.counters.rejected["bad_shape"] += 1
                 continue
             age = base - frag.key.base_version
@@ -217,17 +228,24 @@ class OuterLoop:
                 self.counters.from_future += 1
                 age = 0
             incoming.append((frag, age))
+        # outer parameters published by peers: taken by NoLoCo and gossip, drained otherwise
+        params = self.transport.receive(f, Kind.PARAMS)
         with torch.no_grad():
-            taken = self._apply(f, incoming)
+            if incoming:
+                taken = self._apply(f, incoming, own is not None, params)
+            else:
+                taken = []
             if self._mixing_due(f):
-                self._gossip(f)
+                self._gossip(f, params)
             self.versions[f] += 1
             for i in self.fragments[f]:
                 self.theta[i].copy_(self.phi[i])
         self.newest_seen[f] = max(self.newest_seen[f], self.versions[f])
         return taken
 
-    def _apply(self, f: int, incoming: list[tuple[Fragment, int]]) -> list[Delivery]:
+    def _apply(
+        self, f: int, incoming: list[tuple[Fragment, int]], has_own: bool, params: list[Fragment]
+    ) -> list[Delivery]:
         opt = self.config.optimizer
         weights = [self.staleness(age) if opt in _AGE_AWARE else 1.0 for _, age in incoming]
         taken = []
@@ -235,18 +253,24 @@ class OuterLoop:
             if w == 0.0:
                 self.counters.dropped_stale += 1
                 continue
-            d = Delivery(f, frag.key.publisher, frag.key.base_version, age, w, own=n == 0)
+            is_own = has_own and n == 0
+            d = Delivery(f, frag.key.publisher, frag.key.base_version, age, w, own=is_own)
             taken.append(d)
-            if n:
+            if not is_own:
                 self.counters.applied_by_peer[frag.key.publisher] += 1
             self.counters.age_sum += age
             self.counters.age_count += 1
-        self.counters.applied += len(taken) - 1  # the own fragment is not counted as applied
+        self.counters.applied += len(taken) - int(has_own)  # the own fragment is not "applied"
         self.history.extend(taken)
         kept = [(frag, age, w) for (frag, age), w in zip(incoming, weights, strict=True) if w > 0.0]
+        if not kept:
+            return taken
         if opt == "noloco":
-            self._noloco_step(f, kept)
+            self._noloco_step(f, kept, has_own, params)
         elif opt == "delayed-nesterov":
+            # N = the arrivals expected per round: this peer and the peers it sees now
+            for group in self.optimizer.param_groups:
+                group["period"] = len(self.transport.live_peers()) + 1
             for frag, _, _ in sorted(kept, key=lambda x: -x[1]):  # oldest first, own fresh one last
                 self._set_grad(f, frag.tensor)
                 self.optimizer.step()
@@ -283,12 +307,19 @@ class OuterLoop:
         c = self.config
         return c.mixing == "gossip" and c.optimizer != "noloco" and self.versions[f] % c.mixing_period == 0
 
-    def _gossip(self, f: int) -> None:
-        """Average fragment f's φ with one random peer's latest published φ (pairwise gossip)."""
-        offers = [p for p in self.transport.receive(f, Kind.PARAMS) if p.tensor.numel() == self._numel(f)]
-        if not offers:
+    def _gossip(self, f: int, params: list[Fragment]) -> None:
+        """Average fragment f's φ with one random peer's latest published φ (pairwise gossip),
+        among peers whose φ is at most the cutoff old."""
+        newest: dict[str, Fragment] = {}
+        for p in params:
+            fresh = self.versions[f] - p.key.base_version <= self.config.cutoff
+            if fresh and p.tensor.numel() == self._numel(f):
+                held = newest.get(p.key.publisher)
+                if held is None or p.key.base_version > held.key.base_version:
+                    newest[p.key.publisher] = p
+        if not newest:
             return
-        partner = self._rng.choice(sorted(offers, key=lambda p: p.key.publisher))
+        partner = newest[self._rng.choice(sorted(newest))]
         for mine, theirs in zip(
             [self.phi[i].data for i in self.fragments[f]], self._unflatten(f, partner.tensor), strict=True
         ):
@@ -298,21 +329,31 @@ class OuterLoop:
     def _numel(self, f: int) -> int:
         return sum(self.phi[i].numel() for i in self.fragments[f])
 
-    def _noloco_step(self, f: int, kept: list[tuple[Fragment, int, float]]) -> None:
+    def _noloco_step(
+        self, f: int, kept: list[tuple[Fragment, int, float]], has_own: bool, params: list[Fragment]
+    ) -> None:
         idx = self.fragments[f]
-        own_delta = self._unflatten(f, kept[0][0].tensor)
         phi = [self.phi[i].data for i in idx]
         momentum = [self._noloco_momentum[i] for i in idx]
-        partners = {frag.key.publisher: frag for frag, _, _ in kept[1:]}
-        params = {p.key.publisher: p for p in self.transport.receive(f, Kind.PARAMS)}
-        candidates = sorted(set(partners) & set(params))
+        peers_kept = kept[1:] if has_own else kept
+        partners = {frag.key.publisher: frag for frag, _, _ in peers_kept}
+        numel = self._numel(f)
+        newest_phi = {  # each peer's newest φ (sorted by version: later ones overwrite)
+            p.key.publisher: p
+            for p in sorted(params, key=lambda p: p.key.base_version)
+            if p.tensor.numel() == numel
+        }
+        if not has_own:  # the local block was discarded: no own Δ to step with
+            return
+        own_delta = self._unflatten(f, kept[0][0].tensor)
+        candidates = sorted(set(partners) & set(newest_phi))
         if not candidates:
             noloco_update(
                 phi, own_delta, None, None, momentum, lr=self.config.outer_lr, beta=self.config.noloco_beta
             )
             return
         partner = self._rng.choice(candidates)
-        their_phi = self._unflatten(f, params[partner].tensor)
+        their_phi = self._unflatten(f, newest_phi[partner].tensor)
         their_delta = self._unflatten(f, partners[partner].tensor)
         mean_phi = [(a + b) / 2 for a, b in zip(phi, their_phi, strict=True)]
         mean_delta = [(a + b) / 2 for a, b in zip(own_delta, their_delta, strict=True)]
@@ -359,4 +400,8 @@ class OuterLoop:
         self.versions = list(state["versions"])
         self.newest_seen = [max(a, b) for a, b in zip(self.newest_seen, self.versions, strict=True)]
         if self.optimizer is not None:
+            # moments and step counts from the state; hyperparameters stay this peer's own
+            ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(state["optimizer"])
+            for group, hyper in zip(self.optimizer.param_groups, ours, strict=True):
+                group.update(hyper)

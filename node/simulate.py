@@ -115,6 +115,7 @@ class _Worker:
     block: int = 0  # sync events completed
     losses: list[float] = field(default_factory=list)
     resyncs: int = 0
+    away_since: float | None = None  # virtual time it left, while away (churn)
 
 
 def simulate(
@@ -156,7 +157,12 @@ def simulate(
         now = events[0][0]
         due = []
         while events and events[0][0] == now:
-            due.append(workers[heapq.heappop(events)[1]])
+            wk = workers[heapq.heappop(events)[1]]
+            if wk.away_since is None:
+                due.append(wk)
+                continue
+            _rejoin(wk, workers, now, c, eval_batches)  # back from churn; its next block follows
+            heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
         for wk in due:  # clocks first: a delivery's due round counts from the receiver's round now
             wk.clock = now
             wk.transport.advance(now, wk.round)
@@ -178,7 +184,12 @@ def simulate(
                 wk.round += 1
                 wk.losses.append(evaluate(wk.trainer.model, eval_batches))
                 if wk.round < c.rounds and c.churn and rng.random() < c.churn:
-                    _leave_and_rejoin(wk, workers, rng.randint(1, 4) * c.inner_steps * c.step_time, c)
+                    # away for 1-4 rounds: neither sending nor receiving; back via a rejoin event
+                    wk.transport.set_alive(False)
+                    wk.away_since = wk.clock
+                    back = wk.clock + rng.randint(1, 4) * c.inner_steps * c.step_time
+                    heapq.heappush(events, (back, wk.index))
+                    continue
             if wk.round < c.rounds:
                 heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
 
@@ -212,19 +223,23 @@ def simulate(
     }
 
 
-def _leave_and_rejoin(wk: _Worker, workers: list[_Worker], downtime: float, c: SimConfig) -> None:
-    """The worker is away for ``downtime``; back, it re-syncs from the most advanced live peer
-    when it has fallen more than the cutoff behind (as a daemon does when it rejoins)."""
-    wk.transport.set_alive(False)
-    wk.clock += downtime
-    wk.down_seconds += downtime
+def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_batches: list) -> None:
+    """Back from churn: if it fell more than the cutoff behind the most advanced live peer, it
+    adopts that peer's outer state (as a daemon does when it rejoins); rounds it skipped count
+    at the loss of the state it adopted."""
+    assert wk.away_since is not None
+    wk.down_seconds += now - wk.away_since
+    wk.away_since = None
+    wk.clock = now
     wk.transport.set_alive(True)
-    live = [o for o in workers if o is not wk and o.transport.alive]
+    live = [o for o in workers if o is not wk and o.transport.alive and o.away_since is None]
     if not live:
         return
     leader = max(live, key=lambda o: min(o.loop.versions))
-    if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff:
+    if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff and leader.round < c.rounds:
         wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
+        loss = evaluate(wk.trainer.model, eval_batches)
+        wk.losses.extend([loss] * (leader.round - wk.round))
         wk.round = leader.round
         wk.block = leader.block
         wk.resyncs += 1

@@ -235,3 +235,45 @@ def test_cli_simulate_empty_corpus(tmp_path):
     result = cli("simulate", "--data", str(empty), "--rounds", "1", "--out", str(tmp_path / "r.json"))
     assert result.returncode == 2
     assert str(empty) in result.stderr
+
+
+def test_churned_workers_are_away_then_resync_when_far_behind(corpus):
+    record = run(corpus, optimizer="cgad", churn=0.2, rounds=8, cutoff=1.0, seed=3)
+    assert len(record["losses"]) == 8
+    assert record["resyncs"] >= 1
+    assert record["utilization"] == 1.0  # time away is not counted as idle
+    steady = run(corpus, optimizer="cgad", rounds=8, cutoff=1.0, seed=3)
+    assert record["applied"] < steady["applied"]  # away workers neither send nor receive
+
+
+def test_a_locally_diverged_block_is_discarded_not_published():
+    network = VirtualNetwork()
+    a, b = network.join("a"), network.join("b")
+    loop = OuterLoop([torch.zeros(4)], OuterConfig("sgd", lr=1.0), a, "run")
+    peer = OuterLoop([torch.zeros(4)], OuterConfig("sgd", lr=1.0), b, "run")
+    loop.theta[0].copy_(torch.tensor([1.0, float("nan"), 0.0, 0.0]))
+    peer.theta[0].fill_(0.5)
+    peer.publish(0, tokens=1)
+    loop.publish(0, tokens=1)
+    assert loop.counters.rejected["local_non_finite"] == 1
+    assert b.receive(0) == []  # nothing non-finite left the node
+    loop.apply(0)
+    assert loop.versions == [1]  # the round still counts
+    torch.testing.assert_close(loop.theta[0], torch.full((4,), 0.5))  # the peer's progress applied
+
+
+def test_loaded_state_keeps_this_peers_hyperparameters():
+    src = OuterLoop([torch.zeros(3)], OuterConfig("cgad", lr=0.05), VirtualNetwork().join("a"), "run")
+    src.theta[0].fill_(0.1)
+    src.sync(0, tokens=1)
+    dst = OuterLoop([torch.zeros(3)], OuterConfig("cgad", lr=0.001), VirtualNetwork().join("b"), "run")
+    dst.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert dst.optimizer.param_groups[0]["lr"] == 0.001
+    assert int(dst.optimizer.state[dst.phi[0]]["step"]) == 1
+
+
+def test_bad_cgad_settings_fail_at_configuration():
+    with pytest.raises(ValueError, match="cutoff"):
+        OuterConfig("cgad", cutoff=0)
+    with pytest.raises(ValueError, match="alpha"):
+        OuterConfig("cgad", alpha=-1)
