@@ -16,8 +16,10 @@ from cgad.node.admin import call_admin, check_health
 from cgad.node.export import export_checkpoint
 
 CLI = str(Path(sys.executable).with_name("cgad-node"))
-HOSTILE = {"bad_shape", "bad_dtype", "bad_length", "bad_header", "bad_chunk", "non_finite", "norm_too_large",
-           "bad_checksum", "bad_hash", "forged", "garbage", "oversized", "replay", "truncated"}  # fmt: skip
+HOSTILE = {
+    "bad_shape", "bad_dtype", "bad_length", "bad_header", "bad_chunk", "non_finite", "norm_too_large",
+    "bad_checksum", "bad_hash", "forged", "garbage", "oversized", "replay", "truncated",
+}  # fmt: skip
 STATUS_KEYS = {"peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
                "published", "applied", "rejected", "dropped_stale", "mean_age"}  # fmt: skip
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
@@ -103,8 +105,9 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
     c = NodeProcess("c", workdir, a.maddrs())
     nodes += [b, c]
     assert check_health(a.admin)
-    status_json = subprocess.run([CLI, "status", "--admin", a.admin, "--json"], capture_output=True, text=True,
-                                 timeout=120)  # fmt: skip
+    status_json = subprocess.run(
+        [CLI, "status", "--admin", a.admin, "--json"], capture_output=True, text=True, timeout=120
+    )
     assert status_json.returncode == 0, status_json.stderr
     assert STATUS_KEYS <= set(json.loads(status_json.stdout))
 
