@@ -20,8 +20,10 @@ HOSTILE = {
     "bad_shape", "bad_dtype", "bad_length", "bad_header", "bad_chunk", "non_finite", "norm_too_large",
     "bad_checksum", "bad_hash", "forged", "garbage", "oversized", "replay", "truncated",
 }  # fmt: skip
-STATUS_KEYS = {"peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
-               "published", "applied", "rejected", "dropped_stale", "mean_age"}  # fmt: skip
+STATUS_KEYS = {
+    "peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
+    "published", "applied", "rejected", "dropped_stale", "mean_age",
+}  # fmt: skip
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
 SETTINGS = [
     "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
