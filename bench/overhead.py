@@ -59,7 +59,7 @@ def daemon(
     with tempfile.TemporaryDirectory() as tmp:
         config = NodeConfig(
             run_id="overhead", model=model_name, inner_steps=inner_steps, batch_size=batch, seq_len=seq,
-            max_rounds=rounds, eval_every=eval_every, maddrs_file=str(Path(tmp) / "maddrs"),
+            max_rounds=rounds, eval_every=eval_every, maddrs_file=str(Path(tmp) / "maddrs"), admin_port=0,
         )  # fmt: skip
         node = Node(config)
         try:

@@ -168,7 +168,7 @@ _JOIN_HELP = {
     "mixing": "gossip: also average outer parameters with a random peer",
     "device": "auto picks CUDA (with bf16 autocast) when present",
     "max_rounds": "stop after this many outer rounds (0: until told to leave)",
-    "admin_port": "admin gRPC port on --admin-host (0: any free port)",
+    "admin_port": "admin gRPC port on --admin-host, where `status` and `leave` look (0: any free port)",
     "metrics_port": "serve Prometheus metrics on this port",
     "dry_run": "validate the whole configuration, print it, and exit",
     "config": "YAML file of options (flags given on the command line win)",
@@ -224,12 +224,14 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 
 def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
+    from cgad.node.config import ADMIN_PORT
+
     status = subparsers.add_parser("status", help="show a running node's status")
-    status.add_argument("--admin", default="127.0.0.1:7780", help="the node's admin API (HOST:PORT)")
+    status.add_argument("--admin", default=f"127.0.0.1:{ADMIN_PORT}", help="the node's admin API (HOST:PORT)")
     status.add_argument("--json", action="store_true", help="print the raw status document")
     status.set_defaults(handler=_cmd_status)
     leave = subparsers.add_parser("leave", help="ask a node to finish its step, publish, checkpoint and exit")
-    leave.add_argument("--admin", default="127.0.0.1:7780", help="the node's admin API (HOST:PORT)")
+    leave.add_argument("--admin", default=f"127.0.0.1:{ADMIN_PORT}", help="the node's admin API (HOST:PORT)")
     leave.set_defaults(handler=_cmd_leave)
     keygen = subparsers.add_parser(
         "keygen", help="create (or read) an identity key file and print its peer id"

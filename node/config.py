@@ -19,8 +19,9 @@ import yaml
 from cgad.node.outer import OPTIMIZERS
 from cgad.optim import DEFAULT_ALPHA, DEFAULT_CUTOFF
 
-__all__ = ["CODECS", "DEVICES", "MIXING", "NodeConfig", "load_yaml"]
+__all__ = ["ADMIN_PORT", "CODECS", "DEVICES", "MIXING", "NodeConfig", "load_yaml"]
 
+ADMIN_PORT = 7780  # where `cgad-node status` and `leave` look by default
 CODECS = ("fp32", "fp16", "int8", "4bit")
 DEVICES = ("auto", "cpu", "cuda")
 MIXING = ("none", "gossip")
@@ -63,7 +64,7 @@ class NodeConfig:
     eval_every: int = 1  # outer rounds between held-out evaluations
     eval_batches: int = 4
     admin_host: str = "127.0.0.1"
-    admin_port: int = 0  # 0: any free port (printed, and written beside the maddrs file)
+    admin_port: int = ADMIN_PORT  # 0: any free port (printed at start)
     metrics_port: int | None = None
     seed: int = 0
     dry_run: bool = False  # validate everything, print the resolved configuration, exit
