@@ -118,14 +118,16 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
     for node in (a, b, c):
         others = {ids[o.name] for o in (a, b, c) if o is not node}
         status = node.wait(
-            lambda s, others=others: len(s["eval_history"]) >= 6 and others <= set(s["applied_by_peer"]),
-            "six evaluations with fragments from both peers",
+            lambda s, others=others: (
+                len(s["eval_history"]) >= 6 and others <= set(s["applied_by_peer"]) and s["peers"] == 2
+            ),
+            "six evaluations, two live peers, fragments from both",
         )
         start, end = first_and_last_eval(status)
         # a starts from scratch; b and c from the state a had when they joined, and go lower still
         assert end < start - (1.0 if node is a else 0.05), (node.name, status["eval_history"])
-        assert status["peers"] == 2
-        assert 0 <= status["mean_age"] <= 3  # peers run at the same cadence: fragments are fresh
+        # peers run at about the same cadence: fragments arrive well inside the cutoff (4 rounds)
+        assert 0 <= status["mean_age"] < 4, status
         # honest peers: fetches may time out ("unavailable"), but nothing is malformed or forged
         assert not set(status["rejected"]) & HOSTILE, status["rejected"]
 
