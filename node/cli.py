@@ -96,29 +96,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from cgad.node.tokenizer import load_tokenizer
 
     optimizers = args.optimizer or ["cgad"]
+    # the flags share SimConfig's field names: take them all, then vary optimizer and seed
+    shared = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(SimConfig)}}
+    shared["stragglers"] = parse_stragglers(args.stragglers, args.workers)
     configs = [
-        SimConfig(
-            optimizer=opt,
-            workers=args.workers,
-            inner_steps=args.inner_steps,
-            rounds=args.rounds,
-            delay=args.delay,
-            drop=args.drop,
-            bandwidth=args.bandwidth,
-            stragglers=parse_stragglers(args.stragglers, args.workers),
-            churn=args.churn,
-            fragments=args.fragments,
-            outer_lr=args.outer_lr,
-            alpha=args.alpha,
-            cutoff=args.cutoff,
-            seed=seed,
-            model=args.model,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            inner_lr=args.inner_lr,
-            warmup_steps=args.warmup_steps,
-            eval_batches=args.eval_batches,
-        )
+        SimConfig(**{**shared, "optimizer": opt, "seed": seed})
         for opt in optimizers
         for seed in range(args.seeds)
     ]  # every configuration is validated before any work starts

@@ -297,9 +297,10 @@ class Node:
                 logger.warning("%d versions behind the swarm: re-syncing", self.loop.behind_by())
                 if self.sync_from_swarm(required=False):
                     self.resyncs += 1
+        status = self.status()
         if self.metrics:
-            self.metrics.update(self.status())
-        self._status_line()
+            self.metrics.update(status)
+        self._status_line(status)
 
     def _finish(self, block: int) -> None:
         """Leaving: the fragment whose block is under way syncs now with the steps it has (one
@@ -312,7 +313,7 @@ class Node:
             self.trainer.steps += block - pending  # the schedule continues at the next fragment
         if c.checkpoint_dir:
             self.save()
-        self._status_line(final=True)
+        self._status_line(self.status(), final=True)
         if pending and self.transport.live_peers():
             time.sleep(LINGER_SECONDS)
 
@@ -376,8 +377,7 @@ class Node:
             "device": str(self.device),
         }
 
-    def _status_line(self, final: bool = False) -> None:
-        s = self.status()
+    def _status_line(self, s: dict[str, Any], final: bool = False) -> None:
         loss = "-" if s["loss"] is None else f"{s['loss']:.3f}"
         evl = "-" if s["eval_loss"] is None or not math.isfinite(s["eval_loss"]) else f"{s['eval_loss']:.3f}"
         line = (

@@ -17,6 +17,7 @@ import heapq
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -250,7 +251,4 @@ def _mean(values: list[float]) -> float:
 
 
 def _age_counts(delivered: list[Delivery]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for d in delivered:
-        counts[str(d.age)] = counts.get(str(d.age), 0) + 1
-    return counts
+    return dict(Counter(str(d.age) for d in delivered))
