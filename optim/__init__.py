@@ -2,26 +2,36 @@
 
 Every optimizer reads the pseudo-gradient Δ = φ_before − θ_after from ``p.grad``, so a descent
 step moves the outer parameters φ toward the locally trained θ.
+
+The defaults import without torch (a configuration reads them); everything else is loaded on
+first use, so ``from cgad.optim import CGAD`` works as usual.
 """
 
-from .cgad import CGAD, DEFAULT_ALPHA, DEFAULT_CUTOFF, DEFAULT_LR, PACGAD, AdamDecay, cgad_update
-from .nesterov import DelayedNesterov, OuterNesterov, delayed_nesterov_update, nesterov_update
-from .noloco import noloco_update
-from .staleness import cosine_gate, staleness_weight
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "CGAD",
-    "DEFAULT_ALPHA",
-    "DEFAULT_CUTOFF",
-    "DEFAULT_LR",
-    "PACGAD",
-    "AdamDecay",
-    "DelayedNesterov",
-    "OuterNesterov",
-    "cgad_update",
-    "cosine_gate",
-    "delayed_nesterov_update",
-    "nesterov_update",
-    "noloco_update",
-    "staleness_weight",
-]
+from .defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF, DEFAULT_LR
+
+_HOME = {
+    "CGAD": "cgad",
+    "PACGAD": "cgad",
+    "AdamDecay": "cgad",
+    "cgad_update": "cgad",
+    "DelayedNesterov": "nesterov",
+    "OuterNesterov": "nesterov",
+    "delayed_nesterov_update": "nesterov",
+    "nesterov_update": "nesterov",
+    "NoLoCo": "noloco",
+    "noloco_update": "noloco",
+    "merge": "merging",
+    "cosine_gate": "staleness",
+    "staleness_weight": "staleness",
+}
+
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_CUTOFF", "DEFAULT_LR", *_HOME]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_HOME[name]}", __name__), name)

@@ -20,16 +20,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF, DEFAULT_LR
 from .staleness import check_age, staleness_weight
 
-__all__ = ["CGAD", "DEFAULT_ALPHA", "DEFAULT_CUTOFF", "DEFAULT_LR", "PACGAD", "AdamDecay", "cgad_update"]
-
-# Chosen by the delay sweep (bench/delay_sweep.py; the evidence is in docs/RESULTS.md). The outer
-# lr is scale-dependent: Adam moves every coordinate by about lr per step, so it should be of the
-# order of a pseudo-gradient's typical coordinate (roughly H × inner lr / 2).
-DEFAULT_LR = 1e-2
-DEFAULT_ALPHA = 0.6
-DEFAULT_CUTOFF = 4.0
+__all__ = ["CGAD", "PACGAD", "AdamDecay", "cgad_update"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
