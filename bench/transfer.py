@@ -37,7 +37,8 @@ import hivemind
 import torch
 
 from cgad.protocol.codec import Codec, decode, encode
-from cgad.protocol.network import PATHS, NetworkConfig, NetworkTransport
+from cgad.protocol.config import PATHS, NetworkOptions
+from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import Holdings
 from cgad.protocol.transport import FragmentKey
 from cgad.protocol.wire import content_hash
@@ -56,13 +57,13 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / _TICKS
 
 
-def _config(**overrides: object) -> NetworkConfig:
-    return NetworkConfig(run_id=RUN, num_fragments=1, fragment_numel={}, **overrides)
+def _transport(**overrides: object) -> NetworkTransport:
+    return NetworkTransport(NetworkOptions(run_id=RUN, **overrides), num_fragments=1, fragment_numel={})
 
 
 def publisher(initial_peers: list[str], commands: Connection) -> None:
     """The child: holds encoded fragments for the fetcher, and sends raw bytes on request."""
-    transport = NetworkTransport(_config(initial_peers=initial_peers, keep_versions=1))
+    transport = _transport(peers=initial_peers, keep_versions=1)
     assert transport.p2p is not None
     commands.send((transport.peer_id, transport.grpc_endpoint, transport.p2p._child.pid))
     data = b""
@@ -159,7 +160,7 @@ def main() -> None:
     codecs = codec_speeds(64 * 2**20 // 4, args.codec_repeats, threads=1)
     codecs_two_threads = codec_speeds(64 * 2**20 // 4, args.codec_repeats, threads=2)
 
-    fetcher = NetworkTransport(_config())
+    fetcher = _transport()
     parent_end, child_end = multiprocessing.get_context("spawn").Pipe()
     child = multiprocessing.get_context("spawn").Process(
         target=publisher, args=(fetcher.maddrs(), child_end), daemon=True

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from cgad.protocol.errors import FragmentError
 
-__all__ = ["MAX_NUMEL", "Codec", "ErrorFeedback", "decode", "encode", "encoded_size"]
+__all__ = ["MAX_NUMEL", "SCRATCH_BYTES", "Codec", "ErrorFeedback", "decode", "encode", "encoded_size"]
 
 
 class Codec(enum.StrEnum):
@@ -109,13 +109,18 @@ def _finite_range(flat: Tensor) -> tuple[float, float]:
     return float(low), float(high)
 
 
+# Scratch space per thread, reused across calls: a fresh large allocation costs a page fault per
+# 4 KiB on first touch, which here is slower than the arithmetic itself. The lossy codecs work
+# through a tensor in slices of ``_SLICE_VALUES`` (whole blocks of either codec, a float32 and an
+# int8 buffer each) so that a thread's scratch never exceeds ``SCRATCH_BYTES``, however large the
+# fragment; the slices change nothing in the output, as every step is per block.
+SCRATCH_BYTES = 64 << 20
+_SLICE_VALUES = SCRATCH_BYTES // 5 // 256 * 256
 _workspace = threading.local()
 
 
 def _scratch(name: str, numel: int, dtype: torch.dtype) -> Tensor:
-    """A per-thread buffer reused across calls: fresh large allocations cost a page fault per 4 KiB
-    on first touch, which here is slower than the arithmetic itself. Holds about 5 bytes per value
-    of the largest tensor this thread has encoded."""
+    """A per-thread buffer of at least ``numel`` values, kept for the next call."""
     buffer: Tensor | None = getattr(_workspace, name, None)
     if buffer is None or buffer.numel() < numel:
         buffer = torch.empty(numel, dtype=dtype)
@@ -132,20 +137,37 @@ def _blocks(flat: Tensor, block: int) -> Tensor:
     return padded.view(-1, block)
 
 
-def _quantize(flat: Tensor, codec: Codec, levels: float) -> tuple[Tensor, Tensor]:
-    """Per-block scales (absmax / levels) and ``round`` or ``trunc`` of value·levels/absmax as int8."""
-    blocks = _blocks(flat, _BLOCK[codec])
-    work = _scratch("work", blocks.numel(), torch.float32).view_as(blocks)
-    absmax = torch.abs(blocks, out=work).amax(dim=1)
-    if absmax.numel() and not math.isfinite(float(absmax.max())):
-        raise FragmentError("non_finite", "tensor holds NaN or Inf")
-    multiplier = torch.where(absmax > _TINY, levels / absmax, 0.0)
-    torch.mul(blocks, multiplier[:, None], out=work)
+def _quantize(flat: Tensor, codec: Codec, levels: float) -> tuple[Tensor, np.ndarray]:
+    """Per-block scales (absmax / (127 or 6)) and the codes: for int8, ``round`` of
+    value·127/absmax; for 4bit, the quarter-step buckets ``trunc`` of value·24/absmax, two to a
+    byte through the E2M1 table."""
+    block = _BLOCK[codec]
+    padded_numel = -(-flat.numel() // block) * block
+    scales = torch.empty(padded_numel // block, dtype=torch.float32)
     if codec is Codec.INT8:
-        work.round_()
-    # Float to int8 truncates toward zero; for 4bit that truncation is the quarter-step bucket.
-    codes = _scratch("codes", blocks.numel(), torch.int8).copy_(work.view(-1))
-    scales = torch.where(absmax > _TINY, absmax / (127.0 if codec is Codec.INT8 else 6.0), 0.0)
+        codes = np.empty(padded_numel, dtype=np.int8)
+    else:
+        codes = np.empty(padded_numel // 2, dtype=np.uint8)
+    for start in range(0, padded_numel, _SLICE_VALUES):
+        stop = min(start + _SLICE_VALUES, padded_numel)
+        blocks = _blocks(flat[start:stop], block)
+        work = _scratch("work", blocks.numel(), torch.float32).view_as(blocks)
+        absmax = torch.abs(blocks, out=work).amax(dim=1)
+        if absmax.numel() and not math.isfinite(float(absmax.max())):
+            raise FragmentError("non_finite", "tensor holds NaN or Inf")
+        multiplier = torch.where(absmax > _TINY, levels / absmax, 0.0)
+        torch.mul(blocks, multiplier[:, None], out=work)
+        scales[start // block : stop // block] = torch.where(
+            absmax > _TINY, absmax / (127.0 if codec is Codec.INT8 else 6.0), 0.0
+        )
+        # Float to int8 truncates toward zero; for 4bit that truncation is the quarter-step bucket.
+        if codec is Codec.INT8:
+            torch.from_numpy(codes[start:stop]).copy_(work.round_().view(-1))
+        else:
+            buckets = _scratch("codes", blocks.numel(), torch.int8).copy_(work.view(-1))
+            # every uint16 indexes the 65536-entry table: "clip" never clips, and skips a buffer
+            pairs = buckets.numpy().view(np.uint16)
+            np.take(_FP4_PAIR_TO_BYTE, pairs, out=codes[start // 2 : stop // 2], mode="clip")
     return scales, codes
 
 
@@ -174,12 +196,9 @@ def encode(tensor: Tensor, codec: Codec | str) -> bytes:
             if not (-limit <= low and high <= limit):
                 raise FragmentError("non_finite", f"values in [{low}, {high}] do not fit {codec}")
         parts = [(flat if codec is Codec.FP32 else flat.to(torch.float16)).numpy()]
-    elif codec is Codec.INT8:
-        scales, codes = _quantize(flat, codec, 127.0)
-        parts = [scales.numpy(), codes.numpy()]
     else:
-        scales, buckets = _quantize(flat, codec, 24.0)
-        parts = [scales.numpy(), np.take(_FP4_PAIR_TO_BYTE, buckets.numpy().view(np.uint16))]
+        scales, codes = _quantize(flat, codec, 127.0 if codec is Codec.INT8 else 24.0)
+        parts = [scales.numpy(), codes]
 
     payload_len = sum(part.nbytes for part in parts)
     header = _FIXED.pack(

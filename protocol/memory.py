@@ -144,10 +144,10 @@ class MemoryTransport(Transport):
         self.stats.published += 1
         self.network._send(self, fragment)
 
-    def receive(self, fragment: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
+    def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         ready, waiting = [], []
         for d in self.inbox:
-            is_match = d.fragment.key.fragment == fragment and d.fragment.key.kind == kind
+            is_match = d.fragment.key.fragment == index and d.fragment.key.kind == kind
             if is_match and d.ready_round <= self.round and d.ready_time <= self.now:
                 ready.append(d.fragment)
             else:

@@ -6,7 +6,7 @@ Keys (hivemind hashes each to a DHT id)::
     "{run_id}_progress"      one subkey per peer: its ``Progress``
 
 Every subkey is the writer's RSA public key in hivemind's ``[owner:...]`` form, so
-``RSASignatureValidator`` lets only the key's owner write it (DESIGN.md §4: the key in the
+``RSASignatureValidator`` lets only the key's owner write it (docs/DESIGN.md §4: the key in the
 subkey, never in the key). The same RSA key is the peer's libp2p identity, so a peer id can be
 derived from a subkey: ``peer_id_of_owner`` ties what a record claims (its ``peer_id``, the
 ``publisher`` of its own offers) to who signed it. Values are checked by hivemind's
@@ -30,6 +30,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from cgad.protocol.errors import FragmentError
+from cgad.protocol.files import atomic_write
 
 __all__ = [
     "MAX_OFFERS",
@@ -130,7 +131,8 @@ class Identity:
     @classmethod
     def load_or_create(cls, path: str) -> Identity:
         """The identity kept in ``path`` (libp2p's key file format, as ``p2pd -id`` reads it),
-        written there first if the file does not exist: a stable peer id across restarts."""
+        written there first if the file does not exist: a stable peer id across restarts. A new
+        key file is readable by its owner only from the moment it appears."""
         if os.path.exists(path):
             with open(path, "rb") as key_file:
                 stored = crypto_pb2.PrivateKey.FromString(key_file.read())
@@ -140,9 +142,7 @@ class Identity:
             private_key.__setstate__({"_private_key": stored.data})  # hivemind's unpickling path
             return cls(private_key)
         identity = cls()
-        with open(path, "wb") as key_file:
-            key_file.write(identity.libp2p_identity)
-        os.chmod(path, 0o400)
+        atomic_write(path, identity.libp2p_identity, mode=0o600)
         return identity
 
     def __init__(self, private_key: RSAPrivateKey | None = None) -> None:

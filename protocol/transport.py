@@ -66,9 +66,10 @@ class Transport(abc.ABC):
         """Offer a fragment to the swarm and return at once."""
 
     @abc.abstractmethod
-    def receive(self, fragment: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
-        """Fragments of this index and kind from other peers that arrived and passed validation
-        since the last call. Never blocks; never returns the same DELTA key twice."""
+    def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
+        """Fragments with this fragment index and of this kind from other peers that arrived and
+        passed validation since the last call. Never blocks; never returns the same DELTA key
+        twice."""
 
     @abc.abstractmethod
     def live_peers(self) -> list[str]:

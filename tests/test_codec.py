@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cgad.protocol import FragmentError
-from cgad.protocol.codec import MAX_NUMEL, Codec, ErrorFeedback, decode, encode, encoded_size
+from cgad.protocol import codec as codec_module
+from cgad.protocol.codec import MAX_NUMEL, SCRATCH_BYTES, Codec, ErrorFeedback, decode, encode, encoded_size
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -271,3 +273,25 @@ def test_error_feedback_carries_the_residual(codec: Codec) -> None:
     assert float((total - rounds * x - (-feedback.residual)).abs().max()) < 1e-4
     with pytest.raises(FragmentError):
         feedback.encode(torch.randn(10))
+
+
+def test_encoding_a_large_tensor_keeps_the_scratch_bounded() -> None:
+    """The lossy codecs work in slices, so a thread's reused buffers stay under SCRATCH_BYTES
+    however large the fragment (5 bytes per value would be 5 GB for a 1B-parameter fragment),
+    and the slices change no byte: blocks are encoded independently."""
+    numel = SCRATCH_BYTES // 2 + 1000  # about 2.5 slices of values, and a partial last block
+    torch.manual_seed(2)
+    x = torch.randn(numel) * torch.linspace(1e-3, 1.0, numel)
+    split = (numel // 3) // 256 * 256  # a block boundary inside the first slice
+
+    def in_a_fresh_thread(codec: Codec) -> tuple[bool, int]:
+        whole = decode(encode(x, codec))
+        halves = torch.cat([decode(encode(x[:split], codec)), decode(encode(x[split:], codec))])
+        scratch = sum(buffer.nbytes for buffer in vars(codec_module._workspace).values())
+        return torch.equal(whole, halves), scratch
+
+    for codec in (Codec.INT8, Codec.FP4):
+        with ThreadPoolExecutor(1) as thread:
+            same, scratch = thread.submit(in_a_fresh_thread, codec).result()
+        assert same
+        assert 0 < scratch <= SCRATCH_BYTES

@@ -24,12 +24,14 @@ import torch
 from hivemind.utils import get_dht_time
 
 from cgad.protocol import FragmentError
-from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.codec import Codec, decode, encode, encoded_size
-from cgad.protocol.network import FragmentStore, NetworkConfig, NetworkTransport, StoredFragment
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import Holdings, Offer, fragment_key
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 from cgad.protocol.wire import content_hash
+
+pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
 RUN = "net-test"
 NUM_FRAGMENTS = 16
@@ -43,18 +45,18 @@ NUMEL = {0: BIG, 1: KILLED, 2: 1 << 20, 3: 1 << 20, 14: HUGE} | {
 MAX_NORM = 1e5
 
 
-def _config(**overrides: object) -> NetworkConfig:
+def _transport(fragment_numel: dict[int, int] = NUMEL, **overrides: object) -> NetworkTransport:
     settings: dict = dict(
         run_id=RUN,
-        num_fragments=NUM_FRAGMENTS,
-        fragment_numel=NUMEL,
         poll_interval=0.2,
         connect_timeout=1.0,
         chunk_timeout=3.0,
         max_norm=MAX_NORM,
     )
     settings.update(overrides)
-    return NetworkConfig(**settings)
+    return NetworkTransport(
+        NetworkOptions(**settings), num_fragments=NUM_FRAGMENTS, fragment_numel=fragment_numel
+    )
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
@@ -82,12 +84,12 @@ def key(transport: NetworkTransport, fragment: int, base: int, kind: Kind = Kind
 
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[list[NetworkTransport]]:
-    peers = [NetworkTransport(_config())]
+    peers = [_transport()]
     initial = peers[0].maddrs()
     try:
-        peers.append(NetworkTransport(_config(initial_peers=initial, paths=("grpc",))))
-        peers.append(NetworkTransport(_config(initial_peers=initial, paths=("libp2p",))))
-        peers.append(NetworkTransport(_config(initial_peers=initial, fragment_numel={}, fan_in=2)))
+        peers.append(_transport(peers=initial, paths=["grpc"]))
+        peers.append(_transport(peers=initial, paths=["libp2p"]))
+        peers.append(_transport({}, peers=initial, fan_in=2))
         yield peers
     finally:
         for peer in peers:
@@ -105,7 +107,7 @@ def test_every_codec_over_both_paths(swarm: list[NetworkTransport]) -> None:
             [got] = collect(fetcher, 0, 1)
             assert got.key == key(p0, 0, base)
             assert got.tokens == 1000 + base
-            assert torch.equal(got.tensor, expected), f"{codec} via {fetcher.config.paths}"
+            assert torch.equal(got.tensor, expected), f"{codec} via {fetcher.options.paths}"
     # each fetcher pulled every byte over its one path
     total = sum(encoded_size(BIG, codec) for codec in Codec)
     assert p1.bytes_by_path["grpc"] == total and p1.bytes_by_path["libp2p"] == 0
@@ -348,7 +350,7 @@ def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
 
 
 def _publisher_process(initial_peers: list[str], report: multiprocessing.Queue) -> None:
-    transport = NetworkTransport(_config(initial_peers=initial_peers, upload_bytes_per_s=10e6))
+    transport = _transport(peers=initial_peers, upload_limit=10e6)
     assert transport.p2p is not None
     report.put((transport.peer_id, transport.p2p._child.pid))
     transport.publish(Fragment(key(transport, 1, 1), torch.randn(KILLED)), codec="fp32")
@@ -397,9 +399,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(60)
 def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(swarm: list[NetworkTransport]) -> None:
     p0 = swarm[0]
-    config = _config(initial_peers=p0.maddrs(), client_mode=True, grpc_listen=None, fragment_numel={5: SMALL})
     libp2p_before = p0.bytes_by_path["libp2p"]
-    with NetworkTransport(config) as natted:
+    with _transport({5: SMALL}, peers=p0.maddrs(), client_mode=True, grpc_host="none") as natted:
         assert natted.grpc_endpoint is None
         theirs, ours = torch.randn(SMALL), torch.randn(SMALL)
         p0.publish(Fragment(key(p0, 5, 500), theirs), codec="fp32")
@@ -416,59 +417,35 @@ def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(swarm: list[Network
 @pytest.mark.timeout(60)
 def test_identity_file_gives_a_stable_peer_id(tmp_path: Path) -> None:
     path = str(tmp_path / "peer.key")
-    with NetworkTransport(_config(fragment_numel={}, identity_path=path)) as first:
+    with _transport({}, identity=path) as first:
         peer_id = first.peer_id
-    with NetworkTransport(_config(fragment_numel={}, identity_path=path)) as second:
+    with _transport({}, identity=path) as second:
         assert second.peer_id == peer_id
         assert second.p2p is not None and second.p2p.peer_id.to_base58() == peer_id
 
 
+class _NodeOptions(NetworkOptions):
+    """What a node's configuration does: inherit the network options and add its own."""
+
+    checkpoint_dir: str = "checkpoints"
+
+
+@pytest.mark.timeout(60)
+def test_any_subclass_of_the_options_serves_and_only_its_network_fields_are_kept() -> None:
+    options = _NodeOptions(run_id=RUN, grpc_host="none", fan_in=3)
+    with NetworkTransport(options, num_fragments=NUM_FRAGMENTS, fragment_numel={}) as transport:
+        assert type(transport.options) is NetworkOptions
+        assert transport.options.fan_in == 3 and transport.grpc_endpoint is None
+
+
 @pytest.mark.timeout(60)
 def test_close_leaves_no_daemon_thread_or_port() -> None:
-    transport = NetworkTransport(_config(fragment_numel={}))
+    transport = _transport({})
     assert transport.p2p is not None and transport.grpc_endpoint is not None
     daemon_pid = transport.p2p._child.pid
     host, port = transport.grpc_endpoint.rsplit(":", 1)
     transport.close()
-    assert not transport._thread.is_alive()
+    assert not transport._runner.thread.is_alive()
     wait_for(lambda: not _alive(daemon_pid), 10, "p2pd to exit")
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=1).close()
-
-
-def _entry(fragment: int, base: int, own: bool, kind: Kind = Kind.DELTA) -> StoredFragment:
-    data = os.urandom(64)
-    offer = Offer(
-        publisher="QmFakePeer",
-        base_version=base,
-        kind=str(kind),
-        tokens=0,
-        codec="fp32",
-        numel=1,
-        content_hash=content_hash(data),
-        byte_length=len(data),
-    )
-    header = pb.FragmentHeader(
-        fragment=fragment,
-        base_version=base,
-        kind=pb.DELTA if kind is Kind.DELTA else pb.PARAMS,
-        content_hash=offer.content_hash,
-    )
-    return StoredFragment(header, data, offer, own)
-
-
-def test_store_keeps_the_newest_versions_per_fragment() -> None:
-    store = FragmentStore(keep_own=2, keep_reserved=3)
-    own = [_entry(0, base, own=True) for base in range(5)]
-    params = _entry(0, 0, own=True, kind=Kind.PARAMS)
-    others = [_entry(0, base, own=False) for base in range(5)]
-    elsewhere = _entry(1, 0, own=True)
-    for entry in [*own, params, *others, elsewhere]:
-        store.put(entry)
-    held = {
-        e.offer.content_hash for e in [*own, params, *others, elsewhere] if store.get(e.offer.content_hash)
-    }
-    expected = [own[3], own[4], params, others[2], others[3], others[4], elsewhere]
-    assert held == {e.offer.content_hash for e in expected}
-    # announced: own versions first, newest first
-    assert [o.base_version for o in store.offers(0)[:3]] == [4, 3, 0]

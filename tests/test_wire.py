@@ -7,13 +7,13 @@ import re
 from pathlib import Path
 
 import pytest
+from _protoc import GENERATED, PROTO_DIR, generate  # tests/ is on sys.path under pytest
 from google.protobuf import descriptor_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cgad.protocol import FragmentError
 from cgad.protocol import fragment_pb2 as pb
-from cgad.protocol.build_proto import GENERATED, PROTO_DIR, generate
 from cgad.protocol.wire import (
     CHUNK_BYTES,
     ChunkAssembler,
@@ -41,7 +41,7 @@ def test_committed_generated_module_is_fresh(tmp_path: Path) -> None:
     fresh = {path.name: path for path in generate(tmp_path)}
     assert set(fresh) == set(GENERATED)
     assert _file_descriptor(fresh["fragment_pb2.py"]) == _file_descriptor(PROTO_DIR / "fragment_pb2.py"), (
-        "protocol/fragment_pb2.py is stale: run `python -m cgad.protocol.build_proto`"
+        "protocol/fragment_pb2.py is stale: run `python tests/_protoc.py`"
     )
 
 

@@ -1,8 +1,13 @@
-"""Compile ``fragment.proto`` into ``fragment_pb2.py`` beside it.
+"""Compile ``protocol/fragment.proto`` into ``protocol/fragment_pb2.py``: a development tool.
 
-The generated module is committed; ``tests/test_wire.py`` fails when it is stale. The proto is
-compiled under the virtual path ``cgad/protocol/`` so that its descriptor has a name no other
-project's ``fragment.proto`` can collide with. No gRPC stubs are generated: the transport
+Regenerate after editing the proto, from the repository root::
+
+    .venv/bin/python tests/_protoc.py
+
+The generated module is committed, so the runtime package never needs ``grpc_tools`` (a dev
+dependency); ``tests/test_wire.py`` uses ``generate`` to fail when the committed module is
+stale. The proto is compiled under the virtual path ``cgad/protocol/`` so that its descriptor has
+a name no other project's ``fragment.proto`` can collide with. No gRPC stubs are generated: the transport
 registers the service's methods itself, so that it can stream pre-serialized chunks
 (``cgad.protocol.wire.serialized_response_stream``).
 """
@@ -16,7 +21,7 @@ from pathlib import Path
 
 from grpc_tools import protoc
 
-PROTO_DIR = Path(__file__).resolve().parent
+PROTO_DIR = Path(__file__).resolve().parent.parent / "protocol"
 GENERATED = ("fragment_pb2.py",)
 
 

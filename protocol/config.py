@@ -1,0 +1,140 @@
+"""The network part of a node's configuration: what the transport needs to know.
+
+A pydantic model, so the node's configuration (``cgad.node.config``) can inherit it field for
+field: every field here is also a ``cgad-node join`` flag and a YAML key, with its description as
+the flag's help. Validation names the field; nothing here imports torch or hivemind, so the
+commands that only talk to a running node stay light.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["CODEC_NAMES", "PATHS", "CodecName", "NetworkOptions", "Port", "check_multiaddr"]
+
+CodecName = Literal["fp32", "fp16", "int8", "4bit"]
+CODEC_NAMES: tuple[str, ...] = CodecName.__args__
+PATHS = ("grpc", "libp2p")
+Port = Annotated[int, Field(ge=0, le=65535)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+# /proto/value pairs; the protocols a swarm address may use, each with how its value looks
+_MULTIADDR_PARTS = {
+    "ip4": r"\d{1,3}(\.\d{1,3}){3}",
+    "ip6": r"[0-9a-fA-F:.]+",
+    "dns": r"[A-Za-z0-9.-]+",
+    "dns4": r"[A-Za-z0-9.-]+",
+    "dns6": r"[A-Za-z0-9.-]+",
+    "tcp": r"\d{1,5}",
+    "udp": r"\d{1,5}",
+    "p2p": r"[1-9A-HJ-NP-Za-km-z]{10,128}",
+    "ipfs": r"[1-9A-HJ-NP-Za-km-z]{10,128}",
+}
+_FLAG_PARTS = {"quic", "quic-v1", "p2p-circuit", "ws", "wss"}
+
+
+def check_multiaddr(text: str) -> str:
+    """``text`` if it is a multiaddr a swarm can use, else ValueError saying what is wrong."""
+    if not text.startswith("/"):
+        raise ValueError(f"{text!r} is not a multiaddr (it must start with '/', e.g. /ip4/1.2.3.4/tcp/31337)")
+    parts = text.strip("/").split("/")
+    i = 0
+    while i < len(parts):
+        proto = parts[i]
+        if proto in _FLAG_PARTS:
+            i += 1
+            continue
+        pattern = _MULTIADDR_PARTS.get(proto)
+        if pattern is None:
+            raise ValueError(f"{text!r}: unknown multiaddr protocol {proto!r}")
+        if i + 1 >= len(parts) or not re.fullmatch(pattern, parts[i + 1]):
+            raise ValueError(f"{text!r}: {proto} needs a valid value")
+        if proto in ("tcp", "udp") and int(parts[i + 1]) > 65535:
+            raise ValueError(f"{text!r}: port {parts[i + 1]} > 65535")
+        if proto == "ip4" and any(int(x) > 255 for x in parts[i + 1].split(".")):
+            raise ValueError(f"{text!r}: {parts[i + 1]} is not an IPv4 address")
+        i += 2
+    return text
+
+
+class NetworkOptions(BaseModel):
+    """How a peer reaches the swarm and moves fragments."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    run_id: str = Field(
+        "cgad-run",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="name of the training run; peers of other runs are refused",
+    )
+    peers: list[str] = Field(
+        default_factory=list, description="multiaddrs of peers already in the swarm (none: start a new swarm)"
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        description="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list, description="multiaddrs others should dial (a public IP behind port forwarding)"
+    )
+    identity: str | None = Field(
+        None, description="key file for a stable peer id across restarts (created if missing)"
+    )
+    client_mode: bool = Field(False, description="behind NAT: only dial out; be reached through relays")
+    use_relay: bool = Field(True, description="use libp2p relays to reach and be reached by NATed peers")
+    grpc_host: str = Field(
+        "127.0.0.1", description="host for the direct gRPC data path ('none': libp2p only)"
+    )
+    grpc_port: Port = Field(0, description="port for the direct gRPC data path (0: any free port)")
+    grpc_announce_host: str | None = Field(
+        None, description="the host others dial for gRPC, when it differs from --grpc-host"
+    )
+    codec: CodecName = Field("4bit", description="pseudo-gradient encoding on the wire")
+    params_codec: CodecName = Field("fp32", description="outer-parameter encoding (gossip and NoLoCo mixing)")
+    error_feedback: bool = Field(
+        True, description="carry a lossy codec's rounding error into the fragment's next pseudo-gradient"
+    )
+    fan_in: int = Field(
+        4, ge=1, description="at most this many peers' fragments fetched per fragment and round"
+    )
+    keep_versions: int = Field(2, ge=1, description="own encoded versions kept per fragment to serve")
+    keep_reserved: int = Field(8, ge=0, description="peers' fragments kept per fragment to serve onward")
+    history_versions: int = Field(
+        64, ge=1, description="offers this many versions behind this peer's own are ignored unseen"
+    )
+    paths: list[Literal["grpc", "libp2p"]] = Field(
+        default_factory=lambda: list(PATHS),
+        min_length=1,
+        description="data paths to fetch over, in order of preference",
+    )
+    max_norm: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="refuse a fragment whose L2 norm is larger"
+    )
+    poll_interval: Seconds = Field(1.0, description="seconds between looks at the DHT")
+    record_ttl: Seconds = Field(120.0, description="seconds a holdings record lives in the DHT")
+    liveness_ttl: Seconds = Field(30.0, description="seconds a peer counts as live after its last report")
+    connect_timeout: Seconds = Field(2.0, description="seconds to wait for a holder to answer")
+    chunk_timeout: Seconds = Field(
+        15.0, description="longest silence within a transfer before trying another holder"
+    )
+    fetch_timeout: Seconds = Field(300.0, description="seconds one fragment may take to arrive")
+    upload_limit: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="bytes per second this peer serves at most"
+    )
+    startup_timeout: Seconds = Field(60.0, description="seconds to start libp2p and the DHT")
+    max_state_bytes: int = Field(1 << 36, ge=1, description="the largest state a joining peer accepts")
+
+    @field_validator("peers", "host_maddrs", "announce_maddrs")
+    @classmethod
+    def _multiaddrs(cls, values: list[str]) -> list[str]:
+        return [check_multiaddr(v) for v in values]
+
+    @property
+    def grpc_listen(self) -> str | None:
+        """``host:port`` for the gRPC server, or None for libp2p only."""
+        return None if self.grpc_host == "none" else f"{self.grpc_host}:{self.grpc_port}"

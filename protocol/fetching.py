@@ -1,0 +1,250 @@
+"""Pulling content-addressed bytes from holders: fragments, and the state blob of a joining peer.
+
+Two data paths, tried in the order ``NetworkOptions.paths`` gives: a direct gRPC stream to the
+holder's announced ``host:port`` when it answers within ``connect_timeout``, else hivemind's
+libp2p protobuf stream (which goes through relays and NAT). Either way the same header-then-chunks
+``FetchResponse`` messages flow into a ``ChunkAssembler``, which checks them against the hash in
+the publisher's signed record; a transfer that breaks off resumes at the next holder (or stream)
+from where it stopped.
+
+Threads: a ``Fetcher`` lives on the transport's event-loop thread ("cgad-net-*"): its coroutines,
+gRPC channels, ``transfers`` and ``bytes_by_path`` are written there only. The trainer's thread
+reads ``transfers`` and ``bytes_by_path`` as snapshots (``list``, ``dict``), which is safe under
+the GIL. The chunk hashing runs on wire's "cgad-sha256" thread; ``decode_and_check`` runs on the
+transport's codec worker thread ("cgad-codec").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+import torch
+from google.protobuf.message import Message
+from hivemind.p2p import P2P, PeerID
+
+from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.codec import decode
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.errors import FragmentError
+from cgad.protocol.records import Holdings
+from cgad.protocol.selection import Candidate
+from cgad.protocol.transport import FragmentKey, TransportStats
+from cgad.protocol.wire import (
+    GRPC_FETCH,
+    GRPC_STATE,
+    LIBP2P_FETCH,
+    LIBP2P_STATE,
+    ChunkAssembler,
+    parse,
+    split_chunk,
+)
+
+__all__ = ["Fetcher", "decode_and_check"]
+
+logger = logging.getLogger(__name__)
+
+
+class Fetcher:
+    """Fetches over gRPC or libp2p. ``p2p`` is set by the transport once libp2p runs; failures
+    that say something about a holder are passed to ``reject(reason, detail)``."""
+
+    def __init__(
+        self, options: NetworkOptions, stats: TransportStats, reject: Callable[[str, str], None]
+    ) -> None:
+        self.options = options
+        self.stats = stats
+        self.reject = reject
+        self.p2p: P2P | None = None
+        self.bytes_by_path: Counter[str] = Counter()  # bytes fetched over each path
+        self.transfers: dict[FragmentKey, ChunkAssembler] = {}  # fetches in progress
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+    async def fetch(self, candidate: Candidate) -> bytearray | None:
+        """The candidate's bytes from the first of its holders that delivers them verified,
+        within ``fetch_timeout``; None when none does."""
+        offer = candidate.offer
+        assembler = ChunkAssembler(offer.content_hash, offer.byte_length)
+        self.transfers[candidate.key] = assembler
+        try:
+            async with asyncio.timeout(self.options.fetch_timeout):
+                for holder in candidate.holders:
+                    data = await self.fetch_from(holder, assembler)
+                    if data is not None:
+                        return data
+        except TimeoutError:
+            logger.debug("fetching %s took longer than %.0f s", candidate.key, self.options.fetch_timeout)
+        finally:
+            del self.transfers[candidate.key]
+        return None
+
+    async def fetch_from(
+        self, holder: Holdings, assembler: ChunkAssembler, paths: Sequence[str] | None = None
+    ) -> bytearray | None:
+        """Bytes from one holder over the first path that works, resuming where a previous holder
+        or stream stopped; None when this holder could not deliver."""
+        for path in paths or self.options.paths:
+            if path == "grpc" and holder.grpc is None:
+                continue
+            fruitless = 0
+            while fruitless < 2:
+                received_before = assembler.received
+                try:
+                    await self._drain(self._open_fetch(path, holder, assembler), assembler)
+                    if assembler.received == assembler.byte_length:
+                        return assembler.finish()
+                    # libp2p reports a dropped connection as a clean end of stream: resume
+                    logger.debug("stream from %s over %s ended early", holder.peer_id, path)
+                except FragmentError as error:
+                    if error.reason == "bad_hash":
+                        self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
+                        assembler.restart()
+                        return None  # the holder is lying or broken: no other path to it helps
+                    logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
+                    break
+                except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
+                    logger.debug("holder %s over %s failed: %r", holder.peer_id, path, error)
+                    break
+                finally:
+                    self.bytes_by_path[path] += assembler.received - received_before
+                fruitless = 0 if assembler.received > received_before else fruitless + 1
+        return None
+
+    async def download_state(self, peer_id: str, endpoint: str | None) -> bytearray:
+        """The state blob ``peer_id`` serves, checked against the sha256 its stream announces (no
+        signed record names state: the trust is in the peer chosen). Over gRPC to ``endpoint``
+        when there is one, then libp2p; ``FragmentError("unavailable")`` when no path delivers."""
+        request = pb.StateRequest(run_id=self.options.run_id)
+        failures = []
+        for path in self.options.paths:
+            if path == "grpc" and endpoint is None:
+                continue
+            stream = (
+                self._open_grpc(endpoint, GRPC_STATE, request)
+                if path == "grpc"
+                else self._open_libp2p(peer_id, LIBP2P_STATE, request, pb.StateResponse)
+            )
+            try:
+                assembler = await self._drain(stream, None)
+                data = assembler.finish()
+            except FragmentError as error:
+                failures.append(f"{path}: {error}")
+                continue
+            except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
+                failures.append(f"{path}: {error!r}")
+                continue
+            self.bytes_by_path[path] += len(data)
+            self.stats.bytes_received += len(data)
+            return data
+        raise FragmentError("unavailable", f"no state from {peer_id}: {'; '.join(failures) or 'no path'}")
+
+    async def _open_grpc(self, endpoint: str, method: str, request: Message) -> AsyncIterator[bytes]:
+        """Serialized response messages: ``_drain`` reads chunks out of them in place."""
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+        await asyncio.wait_for(channel.channel_ready(), self.options.connect_timeout)
+        call = channel.unary_stream(method, request_serializer=type(request).SerializeToString)(request)
+        try:
+            async for message in call:
+                yield message
+        finally:
+            call.cancel()
+
+    async def _open_libp2p(
+        self, peer_id: str, handler: str, request: Message, response_type: type[Message]
+    ) -> AsyncIterator[Message]:
+        assert self.p2p is not None
+        stream = await asyncio.wait_for(
+            self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer_id), handler, request, response_type),
+            self.options.connect_timeout,
+        )
+        try:
+            async for message in stream:
+                yield message
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    def _open_fetch(
+        self, path: str, holder: Holdings, assembler: ChunkAssembler
+    ) -> AsyncIterator[Message | bytes]:
+        request = pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received)
+        if path == "grpc":
+            assert holder.grpc is not None
+            return self._open_grpc(holder.grpc, GRPC_FETCH, request)
+        return self._open_libp2p(holder.peer_id, LIBP2P_FETCH, request, pb.FetchResponse)
+
+    async def _drain(
+        self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler | None
+    ) -> ChunkAssembler:
+        """Read a header-then-chunks stream into ``assembler``; without one (a state download,
+        which has no signed record), the stream's own header says what to expect."""
+        iterator = aiter(stream)
+        first = True
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(anext(iterator), self.options.chunk_timeout)
+                except StopAsyncIteration:
+                    break
+                if isinstance(item, bytes):
+                    piece = None if first else split_chunk(item)
+                    if piece is not None:
+                        assert assembler is not None
+                        assembler.add_slice(*piece)
+                        continue
+                    message = parse(pb.FetchResponse, item)  # StateResponse has the same fields
+                else:
+                    message = item
+                part = message.WhichOneof("part")
+                if first:
+                    if part != "header":
+                        raise FragmentError(
+                            "bad_header", message.error or "stream did not start with a header"
+                        )
+                    assembler = assembler or self._assembler_for(message.header)
+                    assembler.check_header(message.header)
+                    first = False
+                elif part == "chunk":
+                    assert assembler is not None
+                    assembler.add(message.chunk)
+                else:
+                    raise FragmentError("bad_chunk", f"unexpected {part} inside a transfer")
+        finally:
+            with contextlib.suppress(Exception):
+                await iterator.aclose()
+        if assembler is None:
+            raise FragmentError("truncated", "the stream ended before its header")
+        return assembler
+
+    def _assembler_for(self, header: pb.FragmentHeader) -> ChunkAssembler:
+        if header.byte_length > self.options.max_state_bytes:
+            raise FragmentError("oversized", f"state of {header.byte_length} bytes")
+        if len(header.content_hash) != 32:
+            raise FragmentError("bad_header", "no sha256 in the header")
+        return ChunkAssembler(header.content_hash, header.byte_length)
+
+
+def decode_and_check(data: bytearray, numel: int, max_norm: float | None) -> torch.Tensor:
+    """The fp32 tensor in ``data``, refused (``FragmentError``) unless it is 1-D with ``numel``
+    floating-point values and, with ``max_norm``, an L2 norm no larger."""
+    tensor = decode(data)
+    if tensor.dim() != 1 or tensor.numel() != numel:
+        raise FragmentError("bad_shape", f"shape {tuple(tensor.shape)}, expected ({numel},)")
+    if not tensor.is_floating_point():
+        raise FragmentError("bad_dtype", str(tensor.dtype))
+    tensor = tensor.float()
+    if max_norm is not None:
+        norm = float(torch.linalg.vector_norm(tensor))
+        if not norm <= max_norm:
+            raise FragmentError("norm_too_large", f"norm {norm:.4g} > {max_norm:.4g}")
+    return tensor

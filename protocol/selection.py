@@ -1,0 +1,194 @@
+"""Which offers a peer fetches, and from whom: the selection policy as pure bookkeeping.
+
+Given the parsed holdings records of one fragment, ``OfferSelector.choose`` decides which new
+offers are worth fetching and returns them with the holders to try, plus what it refused and why.
+It does no I/O and reads no clock (the time comes in as an argument); its randomness comes from
+its own ``random.Random``, so a seeded selector decides the same way every time.
+
+The rules:
+
+- only a publisher's own record vouches for an offer (its hash, length and tokens); other
+  holders' offers of the same hash only say where else the bytes live;
+- an offer far behind this peer's OWN version of the fragment (``history_versions``) is ignored
+  unseen; never measured against what others claim, so a record announcing a far-future version
+  cannot make honest offers look stale;
+- at most ``fan_in`` publishers per (fragment, kind, base version), drawn at random;
+- a DELTA key (publisher, fragment, base version) is delivered at most once: the same key
+  announced again with other bytes is a replay, re-announcing the same bytes is nothing;
+- an offer whose record already shows it unusable (``check_offer``) is refused before any byte
+  moves; an offer once attempted (fetched, in flight or refused) is not tried again;
+- holders are tried re-servers first, in random order, and the publisher last, so that a popular
+  fragment's load spreads over those who already hold it.
+
+Threads: not thread-safe; the network transport uses a selector only on its event-loop thread
+("cgad-net-*").
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from cgad.protocol.codec import encoded_size
+from cgad.protocol.records import Holdings, Offer
+from cgad.protocol.transport import FragmentKey, Kind
+
+__all__ = ["Candidate", "OfferSelector", "Rejection", "Selection", "check_offer"]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str  # a ``FragmentError`` reason, as the transport counts them
+    detail: str
+
+
+@dataclass
+class Candidate:
+    key: FragmentKey
+    offer: Offer  # from the publisher's own record
+    holders: list[Holdings]  # in the order to try: re-servers, then the publisher
+
+
+@dataclass
+class Selection:
+    candidates: list[Candidate] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+    fan_in_skipped: int = 0  # publishers passed over because of the fan-in cap
+
+
+def check_offer(offer: Offer, numel: int) -> Rejection | None:
+    """What can be refused from the signed record alone, before any byte moves."""
+    if offer.numel != numel:
+        return Rejection("bad_shape", f"{offer.numel} values, expected {numel}")
+    try:
+        expected = encoded_size(numel, offer.codec)
+    except ValueError:
+        return Rejection("unknown_codec", offer.codec)
+    if offer.byte_length > expected:
+        return Rejection("oversized", f"{offer.byte_length} bytes for {numel} values in {offer.codec}")
+    if offer.byte_length != expected:
+        return Rejection("bad_length", f"{offer.byte_length} bytes, expected {expected}")
+    return None
+
+
+def own_version(versions: Sequence[int], fragment: int) -> int:
+    """This peer's version of ``fragment`` from its progress report (0 before it reports one)."""
+    return versions[fragment] if fragment < len(versions) else 0
+
+
+class OfferSelector:
+    """The policy above, with its ledgers: ``delivered`` (DELTA or PARAMS key to the content hash
+    accepted for it), ``attempted`` (content hash to its fragment and base version), ``chosen``
+    (publishers taken per fragment, kind and base version: the fan-in cap's ledger) and
+    ``judged`` (faulty records already counted, with when). ``forget`` bounds them all."""
+
+    def __init__(
+        self,
+        run_id: str,
+        peer_id: str,
+        *,
+        fan_in: int,
+        history_versions: int,
+        record_ttl: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.peer_id = peer_id
+        self.fan_in = fan_in
+        self.history_versions = history_versions
+        self.record_ttl = record_ttl
+        self.rng = rng or random.Random()
+        self.delivered: dict[FragmentKey, bytes] = {}
+        self.attempted: dict[bytes, tuple[int, int]] = {}
+        self.chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
+        self.judged: dict[Hashable, float] = {}
+
+    def too_old(self, base_version: int, own: int) -> bool:
+        return base_version < own - self.history_versions
+
+    def judge(self, record: Hashable, now: float) -> bool:
+        """True the first time a faulty ``record`` (anything naming it) is seen, so the fault is
+        counted once however many polls see the same record; False after that."""
+        if record in self.judged:
+            return False
+        self.judged[record] = now
+        return True
+
+    def mark_attempted(self, digest: bytes, fragment: int, base_version: int) -> None:
+        """Never fetch these bytes (e.g. this peer's own, which it holds already)."""
+        self.attempted[digest] = (fragment, base_version)
+
+    def deliver(self, key: FragmentKey, digest: bytes) -> bool:
+        """Record that ``key`` was accepted with these bytes; False (and nothing recorded) when
+        the key was delivered already, e.g. by a second announcement that raced this fetch."""
+        if key in self.delivered:
+            return False
+        self.delivered[key] = digest
+        return True
+
+    def choose(
+        self, fragment: int, numel: int, holdings: Sequence[Holdings], own: int, now: float
+    ) -> Selection:
+        """New offers of ``fragment`` (which must have ``numel`` values) worth fetching, within
+        the fan-in cap, with their holders; ``own`` is this peer's version of the fragment and
+        ``now`` the DHT time. Candidates returned count as attempted from here on."""
+        selection = Selection()
+        by_hash: dict[bytes, list[Holdings]] = defaultdict(list)
+        for holder in holdings:
+            for offer in holder.offers:
+                by_hash[offer.content_hash].append(holder)
+        fresh: dict[tuple[int, Kind, int], list[Candidate]] = defaultdict(list)
+        for holder in holdings:
+            for offer in holder.offers:
+                if offer.publisher != holder.peer_id or offer.publisher == self.peer_id:
+                    continue  # only a publisher's own record vouches for content
+                if self.too_old(offer.base_version, own):
+                    continue  # far too old to matter to any outer step
+                kind = Kind(offer.kind)
+                key = FragmentKey(self.run_id, fragment, offer.base_version, offer.publisher, kind)
+                delivered = self.delivered.get(key)
+                if delivered is not None:
+                    replayed = delivered != offer.content_hash and kind is Kind.DELTA
+                    if replayed and self.judge(("replay", offer.content_hash), now):
+                        selection.rejections.append(Rejection("replay", f"{key} again with other bytes"))
+                    continue
+                if offer.content_hash in self.attempted:
+                    continue
+                problem = check_offer(offer, numel)
+                if problem is not None:
+                    self.mark_attempted(offer.content_hash, fragment, offer.base_version)
+                    selection.rejections.append(Rejection(problem.reason, f"{key}: {problem.detail}"))
+                    continue
+                others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
+                self.rng.shuffle(others)
+                fresh[(fragment, kind, offer.base_version)].append(Candidate(key, offer, [*others, holder]))
+        for round_key, candidates in fresh.items():
+            taken = self.chosen[round_key]
+            self.rng.shuffle(candidates)
+            for candidate in candidates:
+                if candidate.key.publisher in taken:
+                    continue
+                self.mark_attempted(candidate.offer.content_hash, fragment, candidate.key.base_version)
+                if len(taken) >= self.fan_in:
+                    selection.fan_in_skipped += 1
+                    continue
+                taken.add(candidate.key.publisher)
+                selection.candidates.append(candidate)
+        return selection
+
+    def forget(self, versions: Sequence[int], now: float) -> None:
+        """Bound the ledgers: versions beyond the horizon of this peer's own ``versions`` are
+        refused unseen anyway, and a record judged longer ago than two lifetimes has expired from
+        the DHT."""
+
+        def old(fragment: int, base_version: int) -> bool:
+            return self.too_old(base_version, own_version(versions, fragment))
+
+        self.delivered = {k: v for k, v in self.delivered.items() if not old(k.fragment, k.base_version)}
+        self.attempted = {h: fb for h, fb in self.attempted.items() if not old(*fb)}
+        for round_key in [k for k in self.chosen if old(k[0], k[2])]:
+            del self.chosen[round_key]
+        oldest = now - 2 * self.record_ttl
+        self.judged = {record: when for record, when in self.judged.items() if when > oldest}

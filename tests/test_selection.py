@@ -1,0 +1,215 @@
+"""The offer-selection policy, without any peer: which offers a node fetches, from whom, and why
+it refuses the others."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+
+from cgad.protocol.codec import encoded_size
+from cgad.protocol.records import Holdings, Identity, Offer
+from cgad.protocol.selection import Candidate, OfferSelector, Rejection, Selection, check_offer
+from cgad.protocol.transport import FragmentKey, Kind
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN = "sel-test"
+NUMEL = 1000
+LENGTH = encoded_size(NUMEL, "fp32")
+RECORD_TTL = 120.0
+# RSA key generation is slow: real peer ids, made once for the module
+ME, *PEERS = (Identity().peer_id for _ in range(7))
+ALICE, BOB, CAROL, DAVE, ERIN, FRANK = PEERS
+
+
+def _offer(
+    publisher: str,
+    base: int = 5,
+    content: bytes = b"x",
+    *,
+    kind: Kind = Kind.DELTA,
+    numel: int = NUMEL,
+    codec: str = "fp32",
+    length: int = LENGTH,
+) -> Offer:
+    return Offer(
+        publisher=publisher,
+        base_version=base,
+        kind=str(kind),
+        tokens=10,
+        codec=codec,
+        numel=numel,
+        content_hash=hashlib.sha256(f"{publisher}/{base}/{kind}/".encode() + content).digest(),
+        byte_length=length,
+    )
+
+
+def _own(offer: Offer) -> Holdings:
+    """The publisher's own record of an offer."""
+    return Holdings(peer_id=offer.publisher, grpc=None, offers=[offer])
+
+
+def _selector(fan_in: int = 4, history: int = 64, seed: int = 0) -> OfferSelector:
+    return OfferSelector(
+        RUN, ME, fan_in=fan_in, history_versions=history, record_ttl=RECORD_TTL, rng=random.Random(seed)
+    )
+
+
+def _choose(selector: OfferSelector, holdings: list[Holdings], own: int = 0, now: float = 0.0) -> Selection:
+    return selector.choose(0, NUMEL, holdings, own, now)
+
+
+def _publishers(selection: Selection) -> set[str]:
+    return {c.key.publisher for c in selection.candidates}
+
+
+def test_fan_in_caps_publishers_per_fragment_kind_and_base_version_drawn_at_random() -> None:
+    records = [_own(_offer(p)) for p in PEERS]
+    drawn = set()
+    for seed in range(8):
+        selector = _selector(fan_in=4, seed=seed)
+        selection = _choose(selector, records)
+        assert len(selection.candidates) == 4 and selection.fan_in_skipped == 2
+        assert not selection.rejections
+        drawn.add(frozenset(_publishers(selection)))
+        # the next poll sees the same records: nothing new, nothing skipped twice
+        again = _choose(selector, records)
+        assert again.candidates == [] and again.fan_in_skipped == 0
+    assert len(drawn) > 1  # the draw is random, and the seed decides it
+
+    selector = _selector(fan_in=2)
+    first_five = PEERS[:5]
+    assert len(_choose(selector, [_own(_offer(p)) for p in first_five]).candidates) == 2
+    # another base version, or the other kind, has a cap of its own
+    assert len(_choose(selector, [_own(_offer(p, base=6)) for p in first_five]).candidates) == 2
+    params = _choose(selector, [_own(_offer(p, kind=Kind.PARAMS)) for p in first_five])
+    assert [c.key.kind for c in params.candidates] == [Kind.PARAMS] * 2
+    # a publisher that appears later finds the round full
+    late = _choose(selector, [_own(_offer(FRANK))])
+    assert late.candidates == [] and late.fan_in_skipped == 1
+
+
+def test_a_delivered_key_with_other_bytes_is_a_replay_counted_once() -> None:
+    selector = _selector()
+    first = _offer(ALICE, content=b"first")
+    [candidate] = _choose(selector, [_own(first)]).candidates
+    assert selector.deliver(candidate.key, first.content_hash)
+    assert not selector.deliver(candidate.key, first.content_hash)  # at most once per key
+
+    # the same bytes announced again: nothing to do, nothing wrong
+    assert _choose(selector, [_own(first)], now=1.0) == Selection()
+    # the same key with other bytes: a replay, counted once however often it is polled
+    replay = _own(_offer(ALICE, content=b"second"))
+    selection = _choose(selector, [replay], now=2.0)
+    assert selection.candidates == []
+    assert [r.reason for r in selection.rejections] == ["replay"]
+    assert str(candidate.key) in selection.rejections[0].detail
+    assert _choose(selector, [replay], now=3.0) == Selection()
+
+
+def test_parameters_may_change_under_a_delivered_key_without_a_replay() -> None:
+    selector = _selector()
+    first = _offer(ALICE, content=b"first", kind=Kind.PARAMS)
+    [candidate] = _choose(selector, [_own(first)]).candidates
+    selector.deliver(candidate.key, first.content_hash)
+    assert _choose(selector, [_own(_offer(ALICE, content=b"second", kind=Kind.PARAMS))]) == Selection()
+
+
+def test_offers_far_behind_this_peers_own_version_are_ignored_unseen() -> None:
+    selector = _selector(history=64)
+    stale, recent = _offer(ALICE, base=100 - 65), _offer(BOB, base=100 - 64)
+    selection = _choose(selector, [_own(stale), _own(recent)], own=100)
+    assert _publishers(selection) == {BOB} and not selection.rejections
+    assert stale.content_hash not in selector.attempted  # ignored, not refused
+
+
+def test_a_far_future_claim_does_not_make_honest_offers_look_stale() -> None:
+    selector = _selector(history=64)
+    boast = _own(_offer(ALICE, base=10**9))
+    honest = _own(_offer(BOB, base=0))
+    assert _publishers(_choose(selector, [boast, honest], own=0)) == {ALICE, BOB}
+    selector.forget([0], now=0.0)  # the horizon is this peer's own version, 0
+    assert {k[2] for k in selector.chosen} == {0, 10**9}
+    assert honest.offers[0].content_hash in selector.attempted
+
+
+def test_only_the_publishers_own_record_vouches_for_an_offer() -> None:
+    selector = _selector()
+    hearsay = Holdings(peer_id=BOB, grpc="10.0.0.2:1", offers=[_offer(ALICE)])
+    assert _choose(selector, [hearsay]) == Selection()
+    mine = _own(_offer(ME))  # never one's own
+    assert _choose(selector, [mine]) == Selection()
+    forged = Holdings(peer_id=BOB, grpc=None, offers=[_offer(ALICE, content=b"forged")])
+    assert _choose(selector, [forged, hearsay]) == Selection()
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"numel": NUMEL + 1}, "bad_shape"),
+        ({"codec": "zstd"}, "unknown_codec"),
+        ({"length": LENGTH + 1}, "oversized"),
+        ({"length": LENGTH - 1}, "bad_length"),
+    ],
+)
+def test_offers_the_record_shows_unusable_are_refused_once(changes: dict, reason: str) -> None:
+    selector = _selector()
+    bad = _offer(ALICE, **changes)
+    assert check_offer(bad, NUMEL) is not None and check_offer(bad, NUMEL).reason == reason
+    selection = _choose(selector, [_own(bad)])
+    assert selection.candidates == []
+    [rejection] = selection.rejections
+    key = FragmentKey(RUN, 0, 5, ALICE, Kind.DELTA)
+    assert rejection.reason == reason and rejection.detail.startswith(f"{key}: ")
+    assert _choose(selector, [_own(bad)]) == Selection()  # refused once, not every poll
+    # and it does not take a fan-in place
+    assert _publishers(_choose(selector, [_own(_offer(BOB))])) == {BOB}
+
+
+def test_check_offer_passes_a_well_formed_offer() -> None:
+    for codec in ("fp32", "fp16", "int8", "4bit"):
+        assert check_offer(_offer(ALICE, codec=codec, length=encoded_size(NUMEL, codec)), NUMEL) is None
+    assert check_offer(_offer(ALICE), NUMEL - 1) == Rejection(
+        "bad_shape", f"{NUMEL} values, expected {NUMEL - 1}"
+    )
+
+
+def test_holders_are_re_servers_in_random_order_then_the_publisher() -> None:
+    offer = _offer(ALICE)
+    reservers = [Holdings(peer_id=p, grpc=None, offers=[offer]) for p in (BOB, CAROL, DAVE)]
+    orders = set()
+    for seed in range(12):
+        [candidate] = _choose(_selector(seed=seed), [*reservers, _own(offer)]).candidates
+        assert isinstance(candidate, Candidate) and candidate.offer == offer
+        holders = [h.peer_id for h in candidate.holders]
+        assert holders[-1] == ALICE and set(holders[:-1]) == {BOB, CAROL, DAVE}
+        orders.add(tuple(holders))
+    assert len(orders) > 1
+    # a re-server of other bytes is no holder of these
+    elsewhere = Holdings(peer_id=ERIN, grpc=None, offers=[_offer(FRANK)])
+    [candidate] = _choose(_selector(), [elsewhere, _own(offer)]).candidates
+    assert [h.peer_id for h in candidate.holders] == [ALICE]
+
+
+def test_forgetting_bounds_every_ledger() -> None:
+    selector = _selector(fan_in=1, history=10)
+    for base in range(40):
+        selection = _choose(selector, [_own(_offer(p, base=base)) for p in (ALICE, BOB)], own=0)
+        for candidate in selection.candidates:
+            selector.deliver(candidate.key, candidate.offer.content_hash)
+    assert selector.judge(("garbage", 1), now=0.0) and not selector.judge(("garbage", 1), now=1.0)
+    assert len(selector.delivered) == 40 and len(selector.attempted) == 80 and len(selector.chosen) == 40
+
+    selector.forget([30], now=2 * RECORD_TTL - 1)  # keep bases 20 and later
+    assert {k.base_version for k in selector.delivered} == set(range(20, 40))
+    assert {base for _, base in selector.attempted.values()} == set(range(20, 40))
+    assert {k[2] for k in selector.chosen} == set(range(20, 40))
+    assert ("garbage", 1) in selector.judged
+    selector.forget([30], now=2 * RECORD_TTL + 1)  # a judged record has expired from the DHT since
+    assert not selector.judged
+    assert selector.judge(("garbage", 1), now=2 * RECORD_TTL + 1)
+    # a fragment this peer reports no version of has version 0: nothing of it is too old
+    selector.forget([], now=0.0)
+    assert len(selector.delivered) == 20

@@ -1,0 +1,109 @@
+"""FragmentStore: what a peer keeps to serve, and what it announces, stays bounded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.records import MAX_OFFERS, Offer
+from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
+from cgad.protocol.transport import FragmentKey, Kind
+from cgad.protocol.wire import content_hash
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _entry(fragment: int, base: int, own: bool, kind: Kind = Kind.DELTA) -> StoredFragment:
+    data = os.urandom(64)
+    offer = Offer(
+        publisher="QmFakePeer",
+        base_version=base,
+        kind=str(kind),
+        tokens=0,
+        codec="fp32",
+        numel=1,
+        content_hash=content_hash(data),
+        byte_length=len(data),
+    )
+    header = pb.FragmentHeader(
+        fragment=fragment,
+        base_version=base,
+        kind=pb.DELTA if kind is Kind.DELTA else pb.PARAMS,
+        content_hash=offer.content_hash,
+    )
+    return StoredFragment(header, data, offer, own)
+
+
+def _held(store: FragmentStore, entries: list[StoredFragment]) -> list[StoredFragment]:
+    return [e for e in entries if store.get(e.offer.content_hash) is not None]
+
+
+def test_store_keeps_the_newest_versions_per_fragment() -> None:
+    store = FragmentStore(keep_own=2, keep_reserved=3)
+    own = [_entry(0, base, own=True) for base in range(5)]
+    params = _entry(0, 0, own=True, kind=Kind.PARAMS)
+    others = [_entry(0, base, own=False) for base in range(5)]
+    elsewhere = _entry(1, 0, own=True)
+    for entry in [*own, params, *others, elsewhere]:
+        store.put(entry)
+    held = {
+        e.offer.content_hash for e in [*own, params, *others, elsewhere] if store.get(e.offer.content_hash)
+    }
+    expected = [own[3], own[4], params, others[2], others[3], others[4], elsewhere]
+    assert held == {e.offer.content_hash for e in expected}
+    # announced: own versions first, newest first
+    assert [o.base_version for o in store.offers(0)[:3]] == [4, 3, 0]
+
+
+def test_keep_own_counts_per_fragment_and_kind() -> None:
+    store = FragmentStore(keep_own=1, keep_reserved=0)
+    deltas = [_entry(0, base, own=True) for base in range(3)]
+    params = [_entry(0, base, own=True, kind=Kind.PARAMS) for base in range(3)]
+    other_fragment = [_entry(1, base, own=True) for base in range(3)]
+    for entries in zip(deltas, params, other_fragment, strict=True):
+        for entry in entries:
+            store.put(entry)
+    assert _held(store, [*deltas, *params, *other_fragment]) == [deltas[2], params[2], other_fragment[2]]
+
+
+def test_keep_reserved_counts_per_fragment_of_any_kind_and_spares_own() -> None:
+    store = FragmentStore(keep_own=1, keep_reserved=2)
+    own = _entry(0, 0, own=True)
+    store.put(own)
+    reserved = [_entry(0, base, own=False, kind=Kind.PARAMS if base % 2 else Kind.DELTA) for base in range(5)]
+    elsewhere = [_entry(1, base, own=False) for base in range(2)]
+    for entry in [*reserved, *elsewhere]:
+        store.put(entry)
+    assert _held(store, [own, *reserved, *elsewhere]) == [own, reserved[3], reserved[4], *elsewhere]
+
+
+def test_offers_are_own_first_newest_first_and_capped() -> None:
+    store = FragmentStore(keep_own=MAX_OFFERS, keep_reserved=MAX_OFFERS)
+    own = [_entry(0, base, own=True) for base in range(MAX_OFFERS)]
+    newer_reserved = [_entry(0, 100 + base, own=False) for base in range(3)]
+    for entry in [*newer_reserved, *own]:
+        store.put(entry)
+    offers = store.offers(0)
+    assert len(offers) == MAX_OFFERS  # what one DHT record may carry
+    assert [o.base_version for o in offers] == list(reversed(range(MAX_OFFERS)))
+    store.discard(own[0].offer.content_hash)
+    store.discard(own[1].offer.content_hash)
+    offers = store.offers(0)
+    assert [o.base_version for o in offers[-2:]] == [102, 101]  # the reserved follow the own ones
+    assert store.offers(1) == []
+
+
+def test_fragment_header_describes_the_offer() -> None:
+    entry = _entry(3, 7, own=True, kind=Kind.PARAMS)
+    key = FragmentKey("run", 3, 7, "QmFakePeer", Kind.PARAMS)
+    header = fragment_header(key, entry.offer)
+    assert (header.run_id, header.fragment, header.base_version, header.publisher) == (
+        "run",
+        3,
+        7,
+        "QmFakePeer",
+    )
+    assert header.kind == pb.PARAMS and list(header.shape) == [1] and header.codec == "fp32"
+    assert (header.content_hash, header.byte_length) == (entry.offer.content_hash, 64)
