@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint bench clean
+.PHONY: setup test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -19,12 +19,17 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 test: lint
 	$(BIN)/pytest -q
+
+# the unit tier, for iteration: no processes, no peers, no training runs (under a minute)
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow and not integration"
 
 bench: $(STAMP)
 	$(BIN)/python bench/optim_step.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .import_linter_cache

@@ -62,7 +62,7 @@ BASE = dict(workers=4, inner_steps=8, rounds=20, batch_size=4, seq_len=64, eval_
 def config(optimizer: str, delay: str, seed: int, lr: float, alpha: float, cutoff: float) -> SimConfig:
     return SimConfig(
         optimizer=optimizer, delay=delay, seed=seed, outer_lr=lr, alpha=alpha, cutoff=cutoff,
-        model=str(MODEL), **BASE,
+        fragments=4 if optimizer == "pa-cgad" else 1, model=str(MODEL), **BASE,
     )  # fmt: skip
 
 

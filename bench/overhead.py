@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cgad.node.config import NodeConfig
+from cgad.node.config import JoinConfig
 from cgad.node.daemon import Node
 from cgad.node.data import load_dataset
 from cgad.node.model import build_model
@@ -57,16 +57,26 @@ def daemon(
 ) -> tuple[float, float]:
     """The same per wall and CPU second (this process's threads, the transport's included)."""
     with tempfile.TemporaryDirectory() as tmp:
-        config = NodeConfig(
+        config = JoinConfig(
             run_id="overhead", model=model_name, inner_steps=inner_steps, batch_size=batch, seq_len=seq,
             max_rounds=rounds, eval_every=eval_every, maddrs_file=str(Path(tmp) / "maddrs"), admin_port=0,
         )  # fmt: skip
         node = Node(config)
+        # from the first inner step on it is all training: start the clocks there
+        start: dict[str, float] = {}
+        inner_step = node.trainer.step
+
+        def timed_step() -> float:
+            if not start:
+                start.update(wall=time.perf_counter(), cpu=time.process_time(), tokens=node.trainer.tokens)
+            return inner_step()
+
+        node.trainer.step = timed_step
         try:
             node.run()
-            elapsed = time.perf_counter() - node.training_started
-            elapsed_cpu = time.process_time() - node.cpu_at_start
-            tokens = node.trainer.tokens - node.tokens_at_start
+            elapsed = time.perf_counter() - start["wall"]
+            elapsed_cpu = time.process_time() - start["cpu"]
+            tokens = node.trainer.tokens - start["tokens"]
             return tokens / elapsed, tokens / elapsed_cpu
         finally:
             node.close()

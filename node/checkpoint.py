@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+
+from cgad.protocol.files import atomic_write
 
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "load_checkpoint", "pack", "save_checkpoint", "unpack"]
 
@@ -88,22 +89,7 @@ def save_checkpoint(directory: str | os.PathLike[str], state: Any) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / CHECKPOINT_NAME
-    data = pack(state)
-    fd, tmp = tempfile.mkstemp(prefix=f".{CHECKPOINT_NAME}.", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself must reach the disk
-    finally:
-        os.close(dir_fd)
+    atomic_write(target, pack(state))  # a crash mid-write leaves the previous checkpoint whole
     return target
 
 

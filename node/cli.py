@@ -7,17 +7,17 @@ every error exits with status 2 before anything runs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import json
 import os
 import platform
 import sys
+import types
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cgad.node import __version__
-from cgad.node.outer import OPTIMIZERS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +69,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from cgad import optim
+    from cgad.node.methods import METHODS
 
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     print(f"cgad-node     {__version__}")
@@ -78,122 +78,108 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"transformers  {transformers.__version__}")
     print(f"hivemind      {hivemind.__version__}")
     print(f"cuda device   {cuda}")
-    classes = [name for name in optim.__all__ if name[0].isupper()]
-    print(f"optimizers    {', '.join(classes)}")
+    print(f"optimizers    {', '.join(f'{m.name} ({type(m).__name__})' for m in METHODS.values())}")
     return 0
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    """Run the virtual swarm once per (optimizer, seed); write the JSON and a PNG beside it."""
-    from pathlib import Path
-
-    import torch
-    from tqdm import tqdm
-
-    from cgad.node.data import load_dataset
-    from cgad.node.report import plot_records
-    from cgad.node.simulate import SimConfig, parse_stragglers, simulate
-    from cgad.node.tokenizer import load_tokenizer
-
-    optimizers = args.optimizer or ["cgad"]
-    # the flags share SimConfig's field names: take them all, then vary optimizer and seed
-    shared = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(SimConfig)}}
-    shared["stragglers"] = parse_stragglers(args.stragglers, args.workers)
-    configs = [
-        SimConfig(**{**shared, "optimizer": opt, "seed": seed})
-        for opt in optimizers
-        for seed in range(args.seeds)
-    ]  # every configuration is validated before any work starts
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokenizer = load_tokenizer(args.tokenizer)
-    dataset = load_dataset(tokenizer, args.data)
-    total = sum(c.workers * c.inner_steps * c.rounds for c in configs)
-    records = []
-    with tqdm(total=total, unit="step", desc="simulate", dynamic_ncols=True) as bar:
-        for config in configs:
-            bar.set_postfix_str(f"{config.optimizer} seed {config.seed}")
-            record = simulate(config, dataset, tokenizer.vocab_size, progress=bar.update)
-            records.append(record)
-            bar.write(
-                f"{config.optimizer:>16} seed {config.seed}: loss {record['initial_loss']:.3f} -> "
-                f"{record['final_loss']:.3f}  mean age {record['mean_age']:.2f}"
-                + ("  DIVERGED" if record["diverged"] else "")
-            )
-    shared = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "optimizer", "out")}
-    out.write_text(json.dumps({"config": {**shared, "optimizers": optimizers}, "records": records}, indent=1))
-    png = plot_records(records, out.with_suffix(".png"), title=f"{args.workers} workers, delay {args.delay}")
-    print(f"wrote {out} and {png}")
-    return 0
+# ---------------------------------------------------------------- flags from the config model
 
 
-_JOIN_HELP = {
-    "run_id": "name of the training run; peers of other runs are refused",
-    "peers": "multiaddrs of peers already in the swarm (none: start a new swarm)",
-    "host_maddrs": "multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337",
-    "announce_maddrs": "multiaddrs others should dial (a public IP behind port forwarding)",
-    "identity": "key file for a stable peer id across restarts (created if missing)",
-    "client_mode": "behind NAT: only dial out; be reached through relays",
-    "use_relay": "use libp2p relays to reach and be reached by NATed peers",
-    "grpc_host": "host for the direct gRPC data path ('none': libp2p only)",
-    "maddrs_file": "write this node's multiaddrs here, one per line",
-    "checkpoint_dir": "checkpoint here, and resume from it if it holds one",
-    "data": ".txt/.md file, folder of them, or .jsonl with 'text' (default: bundled corpus)",
-    "tokenizer": "a Hugging Face tokenizer directory (default: the bundled BPE)",
-    "model": "preset (tiny, small, base, 1b) or a Llama config.json",
-    "inner_steps": "H: inner steps per outer round",
-    "fragments": "F: fragments synced in turn, one every H/F steps (Streaming DiLoCo)",
-    "codec": "pseudo-gradient encoding on the wire",
-    "fan_in": "at most this many peers' fragments fetched per fragment and round",
-    "mixing": "gossip: also average outer parameters with a random peer",
-    "device": "auto picks CUDA (with bf16 autocast) when present",
-    "max_rounds": "stop after this many outer rounds (0: until told to leave)",
-    "admin_port": "admin gRPC port on --admin-host, where `status` and `leave` look (0: any free port)",
-    "metrics_port": "serve Prometheus metrics on this port",
-    "dry_run": "validate the whole configuration, print it, and exit",
-    "config": "YAML file of options (flags given on the command line win)",
-}
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        rest = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else str
+    return annotation
+
+
+def _add_field(group: argparse._ArgumentGroup, name: str, field: Any, **override: Any) -> None:
+    """One flag for one config field: its type, choices, and help with the default."""
+    annotation = _unwrap_optional(field.annotation)
+    default = field.get_default(call_default_factory=True)
+    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+    suffix = "" if default is None else f" (default: {shown})"
+    kwargs: dict[str, Any] = {"help": f"{field.description or ''}{suffix}"}
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if annotation is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        kwargs["nargs"] = "*"
+        if typing.get_origin(item) is typing.Literal:
+            kwargs["choices"] = typing.get_args(item)
+        else:
+            kwargs["metavar"] = "MULTIADDR" if item is str else item.__name__.upper()
+    elif typing.get_origin(annotation) is typing.Literal:
+        kwargs["choices"] = typing.get_args(annotation)
+    else:
+        kwargs["type"] = annotation if annotation in (int, float) else str
+    kwargs.update(override)
+    group.add_argument(_flag(name), **kwargs)
+
+
+def _add_config_flags(
+    parser: argparse.ArgumentParser, model: type, overrides: dict[str, dict[str, Any]] | None = None
+) -> None:
+    """Every field of ``model`` as a flag, grouped by the part of the configuration it belongs to.
+    Flags not given stay absent (argument_default=SUPPRESS): a YAML file's values then stand."""
+    overrides = overrides or {}
+    parser.add_argument("--config", help="YAML file of these options (flags given on the command line win)")
+    done: set[str] = set()
+    from pydantic import BaseModel
+
+    for part in [m for m in model.__mro__ if issubclass(m, BaseModel) and m is not BaseModel]:
+        own = [n for n in getattr(part, "__annotations__", {}) if n in model.model_fields and n not in done]
+        if not own:
+            continue
+        title = (part.__doc__ or part.__name__).strip().splitlines()[0].rstrip(".")
+        group = parser.add_argument_group(title)
+        for name in own:
+            _add_field(group, name, model.model_fields[name], **overrides.get(name, {}))
+            done.add(name)
+
+
+def _config_from(model: type, args: argparse.Namespace, skip: Sequence[str] = ()) -> Any:
+    """The configuration: defaults < the YAML file (``--config``) < flags given."""
+    from cgad.node.config import build_config, load_yaml
+
+    flags = {k: v for k, v in vars(args).items() if k in model.model_fields and k not in skip}
+    path = getattr(args, "config", None)
+    file_values = load_yaml(path, model) if path else {}
+    return build_config(model, (f"config file {path}", file_values), ("", flags))
+
+
+# ---------------------------------------------------------------- join
 
 
 def _add_join(subparsers: argparse._SubParsersAction) -> None:
-    from cgad.node.config import CODECS, DEVICES, MIXING, NodeConfig
+    from cgad.node.config import JoinConfig
 
     join = subparsers.add_parser(
         "join",
         help="run a node: join a swarm (or start one) and train",
         description="Train locally and exchange age-weighted pseudo-gradient fragments with the swarm. "
         "Options can also come from a YAML file (--config); flags win.",
-        argument_default=argparse.SUPPRESS,  # only flags actually given override the YAML file
+        argument_default=argparse.SUPPRESS,
     )
-    join.add_argument("--config", help=_JOIN_HELP["config"])
-    choices = {"optimizer": OPTIMIZERS, "codec": CODECS, "mixing": MIXING, "device": DEVICES}
-    for name, spec in NodeConfig.fields().items():
-        flag = "--" + name.replace("_", "-")
-        kind = str(spec.type)
-        default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
-        helptext = _JOIN_HELP.get(name, "") + f" (default: {default})"
-        if kind.startswith("bool"):
-            join.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
-        elif kind.startswith("list"):
-            join.add_argument(flag, nargs="*", metavar="MULTIADDR", help=helptext)
-        else:
-            convert = int if kind.startswith("int") else float if kind.startswith("float") else str
-            join.add_argument(flag, type=convert, choices=choices.get(name), help=helptext)
+    join.add_argument("--dry-run", action="store_true", default=False,
+                      help="validate the whole configuration, print it, and exit")  # fmt: skip
+    _add_config_flags(join, JoinConfig)
     join.set_defaults(handler=_cmd_join)
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
     import logging
 
-    from cgad.node.config import NodeConfig, load_yaml
+    from cgad.node.config import JoinConfig
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "config")}
-    file_values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    config = NodeConfig.build(file_values, flags)
-    if config.dry_run:
-        print(json.dumps(dataclasses.asdict(config), indent=1))
+    config = _config_from(JoinConfig, args)
+    if args.dry_run:
+        print(json.dumps(config.model_dump(), indent=1))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cgad.node.daemon import Node
@@ -203,6 +189,9 @@ def _cmd_join(args: argparse.Namespace) -> int:
         return node.run()
     finally:
         node.close()
+
+
+# ---------------------------------------------------------------- talking to a running node
 
 
 def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -255,49 +244,117 @@ def _cmd_leave(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_demo(subparsers: argparse._SubParsersAction) -> None:
-    demo = subparsers.add_parser(
-        "demo",
-        help="run a small real swarm on this machine and show it train",
-        description="Start N nodes on 127.0.0.1 as separate processes (bundled corpus, tiny model), "
-        "show their progress, and end with a summary table and a PNG of their loss curves.",
-    )
-    demo.add_argument("--nodes", type=int, default=3)
-    demo.add_argument("--minutes", type=float, default=5.0)
-    demo.add_argument("--out", default=".", help="folder for the PNG and the nodes' logs and checkpoints")
-    demo.add_argument("--optimizer", default="cgad", choices=OPTIMIZERS)
-    demo.add_argument("--model", default="tiny")
-    demo.add_argument("--inner-steps", type=int, default=20)
-    demo.add_argument("--batch-size", type=int, default=4)
-    demo.add_argument("--seq-len", type=int, default=64)
-    demo.add_argument("--inner-lr", type=float, default=1e-3)
-    demo.set_defaults(handler=_cmd_demo)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from cgad.node.demo import run_demo
-
-    options = {
-        "optimizer": args.optimizer,
-        "model": args.model,
-        "inner_steps": args.inner_steps,
-        "batch_size": args.batch_size,
-        "seq_len": args.seq_len,
-        "inner_lr": args.inner_lr,
-        "codec": "fp16",
-    }
-    png = run_demo(args.nodes, args.minutes, Path(args.out), options)
-    print(f"loss curves: {png.resolve()}")
-    return 0
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
     from cgad.node.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint_dir, args.out)
     print(f"wrote a Hugging Face model directory to {out}")
+    return 0
+
+
+# ---------------------------------------------------------------- demo and simulate
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    from cgad.node.config import DemoConfig
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="run a small real swarm on this machine and show it train",
+        description="Start N nodes on 127.0.0.1 as separate processes (bundled corpus, tiny model), "
+        "show their progress, and end with a summary table and a PNG of their loss curves.",
+        argument_default=argparse.SUPPRESS,
+    )
+    _add_config_flags(demo, DemoConfig)
+    demo.set_defaults(handler=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from cgad.node.config import DemoConfig
+    from cgad.node.demo import run_demo
+
+    png = run_demo(_config_from(DemoConfig, args))
+    print(f"loss curves: {png.resolve()}")
+    return 0
+
+
+def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
+    from cgad.node.config import SimConfig
+
+    sim = subparsers.add_parser(
+        "simulate",
+        help="run the outer loop over a virtual swarm with controlled delay and failure",
+        description="W workers in one process, each a full replica with its own data shard, the "
+        "daemon's outer loop over an in-memory network with injected delay, loss, bandwidth, "
+        "stragglers and churn. Writes one JSON record per (optimizer, seed) and a PNG beside it.",
+        argument_default=argparse.SUPPRESS,
+    )
+    runs = sim.add_argument_group("runs")
+    runs.add_argument(
+        "--seeds", type=int, default=1, help="seeds per optimizer: --seed, --seed + 1, ... (default: 1)"
+    )
+    runs.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    runs.add_argument("--out", default="results.json", help="the JSON record; the PNG goes beside it")
+    overrides = {
+        "optimizer": {"action": "append", "help": "repeatable: one run per optimizer (default: cgad)"},
+        "stragglers": {
+            "nargs": None,
+            "type": str,
+            "metavar": "F1,F2,...|K:F",
+            "help": "slow-down factors, one per worker, or K:F (the last K workers F times slower)",
+        },
+    }
+    _add_config_flags(sim, SimConfig, overrides)
+    sim.set_defaults(handler=_cmd_simulate)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    """Run the virtual swarm once per (optimizer, seed); write the JSON and a PNG beside it."""
+    from pathlib import Path
+
+    from cgad.node.config import SimConfig
+
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    base = _config_from(SimConfig, args, skip=("optimizer",))
+    optimizers = getattr(args, "optimizer", None) or [base.optimizer]
+    # every configuration is validated before any work starts
+    configs = [
+        base.model_copy(update={"optimizer": opt, "seed": base.seed + k})
+        for opt in optimizers
+        for k in range(args.seeds)
+    ]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from tqdm import tqdm
+
+    from cgad.node.data import load_dataset
+    from cgad.node.report import plot_records
+    from cgad.node.simulate import simulate
+    from cgad.node.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(base.tokenizer)
+    dataset = load_dataset(tokenizer, base.data)
+    total = sum(c.workers * c.inner_steps * c.rounds for c in configs)
+    records = []
+    with tqdm(total=total, unit="step", desc="simulate", dynamic_ncols=True) as bar:
+        for config in configs:
+            bar.set_postfix_str(f"{config.optimizer} seed {config.seed}")
+            record = simulate(config, dataset, tokenizer.vocab_size, progress=bar.update)
+            records.append(record)
+            bar.write(
+                f"{config.optimizer:>16} seed {config.seed}: loss {record['initial_loss']:.3f} -> "
+                f"{record['final_loss']:.3f}  mean age {record['mean_age']:.2f}"
+                + ("  DIVERGED" if record["diverged"] else "")
+            )
+    shared = {**base.model_dump(exclude={"optimizer"}), "seeds": args.seeds, "optimizers": optimizers}
+    out.write_text(json.dumps({"config": shared, "records": records}, indent=1))
+    png = plot_records(records, out.with_suffix(".png"), title=f"{base.workers} workers, delay {base.delay}")
+    print(f"wrote {out} and {png}")
     return 0
 
 
@@ -319,47 +376,6 @@ def build_parser() -> _Parser:
     _add_demo(subparsers)
     _add_simulate(subparsers)
     return parser
-
-
-def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
-    from cgad.optim import DEFAULT_ALPHA, DEFAULT_CUTOFF
-
-    sim = subparsers.add_parser(
-        "simulate",
-        help="run the outer loop over a virtual swarm with controlled delay and failure",
-        description="W workers in one process, each a full replica with its own data shard, the "
-        "daemon's outer loop over an in-memory network with injected delay, loss, bandwidth, "
-        "stragglers and churn. Writes one JSON record per (optimizer, seed) and a PNG beside it.",
-    )
-    sim.add_argument("--workers", type=int, default=4)
-    sim.add_argument("--inner-steps", type=int, default=10, help="H: inner steps per outer round")
-    sim.add_argument("--rounds", type=int, default=20)
-    sim.add_argument("--delay", default="0", help="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
-    sim.add_argument("--drop", type=float, default=0.0, help="probability a delivery is lost")
-    sim.add_argument("--bandwidth", type=float, default=None, help="uplink bytes per virtual second")
-    sim.add_argument(
-        "--stragglers", default="", help="slow-down factors: F1,F2,... or K:F (K workers F x slower)"
-    )
-    sim.add_argument(
-        "--churn", type=float, default=0.0, help="chance per round a worker leaves for 1-4 rounds"
-    )
-    sim.add_argument("--optimizer", action="append", choices=OPTIMIZERS, help="repeatable; default cgad")
-    sim.add_argument("--outer-lr", type=float, default=None, help="overrides each optimizer's default")
-    sim.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="CGAD decay per round of age")
-    sim.add_argument("--cutoff", type=float, default=DEFAULT_CUTOFF, help="CGAD gate cutoff in rounds")
-    sim.add_argument("--fragments", type=int, default=4, help="PA-CGAD's fragments (H must be a multiple)")
-    sim.add_argument("--seeds", type=int, default=1)
-    sim.add_argument("--data", default=None, help=".txt/.md file, folder of them, or .jsonl with 'text'")
-    sim.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer directory")
-    sim.add_argument("--model", default="tiny", help="preset (tiny, small, base, 1b) or a config.json")
-    sim.add_argument("--batch-size", type=int, default=8)
-    sim.add_argument("--seq-len", type=int, default=128)
-    sim.add_argument("--inner-lr", type=float, default=4e-4)
-    sim.add_argument("--warmup-steps", type=int, default=0)
-    sim.add_argument("--eval-batches", type=int, default=4)
-    sim.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    sim.add_argument("--out", default="results.json")
-    sim.set_defaults(handler=_cmd_simulate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

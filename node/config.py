@@ -1,143 +1,290 @@
-"""A node's configuration: defaults, then a YAML file (``--config``), then command-line flags.
+"""One configuration model, in parts: inner training, the outer step, the network, the node.
 
-Every field is also a ``cgad-node join`` flag (``checkpoint_dir`` is ``--checkpoint-dir``), and a
-YAML file may spell keys either way. An unknown key or a value of the wrong type is an error that
-names the key, before anything starts.
+``JoinConfig`` (a daemon), ``SimConfig`` (the simulator) and ``DemoConfig`` (the demo) are built
+from the same parts by inheritance, so a field is declared once: its type, its default, its range
+and its description, which is also the flag's help. ``cgad.node.cli`` turns every field into a
+flag (``inner_steps`` is ``--inner-steps``); a YAML file (``--config``) may spell keys either way.
+The outer loop takes the ``OuterOptions`` part and the transport the ``NetworkOptions`` part of
+the very same object: nothing is copied field by field.
+
+Nothing here imports torch: ``cgad-node status``, which the compose health check runs every 30 s,
+builds the same parser.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
+import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cgad.node.outer import OPTIMIZERS
-from cgad.optim import DEFAULT_ALPHA, DEFAULT_CUTOFF
+from cgad.optim.defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
+from cgad.protocol.config import NetworkOptions, Port
 
-__all__ = ["ADMIN_PORT", "CODECS", "DEVICES", "MIXING", "NodeConfig", "load_yaml"]
+__all__ = [
+    "ADMIN_PORT",
+    "OPTIMIZERS",
+    "ConfigError",
+    "DemoConfig",
+    "JoinConfig",
+    "NodeOptions",
+    "OuterOptions",
+    "SimConfig",
+    "SimOptions",
+    "TrainingOptions",
+    "build_config",
+    "load_yaml",
+    "parse_stragglers",
+]
 
 ADMIN_PORT = 7780  # where `cgad-node status` and `leave` look by default
-CODECS = ("fp32", "fp16", "int8", "4bit")
-DEVICES = ("auto", "cpu", "cuda")
-MIXING = ("none", "gossip")
+
+# The outer methods by name; cgad.node.methods holds what each one does (and checks it has one
+# method per name).
+OptimizerName = Literal[
+    "cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco"
+]
+OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
+
+Positive = Annotated[int, Field(ge=1)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-@dataclass
-class NodeConfig:
-    run_id: str = "cgad-run"
-    peers: list[str] = field(default_factory=list)  # multiaddrs of peers already in the swarm
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity: str | None = None  # a key file: the same peer id across restarts
-    client_mode: bool = False  # behind NAT: reach out only, be reached through relays
-    use_relay: bool = True
-    grpc_host: str = "127.0.0.1"  # direct data path; "none" to serve over libp2p only
-    grpc_port: int = 0
-    grpc_announce_host: str | None = None
-    maddrs_file: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 5  # outer rounds between checkpoints
-    data: str | None = None
-    tokenizer: str | None = None
-    model: str = "tiny"
-    optimizer: str = "cgad"
-    outer_lr: float | None = None
-    alpha: float = DEFAULT_ALPHA
-    cutoff: float = DEFAULT_CUTOFF
-    inner_steps: int = 50
-    inner_lr: float = 4e-4
-    warmup_steps: int = 0
-    batch_size: int = 8
-    seq_len: int = 128
-    fragments: int = 1
-    codec: str = "4bit"
-    fan_in: int = 4
-    mixing: str = "none"
-    mixing_period: int = 1  # outer rounds between gossip mixes
-    device: str = "auto"
-    max_rounds: int = 0  # 0: until told to leave
-    eval_every: int = 1  # outer rounds between held-out evaluations
-    eval_batches: int = 4
-    admin_host: str = "127.0.0.1"
-    admin_port: int = ADMIN_PORT  # 0: any free port (printed at start)
-    metrics_port: int | None = None
-    seed: int = 0
-    dry_run: bool = False  # validate everything, print the resolved configuration, exit
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the key."""
 
-    def __post_init__(self) -> None:
-        choices = {"optimizer": OPTIMIZERS, "codec": CODECS, "mixing": MIXING, "device": DEVICES}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("inner_steps", "fragments", "batch_size", "seq_len", "checkpoint_every", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.inner_steps % self.fragments:
-            raise ValueError(
-                f"inner_steps ({self.inner_steps}) must be a multiple of fragments ({self.fragments})"
-            )
-        if self.max_rounds < 0:
-            raise ValueError(f"max_rounds must be >= 0 (0: no limit), got {self.max_rounds}")
-        for name in ("data", "tokenizer", "identity"):
-            value = getattr(self, name)
-            if name != "identity" and value is not None and not Path(value).exists():
-                raise ValueError(f"{name}: {value} does not exist")
 
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainingOptions(_Part):
+    """The model, the data and the inner AdamW steps."""
+
+    model: str = Field("tiny", description="preset (tiny, small, base, 1b) or a Llama config.json")
+    data: str | None = Field(
+        None, description=".txt/.md file, folder of them, or .jsonl with 'text' (default: bundled corpus)"
+    )
+    tokenizer: str | None = Field(
+        None, description="a Hugging Face tokenizer directory (default: the bundled BPE)"
+    )
+    inner_steps: Positive = Field(50, description="H: inner steps per outer round")
+    inner_lr: PositiveFloat = Field(4e-4, description="inner AdamW learning rate")
+    warmup_steps: int = Field(0, ge=0, description="inner lr warm-up steps")
+    batch_size: Positive = Field(8, description="sequences per inner step")
+    seq_len: Positive = Field(128, description="tokens per sequence")
+    eval_batches: Positive = Field(4, description="held-out batches per evaluation")
+    seed: int = Field(0, ge=0, description="model initialisation (and the simulator's randomness)")
+
+    @field_validator("data", "tokenizer")
     @classmethod
-    def fields(cls) -> dict[str, dataclasses.Field]:
-        return {f.name: f for f in dataclasses.fields(cls)}
+    def _exists(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).exists():
+            raise ValueError(f"{value} does not exist")
+        return value
 
+
+class OuterOptions(_Part):
+    """The outer step: which method, its settings, and how the model is split into fragments."""
+
+    optimizer: OptimizerName = Field("cgad", description="the outer method")
+    outer_lr: PositiveFloat | None = Field(
+        None, description="outer learning rate (default: the method's own)"
+    )
+    alpha: float = Field(DEFAULT_ALPHA, ge=0, allow_inf_nan=False, description="CGAD: decay per round of age")
+    cutoff: PositiveFloat = Field(
+        DEFAULT_CUTOFF,
+        description="CGAD: the gate's cutoff in rounds; also how far behind triggers a re-sync",
+    )
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam family: first-moment decay")
+    beta2: float = Field(0.95, ge=0, lt=1, description="Adam family: second-moment decay")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Nesterov family: momentum")
+    noloco_beta: float = Field(0.5, ge=0, lt=1, description="NoLoCo: momentum β")
+    restart_every: int = Field(
+        0, ge=0, description="reset the outer optimizer's state every N steps (0: never)"
+    )
+    fragments: Positive = Field(
+        1, description="F: fragments synced in turn, one every H/F steps (Streaming DiLoCo)"
+    )
+    mixing: Literal["none", "gossip"] = Field("none", description="gossip: also average φ with a random peer")
+    mixing_period: Positive = Field(1, description="outer rounds between gossip mixes")
+
+
+class NodeOptions(_Part):
+    """One daemon: its device, checkpoints, evaluation, and the ports it serves on localhost."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto picks CUDA (with bf16 autocast) when present"
+    )
+    checkpoint_dir: str | None = Field(
+        None, description="checkpoint here, and resume from it if it holds one"
+    )
+    checkpoint_every: Positive = Field(5, description="outer rounds between checkpoints")
+    max_rounds: int = Field(0, ge=0, description="stop after this many outer rounds (0: until told to leave)")
+    eval_every: Positive = Field(1, description="outer rounds between held-out evaluations")
+    maddrs_file: str | None = Field(None, description="write this node's multiaddrs here, one per line")
+    admin_host: str = Field("127.0.0.1", description="host of the admin gRPC API")
+    admin_port: Port = Field(
+        ADMIN_PORT, description="admin gRPC port, where `status` and `leave` look (0: any free port)"
+    )
+    metrics_port: Port | None = Field(None, description="serve Prometheus metrics on this port")
+
+
+def parse_stragglers(text: str, workers: int) -> list[float]:
+    """'1,1,2,4': one factor per worker; 'K:F': the last K workers are F times slower."""
+    if not text:
+        return []
+    try:
+        if ":" in text:
+            count, factor = text.split(":", 1)
+            k, f = int(count), float(factor)
+            if not 0 <= k <= workers:
+                raise ValueError
+            return [1.0] * (workers - k) + [f] * k
+        factors = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"stragglers must be 'F1,F2,...' or 'K:F' with K <= workers, got {text!r}") from None
+    if len(factors) != workers:
+        raise ValueError(f"stragglers lists {len(factors)} factors for {workers} workers")
+    return factors
+
+
+class SimOptions(_Part):
+    """The virtual swarm: how many workers, for how long, and what the network does to them."""
+
+    workers: Positive = Field(4, description="simulated workers")
+    rounds: Positive = Field(20, description="outer rounds")
+    delay: str = Field("0", description="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
+    drop: float = Field(0.0, ge=0, lt=1, description="probability a delivery is lost")
+    bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
+    stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
+    churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
+    step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
+
+    @model_validator(mode="before")
     @classmethod
-    def build(cls, file_values: dict[str, Any], flag_values: dict[str, Any]) -> NodeConfig:
-        """Defaults < the YAML file < flags given on the command line."""
-        return cls(**{**file_values, **flag_values})
+    def _straggler_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("stragglers"), str):
+            workers = data.get("workers", cls.model_fields["workers"].default)
+            data = {**data, "stragglers": parse_stragglers(data["stragglers"], int(workers))}
+        return data
+
+    @field_validator("delay")
+    @classmethod
+    def _delay(cls, value: str) -> str:
+        text = value.removeprefix("random:")
+        try:
+            rounds = int(text)
+        except ValueError:
+            raise ValueError(f"delay must be N or random:N (rounds), got {value!r}") from None
+        if rounds < 0:
+            raise ValueError(f"delay must be >= 0, got {value!r}")
+        return value
+
+    @field_validator("stragglers")
+    @classmethod
+    def _stragglers(cls, value: list[float]) -> list[float]:
+        if any(not (f > 0 and math.isfinite(f)) for f in value):
+            raise ValueError(f"straggler factors must be finite and > 0, got {value}")
+        return value
 
 
-def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a config file; keys may use dashes or underscores; unknown keys are errors."""
+class _Schedule(_Part):
+    """Checks across the training and outer parts: fragments sync in turn within a round."""
+
+    @model_validator(mode="after")
+    def _fragments_divide_h(self) -> Any:
+        steps, fragments = self.inner_steps, self.fragments  # type: ignore[attr-defined]
+        if steps % fragments:
+            raise ValueError(f"inner_steps ({steps}) must be a multiple of fragments ({fragments})")
+        return self
+
+
+class JoinConfig(_Schedule, TrainingOptions, OuterOptions, NetworkOptions, NodeOptions):
+    """Everything `cgad-node join` takes."""
+
+
+class SimConfig(_Schedule, TrainingOptions, OuterOptions, SimOptions):
+    """One simulated swarm: one optimizer, one seed."""
+
+    @model_validator(mode="after")
+    def _one_factor_per_worker(self) -> SimConfig:
+        if self.stragglers and len(self.stragglers) != self.workers:
+            raise ValueError(f"{len(self.stragglers)} straggler factors for {self.workers} workers")
+        return self
+
+
+class DemoConfig(_Schedule, TrainingOptions, OuterOptions):
+    """`cgad-node demo`: N real nodes on this machine. Its training defaults are a preset small
+    enough for a laptop to show progress within minutes; any of them can be set as for join."""
+
+    nodes: Positive = Field(3, description="nodes to start")
+    minutes: PositiveFloat = Field(5.0, description="how long they train")
+    out: str = Field(".", description="folder for the PNG and the nodes' logs and checkpoints")
+    codec: Literal["fp32", "fp16", "int8", "4bit"] = Field("fp16", description="pseudo-gradient encoding")
+    inner_steps: Positive = Field(20, description="H: inner steps per outer round")
+    inner_lr: PositiveFloat = Field(1e-3, description="inner AdamW learning rate")
+    batch_size: Positive = Field(4, description="sequences per inner step")
+    seq_len: Positive = Field(64, description="tokens per sequence")
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), known, n=1)
+    return f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""
+
+
+def build_config(model: type[BaseModel], *layers: tuple[str, dict[str, Any]]) -> Any:
+    """``model`` from its defaults overridden by each ``(source, values)`` layer in turn (a YAML
+    file, then flags). A bad value raises ``ConfigError`` naming the key and where it came from."""
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for where, layer in layers:
+        values.update(layer)
+        source.update(dict.fromkeys(layer, where))
+    try:
+        return model(**values)
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            key = ".".join(str(part) for part in item["loc"][:1])
+            message = item["msg"].removeprefix("Value error, ")
+            where = f"{source[key]}: " if source.get(key) else ""
+            if item["type"] == "extra_forbidden":
+                problems.append(f"{where}unknown option {key!r}{_suggest(key, _field_names(model))}")
+            elif key:
+                problems.append(f"{where}{key} (--{key.replace('_', '-')}): {message}")
+            else:
+                problems.append(message)
+        raise ConfigError("; ".join(problems)) from None
+
+
+def load_yaml(path: str | os.PathLike[str], model: type[BaseModel] = JoinConfig) -> dict[str, Any]:
+    """Read a config file of ``model``'s keys (dashes or underscores). Unknown keys are errors
+    here; values are checked when the configuration is built (flags may still override them)."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option: value")
-    known = NodeConfig.fields()
+        raise ConfigError(f"config file {path} must hold a mapping of option: value")
+    known = _field_names(model)
     values = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
-        if name not in known or name == "dry_run":
-            close = difflib.get_close_matches(name, list(known), n=1)
-            hint = f" (did you mean {close[0].replace('_', '-')!r}?)" if close else ""
-            raise ValueError(f"config file {path}: unknown option {key!r}{hint}")
-        values[name] = _coerce(name, value, known[name], path)
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown option {key!r}{_suggest(name, known)}")
+        if isinstance(value, str) and model.model_fields[name].annotation == list[str]:
+            value = [value]  # one multiaddr may stand alone
+        values[name] = value
     return values
-
-
-def _coerce(name: str, value: Any, spec: dataclasses.Field, path: Path) -> Any:
-    annotation = str(spec.type)
-    if value is None:
-        if "None" in annotation:
-            return None
-        raise ValueError(f"config file {path}: {name} cannot be empty")
-    if annotation.startswith("list"):
-        return [str(v) for v in value] if isinstance(value, list) else [str(value)]
-    if annotation.startswith("bool"):
-        if not isinstance(value, bool):
-            raise ValueError(f"config file {path}: {name} must be true or false, got {value!r}")
-        return value
-    for kind in (int, float):
-        if annotation.startswith(kind.__name__):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"config file {path}: {name} must be a number, got {value!r}")
-            if kind is int and value != int(value):
-                raise ValueError(f"config file {path}: {name} must be a whole number, got {value!r}")
-            return kind(value)
-    return str(value)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import signal
 import sys
 import threading
@@ -28,16 +27,18 @@ import torch
 
 from cgad.node.admin import AdminServer
 from cgad.node.checkpoint import CheckpointError, load_checkpoint, pack, save_checkpoint, unpack
-from cgad.node.config import NodeConfig
+from cgad.node.config import JoinConfig
 from cgad.node.data import load_dataset
 from cgad.node.export import TOKENIZER_DIR
 from cgad.node.metrics import Metrics
 from cgad.node.model import build_model
-from cgad.node.outer import OuterConfig, OuterLoop
+from cgad.node.outer import OuterLoop
+from cgad.node.status import status_line
 from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
 from cgad.protocol.errors import FragmentError
-from cgad.protocol.network import NetworkConfig, NetworkTransport
+from cgad.protocol.files import atomic_write
+from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import Identity
 
 __all__ = ["IncompatibleSwarm", "Node"]
@@ -60,7 +61,7 @@ def _device(name: str) -> torch.device:
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: JoinConfig) -> None:
         self.config = c = config
         self.device = _device(c.device)
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
@@ -89,38 +90,18 @@ class Node:
             autocast_dtype=self.autocast,
         )
         self.eval_batches = self.dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
-        outer = OuterConfig(
-            optimizer=c.optimizer,
-            lr=c.outer_lr,
-            fragments=c.fragments,
-            alpha=c.alpha,
-            cutoff=c.cutoff,
-            mixing=c.mixing,
-            mixing_period=c.mixing_period,
-        )
         params = list(self.model.parameters())
         numels = OuterLoop.layout_numels(params, c.fragments)
+        # the transport and the outer loop read their own parts of the one configuration
         self.transport = NetworkTransport(
-            NetworkConfig(
-                run_id=c.run_id,
-                num_fragments=c.fragments,
-                fragment_numel=dict(enumerate(numels)),
-                initial_peers=c.peers,
-                host_maddrs=c.host_maddrs,
-                announce_maddrs=c.announce_maddrs or None,
-                identity_path=c.identity,
-                client_mode=c.client_mode,
-                use_relay=c.use_relay,
-                grpc_listen=None if c.grpc_host == "none" else f"{c.grpc_host}:{c.grpc_port}",
-                grpc_announce_host=c.grpc_announce_host,
-                codec=c.codec,
-                fan_in=c.fan_in,
-            ),
-            identity=self.identity,
+            c, num_fragments=c.fragments, fragment_numel=dict(enumerate(numels)), identity=self.identity
         )
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind
-            self.loop = OuterLoop(params, outer, self.transport, c.run_id, seed=seed)
+            self.loop = OuterLoop(params, c, self.transport, c.run_id, seed=seed)
             self.round = 0
+            self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
+            self.block_start = 0  # the inner step at which the current block began
+            self.started_at = time.time()
             self.losses: deque[float] = deque(maxlen=50)
             self.eval_history: list[tuple[int, float]] = []
             self.tokens_per_second = 0.0
@@ -154,6 +135,8 @@ class Node:
             "inner_step": self.trainer.steps,
             "tokens": self.trainer.tokens,
             "round": self.round,
+            "blocks": self.blocks,
+            "block_start": self.block_start,
             "data": self.batches.state_dict(),
             "eval_history": [list(e) for e in self.eval_history],
             "model_config": self.model.config.to_dict(),
@@ -164,9 +147,8 @@ class Node:
         directory = Path(self.config.checkpoint_dir)
         tokenizer_dir = directory / TOKENIZER_DIR
         if not tokenizer_dir.exists():
-            tmp = directory / f".{TOKENIZER_DIR}.tmp"
-            self.tokenizer.save_pretrained(tmp)
-            tmp.replace(tokenizer_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write(tokenizer_dir, lambda tmp: self.tokenizer.save_pretrained(tmp))
         save_checkpoint(directory, self._checkpoint_state())
 
     def _check_compatible(self, theirs: dict[str, Any], where: str) -> None:
@@ -197,6 +179,7 @@ class Node:
             self.trainer.tokens = state["tokens"]
             self.batches.load_state_dict(state["data"])
             self.round = state["round"]
+            self.blocks, self.block_start = state["blocks"], state["block_start"]
             self.eval_history = [tuple(e) for e in state["eval_history"]]
             self.started_from = "checkpoint"
             self.resumed = True
@@ -256,9 +239,6 @@ class Node:
                 (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
             )
         block = c.inner_steps // c.fragments
-        # for throughput measurements (bench/overhead.py): from here on, it is all training
-        self.training_started, self.cpu_at_start = time.perf_counter(), time.process_time()
-        self.tokens_at_start = self.trainer.tokens
         last, last_tokens = time.monotonic(), self.trainer.tokens
         while not self._leave.is_set():
             self.losses.append(self.trainer.step())
@@ -266,18 +246,19 @@ class Node:
             if now - last >= 2.0:
                 self.tokens_per_second = (self.trainer.tokens - last_tokens) / (now - last)
                 last, last_tokens = now, self.trainer.tokens
-            if self.trainer.steps % block:
+            if self.trainer.steps - self.block_start < block:
                 continue
-            self._sync((self.trainer.steps // block - 1) % c.fragments, block)
+            self._sync()
             if c.max_rounds and self.round >= c.max_rounds:
                 break
-        self._finish(block)
+        self._finish()
         return 0
 
-    def _sync(self, fragment: int, block: int, steps: int | None = None) -> None:
-        """Fragment ``fragment``'s turn, after ``steps`` inner steps (a whole block by default)."""
+    def _sync(self) -> None:
+        """The turn of the fragment whose block just ended (whole, or cut short by leaving)."""
         c = self.config
-        tokens = (steps or block) * c.batch_size * c.seq_len
+        fragment = self.blocks % c.fragments
+        tokens = (self.trainer.steps - self.block_start) * c.batch_size * c.seq_len
         with self._outer_lock:
             bad_before = self.loop.counters.rejected["local_non_finite"]
             self.loop.sync(fragment, tokens=tokens)
@@ -285,6 +266,8 @@ class Node:
                 # the block diverged locally: θ_f was reset to φ_f; restart the inner moments too
                 logger.warning("non-finite pseudo-gradient on fragment %d: block discarded", fragment)
                 self.trainer.optimizer.state.clear()
+        self.blocks += 1
+        self.block_start = self.trainer.steps
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
@@ -300,20 +283,18 @@ class Node:
         status = self.status()
         if self.metrics:
             self.metrics.update(status)
-        self._status_line(status)
+        self._show(status)
 
-    def _finish(self, block: int) -> None:
+    def _finish(self) -> None:
         """Leaving: the fragment whose block is under way syncs now with the steps it has (one
         version step, as in a full block, so versions keep counting rounds), then checkpoint, and
         give peers a moment to fetch the last fragment."""
-        c = self.config
-        pending = self.trainer.steps % block
+        pending = self.trainer.steps > self.block_start
         if pending:
-            self._sync((self.trainer.steps // block) % c.fragments, block, steps=pending)
-            self.trainer.steps += block - pending  # the schedule continues at the next fragment
-        if c.checkpoint_dir:
+            self._sync()
+        if self.config.checkpoint_dir:
             self.save()
-        self._status_line(self.status(), final=True)
+        self._show(self.status(), final=True)
         if pending and self.transport.live_peers():
             time.sleep(LINGER_SECONDS)
 
@@ -341,9 +322,7 @@ class Node:
         if self.config.maddrs_file:
             path = Path(self.config.maddrs_file)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text("".join(f"{a}\n" for a in maddrs))
-            tmp.replace(path)
+            atomic_write(path, "".join(f"{a}\n" for a in maddrs).encode())
 
     # ------------------------------------------------------------------ what it shows
 
@@ -375,16 +354,12 @@ class Node:
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),
+            "uptime": time.time() - self.started_at,
         }
 
-    def _status_line(self, s: dict[str, Any], final: bool = False) -> None:
-        loss = "-" if s["loss"] is None else f"{s['loss']:.3f}"
-        evl = "-" if s["eval_loss"] is None or not math.isfinite(s["eval_loss"]) else f"{s['eval_loss']:.3f}"
-        line = (
-            f"round {s['round']} step {s['inner_step']} loss {loss} eval {evl} "
-            f"tok/s {s['tokens_per_second']:.0f} peers {s['peers']} "
-            f"out {s['published']} in {s['applied']} age {s['mean_age']:.2f}"
-        )
+    def _show(self, status: dict[str, Any], final: bool = False) -> None:
+        """The live status line: redrawn in place on a terminal, one line per round otherwise."""
+        line = status_line(status)
         if sys.stderr.isatty() and not final:
             sys.stderr.write("\r" + line[:200].ljust(100))
         else:

@@ -15,13 +15,14 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from cgad.protocol.files import atomic_write
 
 if TYPE_CHECKING:
     from cgad.node.tokenizer import Tokenizer
@@ -48,20 +49,6 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "cgad-node"
     return Path.home() / ".cache" / "cgad-node"
-
-
-def write_atomic(target: Path, payload: bytes) -> None:
-    """Write through a temporary file in the same directory, then rename it into place, so that a
-    concurrent reader or a crash never sees half a file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def bundled_corpus_files() -> list[Path]:
@@ -240,7 +227,8 @@ def load_dataset(
         tokens = _tokenize(read_documents(files), tokenizer, source)
         buffer = io.BytesIO()
         np.save(buffer, tokens)
-        write_atomic(target, buffer.getvalue())
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, buffer.getvalue())
     return TokenDataset(tokens, source, eval_fraction)
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from cgad.node.admin import call_admin
+from cgad.node.config import DemoConfig, OuterOptions, TrainingOptions
+from cgad.node.status import status_line
 
 __all__ = ["run_demo"]
 
@@ -39,12 +41,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _join_options(config: DemoConfig) -> dict[str, Any]:
+    """What every node is told: the demo's training and outer settings, and its codec."""
+    names = [*TrainingOptions.model_fields, *OuterOptions.model_fields, "codec"]
+    return {n: getattr(config, n) for n in names if getattr(config, n) is not None}
+
+
 def _join_command(
     index: int, workdir: Path, admin_port: int, peers: list[str], options: dict[str, Any]
 ) -> list[str]:
     cmd = [sys.executable, "-m", "cgad.node.cli", "join", "--run-id", "demo"]
     cmd += ["--checkpoint-dir", str(workdir / f"node{index}"), "--admin-port", str(admin_port)]
-    cmd += ["--identity", str(workdir / f"node{index}.key"), "--seed", "0"]
+    cmd += ["--identity", str(workdir / f"node{index}.key")]
     if index == 0:
         cmd += ["--maddrs-file", str(workdir / "bootstrap.maddrs")]
     else:
@@ -100,23 +108,13 @@ def _poll(procs: list[_Proc]) -> None:
 
 
 def _line(p: _Proc) -> str:
-    s = p.status
-    if s is None:
-        return f"node {p.index}: starting"
-    evl = s["eval_loss"]
-    return (
-        f"node {p.index}: round {s['round']:>3} step {s['inner_step']:>5} "
-        f"loss {s['loss'] or 0:.3f} eval {evl if evl is None else round(evl, 3)} peers {s['peers']} "
-        f"out {s['published']} in {s['applied']} age {s['mean_age']:.2f}"
-    )
+    return f"node {p.index}: starting" if p.status is None else f"node {p.index}: {status_line(p.status)}"
 
 
-def run_demo(nodes: int, minutes: float, out: Path, options: dict[str, Any]) -> Path:
-    """Run the swarm for ``minutes``; return the path of the loss-curve PNG."""
-    if nodes < 1:
-        raise ValueError(f"--nodes must be >= 1, got {nodes}")
-    if not minutes > 0:
-        raise ValueError(f"--minutes must be > 0, got {minutes}")
+def run_demo(config: DemoConfig) -> Path:
+    """Run the swarm for ``config.minutes``; return the path of the loss-curve PNG."""
+    nodes, minutes, out = config.nodes, config.minutes, Path(config.out)
+    options = _join_options(config)
     out.mkdir(parents=True, exist_ok=True)
     workdir = out / "demo-swarm"
     workdir.mkdir(exist_ok=True)

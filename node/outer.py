@@ -5,20 +5,21 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
 1. Δ_f = φ_f − θ_f, the pseudo-gradient of the inner steps since f's last sync, is published,
    tagged with the version it started from (``versions[f]``) and the tokens behind it;
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
-   τ = versions[f] − base (DESIGN.md §3); the own Δ has age 0;
-3. the outer optimizer takes one step on f (one step per fragment per round, whatever arrived):
-   the age-aware family combines Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i; Nesterov
-   and SGD take the token-weighted mean; Delayed Nesterov takes each delivery as one arrival;
-   NoLoCo averages with one random peer of the round;
+   τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0;
+3. the outer method (``cgad.node.methods``) takes one step on f, whatever arrived: the age-aware
+   family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
+   Nesterov and SGD the token-weighted mean; Delayed Nesterov takes each delivery as one
+   arrival; NoLoCo averages with one random peer of the round;
 4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters.
 
 A peer more than the cutoff behind the newest version it has seen should re-sync its state
 (``behind_by``); the driver does that with ``state_dict`` / ``load_state_dict`` from a live peer.
+The loop is driven from one thread (the trainer's); a daemon that serves its state to joiners
+from another thread holds its own lock around ``sync`` and ``state_dict``.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
@@ -27,70 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cgad.optim import (
-    CGAD,
-    DEFAULT_ALPHA,
-    DEFAULT_CUTOFF,
-    DEFAULT_LR,
-    PACGAD,
-    DelayedNesterov,
-    OuterNesterov,
-    noloco_update,
-    staleness_weight,
-)
+from cgad.node.config import OuterOptions
+from cgad.node.methods import Contribution, method
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
 
-__all__ = ["OPTIMIZERS", "Delivery", "OuterConfig", "OuterLoop", "strided_fragments"]
-
-OPTIMIZERS = ("cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco")
-_AGE_AWARE = ("cgad", "pa-cgad", "adam-decay", "adam")
-
-# Outer learning rates when none is given: DiLoCo's 0.7 for the momentum-SGD family and NoLoCo's
-# reference η; the Adam family's from the delay sweep (docs/RESULTS.md).
-OUTER_LR = {
-    "cgad": DEFAULT_LR,
-    "pa-cgad": DEFAULT_LR,
-    "adam-decay": DEFAULT_LR,
-    "adam": DEFAULT_LR,
-    "nesterov": 0.7,
-    "delayed-nesterov": 0.7,
-    "sgd": 0.7,
-    "noloco": 0.7,
-}
-
-
-@dataclass
-class OuterConfig:
-    optimizer: str = "cgad"
-    lr: float | None = None  # None: OUTER_LR[optimizer]
-    fragments: int = 1
-    alpha: float = DEFAULT_ALPHA  # CGAD's decay rate per round of age
-    cutoff: float = DEFAULT_CUTOFF  # CGAD's gate reaches zero here; also the re-sync threshold
-    betas: tuple[float, float] = (0.9, 0.95)
-    momentum: float = 0.9  # Nesterov family
-    noloco_beta: float = 0.5
-    restart_every: int = 0
-    mixing: str = "none"  # "gossip": after the outer step, average φ with one random peer's
-    mixing_period: int = 1  # rounds between gossip mixes
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-        if self.fragments < 1:
-            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"outer lr must be > 0, got {self.lr}")
-        staleness_weight(0, self.alpha, self.cutoff)  # alpha >= 0 and cutoff > 0, or a clear error
-        if self.mixing not in ("none", "gossip"):
-            raise ValueError(f"mixing must be none or gossip, got {self.mixing!r}")
-        if self.mixing_period < 1:
-            raise ValueError(f"mixing_period must be >= 1, got {self.mixing_period}")
-
-    @property
-    def outer_lr(self) -> float:
-        return OUTER_LR[self.optimizer] if self.lr is None else self.lr
+__all__ = ["Delivery", "OuterLoop", "strided_fragments"]
 
 
 @dataclass(frozen=True)
@@ -131,60 +75,36 @@ class OuterLoop:
     def __init__(
         self,
         params: list[Tensor],
-        config: OuterConfig,
+        options: OuterOptions,
         transport: Transport,
         run_id: str,
         seed: int = 0,
     ) -> None:
         self.theta = params
-        self.config = config
+        self.options = options
+        self.method = method(options.optimizer)
         self.transport = transport
         self.run_id = run_id
-        self.fragments = strided_fragments(len(params), config.fragments)
+        self.fragments = strided_fragments(len(params), options.fragments)
         self.phi = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
-        self.versions = [0] * config.fragments
-        self.newest_seen = [0] * config.fragments
+        self.versions = [0] * options.fragments
+        self.newest_seen = [0] * options.fragments
         self.counters = _Counters()
         # the deliveries the optimizer took, newest last (bounded: a daemon runs for weeks)
         self.history: deque[Delivery] = deque(maxlen=HISTORY)
-        self._rng = random.Random(seed)
-        self._own: dict[int, Fragment] = {}  # published, not yet applied
-        self._noloco_momentum = (
-            [torch.zeros_like(p) for p in self.phi] if config.optimizer == "noloco" else []
-        )
-        self.optimizer = self._build_optimizer()
-
-    def _build_optimizer(self) -> torch.optim.Optimizer | None:
-        c = self.config
+        self.rng = random.Random(seed)
+        # this turn's own pseudo-gradient per fragment, published and not yet applied; None when
+        # the local block diverged and was discarded
+        self._turn: dict[int, Fragment | None] = {}
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
-        lr = c.outer_lr
-        if c.optimizer in ("cgad", "adam-decay", "adam"):
-            # σ is applied while combining the round's deliveries, so the optimizer sees age 0
-            return CGAD(groups, lr=lr, betas=c.betas, restart_every=c.restart_every)
-        if c.optimizer == "pa-cgad":
-            return PACGAD(groups, lr=lr, betas=c.betas, restart_every=c.restart_every)
-        if c.optimizer in ("nesterov", "sgd"):
-            momentum = c.momentum if c.optimizer == "nesterov" else 0.0
-            return OuterNesterov(groups, lr=lr, momentum=momentum, restart_every=c.restart_every)
-        if c.optimizer == "delayed-nesterov":
-            # one momentum update per round's worth of arrivals: N = the peers expected per round
-            period = max(1, len(self.transport.live_peers()) + 1)
-            return DelayedNesterov(groups, lr=lr, momentum=c.momentum, period=period)
-        return None  # noloco: a function over explicit state
-
-    def staleness(self, age: int) -> float:
-        c = self.config
-        if c.optimizer == "adam":
-            return 1.0
-        cutoff = math.inf if c.optimizer == "adam-decay" else c.cutoff
-        return staleness_weight(age, c.alpha, cutoff)
-
-    # -- the step ---------------------------------------------------------------------------
+        self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
     @staticmethod
     def layout_numels(params: list[Tensor], fragments: int) -> list[int]:
         """How many values each fragment holds, for a transport that validates what it fetches."""
         return [sum(params[i].numel() for i in idx) for idx in strided_fragments(len(params), fragments)]
+
+    # -- the step ---------------------------------------------------------------------------
 
     def sync(self, f: int, tokens: int) -> list[Delivery]:
         """Fragment f's turn: publish its pseudo-gradient, then apply what has arrived."""
@@ -192,7 +112,7 @@ class OuterLoop:
         return self.apply(f)
 
     def publish(self, f: int, tokens: int) -> None:
-        """Compute Δ_f = φ_f − θ_f and hand it to the transport (and φ_f too, for NoLoCo)."""
+        """Compute Δ_f = φ_f − θ_f and hand it to the transport (and φ_f too, for mixing)."""
         idx = self.fragments[f]
         with torch.no_grad():
             own = torch.cat([(self.phi[i] - self.theta[i].float()).flatten() for i in idx])
@@ -201,25 +121,26 @@ class OuterLoop:
                 self.counters.rejected["local_non_finite"] += 1
                 for i in idx:
                     self.theta[i].copy_(self.phi[i])
-                self._own[f] = None
+                self._turn[f] = None
                 return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
-        self._own[f] = Fragment(key, own, tokens)
-        self.transport.publish(self._own[f])
+        fragment = Fragment(key, own, tokens)
+        self._turn[f] = fragment
+        self.transport.publish(fragment)
         self.counters.published += 1
-        if self.config.optimizer == "noloco" or self._mixing_due(f):
+        if self.method.mixes_params or self._mixing_due(f):
             params = torch.cat([self.phi[i].detach().flatten() for i in idx])
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
 
     def apply(self, f: int) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since."""
-        if f not in self._own:
+        if f not in self._turn:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
-        own = self._own.pop(f)
+        own = self._turn.pop(f)
         base = self.versions[f]
         incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
         for frag in self.transport.receive(f):
-            if frag.tensor.numel() != self._numel(f):
+            if frag.tensor.numel() != self.numel(f):
                 self.counters.rejected["bad_shape"] += 1
                 continue
             age = base - frag.key.base_version
@@ -229,73 +150,54 @@ class OuterLoop:
                 age = 0
             incoming.append((frag, age))
         # outer parameters published by peers: taken by NoLoCo and gossip, drained otherwise
-        params = self.transport.receive(f, Kind.PARAMS)
+        peer_params = self.transport.receive(f, Kind.PARAMS)
         with torch.no_grad():
-            if incoming:
-                taken = self._apply(f, incoming, own is not None, params)
-            else:
-                taken = []
+            taken, deliveries = self._take(f, incoming, own)
+            if taken:
+                self.method.step(self, f, taken, peer_params)
             if self._mixing_due(f):
-                self._gossip(f, params)
+                self._gossip(f, peer_params)
             self.versions[f] += 1
             for i in self.fragments[f]:
                 self.theta[i].copy_(self.phi[i])
         self.newest_seen[f] = max(self.newest_seen[f], self.versions[f])
-        return taken
+        return deliveries
 
-    def _apply(
-        self, f: int, incoming: list[tuple[Fragment, int]], has_own: bool, params: list[Fragment]
-    ) -> list[Delivery]:
-        opt = self.config.optimizer
-        weights = [self.staleness(age) if opt in _AGE_AWARE else 1.0 for _, age in incoming]
-        taken = []
-        for n, ((frag, age), w) in enumerate(zip(incoming, weights, strict=True)):
-            if w == 0.0:
+    def _take(
+        self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None
+    ) -> tuple[list[Contribution], list[Delivery]]:
+        """The deliveries the step takes, each with its age scale; those scaled to 0 are dropped
+        as stale. Counted, and kept in ``history``."""
+        taken, deliveries = [], []
+        for frag, age in incoming:
+            scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
+            if scale == 0.0:
                 self.counters.dropped_stale += 1
                 continue
-            is_own = has_own and n == 0
-            d = Delivery(f, frag.key.publisher, frag.key.base_version, age, w, own=is_own)
-            taken.append(d)
+            is_own = frag is own
+            taken.append(Contribution(frag.tensor, frag.tokens, age, scale, frag.key.publisher, is_own))
+            deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
             if not is_own:
+                self.counters.applied += 1
                 self.counters.applied_by_peer[frag.key.publisher] += 1
             self.counters.age_sum += age
             self.counters.age_count += 1
-        self.counters.applied += len(taken) - int(has_own)  # the own fragment is not "applied"
-        self.history.extend(taken)
-        kept = [(frag, age, w) for (frag, age), w in zip(incoming, weights, strict=True) if w > 0.0]
-        if not kept:
-            return taken
-        if opt == "noloco":
-            self._noloco_step(f, kept, has_own, params)
-        elif opt == "delayed-nesterov":
-            # N = the arrivals expected per round: this peer and the peers it sees now
-            for group in self.optimizer.param_groups:
-                group["period"] = len(self.transport.live_peers()) + 1
-            for frag, _, _ in sorted(kept, key=lambda x: -x[1]):  # oldest first, own fresh one last
-                self._set_grad(f, frag.tensor)
-                self.optimizer.step()
-        else:
-            total_tokens = sum(max(frag.tokens, 1) for frag, _, _ in kept)
-            mean = torch.zeros_like(kept[0][0].tensor)
-            for frag, _, w in kept:
-                mean.add_(frag.tensor, alpha=w * max(frag.tokens, 1) / total_tokens)
-            self._set_grad(f, mean)
-            if opt == "pa-cgad":
-                self.optimizer.step(ages=[0 if g == f else None for g in range(len(self.fragments))])
-            else:
-                self.optimizer.step()
-        return taken
+        self.history.extend(deliveries)
+        return taken, deliveries
 
-    def _set_grad(self, f: int, flat: Tensor) -> None:
+    # -- helpers the methods use ------------------------------------------------------------
+
+    def set_grad(self, f: int, flat: Tensor) -> None:
+        """Put a flat pseudo-gradient of fragment f into its φ's ``.grad`` (None elsewhere)."""
         for p in self.phi:
             p.grad = None
-        offset = 0
-        for i in self.fragments[f]:
-            p = self.phi[i]
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, g in zip(self.fragment_phi(f), self.unflatten(f, flat), strict=True):
+            p.grad = g
 
-    def _unflatten(self, f: int, flat: Tensor) -> list[Tensor]:
+    def fragment_phi(self, f: int) -> list[Tensor]:
+        return [self.phi[i] for i in self.fragments[f]]
+
+    def unflatten(self, f: int, flat: Tensor) -> list[Tensor]:
         out, offset = [], 0
         for i in self.fragments[f]:
             n = self.phi[i].numel()
@@ -303,69 +205,33 @@ class OuterLoop:
             offset += n
         return out
 
+    def numel(self, f: int) -> int:
+        return sum(self.phi[i].numel() for i in self.fragments[f])
+
     def _mixing_due(self, f: int) -> bool:
-        c = self.config
-        return c.mixing == "gossip" and c.optimizer != "noloco" and self.versions[f] % c.mixing_period == 0
+        o = self.options
+        return (
+            o.mixing == "gossip" and not self.method.mixes_params and self.versions[f] % o.mixing_period == 0
+        )
 
     def _gossip(self, f: int, params: list[Fragment]) -> None:
         """Average fragment f's φ with one random peer's latest published φ (pairwise gossip),
         among peers whose φ is at most the cutoff old."""
         newest: dict[str, Fragment] = {}
         for p in params:
-            fresh = self.versions[f] - p.key.base_version <= self.config.cutoff
-            if fresh and p.tensor.numel() == self._numel(f):
+            fresh = self.versions[f] - p.key.base_version <= self.options.cutoff
+            if fresh and p.tensor.numel() == self.numel(f):
                 held = newest.get(p.key.publisher)
                 if held is None or p.key.base_version > held.key.base_version:
                     newest[p.key.publisher] = p
         if not newest:
             return
-        partner = newest[self._rng.choice(sorted(newest))]
+        partner = newest[self.rng.choice(sorted(newest))]
         for mine, theirs in zip(
-            [self.phi[i].data for i in self.fragments[f]], self._unflatten(f, partner.tensor), strict=True
+            [p.data for p in self.fragment_phi(f)], self.unflatten(f, partner.tensor), strict=True
         ):
             mine.lerp_(theirs.to(mine.dtype), 0.5)
         self.counters.mixed += 1
-
-    def _numel(self, f: int) -> int:
-        return sum(self.phi[i].numel() for i in self.fragments[f])
-
-    def _noloco_step(
-        self, f: int, kept: list[tuple[Fragment, int, float]], has_own: bool, params: list[Fragment]
-    ) -> None:
-        idx = self.fragments[f]
-        phi = [self.phi[i].data for i in idx]
-        momentum = [self._noloco_momentum[i] for i in idx]
-        peers_kept = kept[1:] if has_own else kept
-        partners = {frag.key.publisher: frag for frag, _, _ in peers_kept}
-        numel = self._numel(f)
-        newest_phi = {  # each peer's newest φ (sorted by version: later ones overwrite)
-            p.key.publisher: p
-            for p in sorted(params, key=lambda p: p.key.base_version)
-            if p.tensor.numel() == numel
-        }
-        if not has_own:  # the local block was discarded: no own Δ to step with
-            return
-        own_delta = self._unflatten(f, kept[0][0].tensor)
-        candidates = sorted(set(partners) & set(newest_phi))
-        if not candidates:
-            noloco_update(
-                phi, own_delta, None, None, momentum, lr=self.config.outer_lr, beta=self.config.noloco_beta
-            )
-            return
-        partner = self._rng.choice(candidates)
-        their_phi = self._unflatten(f, newest_phi[partner].tensor)
-        their_delta = self._unflatten(f, partners[partner].tensor)
-        mean_phi = [(a + b) / 2 for a, b in zip(phi, their_phi, strict=True)]
-        mean_delta = [(a + b) / 2 for a, b in zip(own_delta, their_delta, strict=True)]
-        noloco_update(
-            phi,
-            own_delta,
-            mean_phi,
-            mean_delta,
-            momentum,
-            lr=self.config.outer_lr,
-            beta=self.config.noloco_beta,
-        )
 
     # -- swarm position and state -----------------------------------------------------------
 
@@ -381,8 +247,7 @@ class OuterLoop:
         return {
             "phi": [p.detach().clone() for p in self.phi],
             "versions": list(self.versions),
-            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-            "noloco_momentum": [m.clone() for m in self._noloco_momentum],
+            "optimizer": self.optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -395,13 +260,10 @@ class OuterLoop:
                     raise ValueError(f"outer state shape {tuple(q.shape)} != local {tuple(p.shape)}")
                 p.copy_(q)
                 t.copy_(q)
-            for m, q in zip(self._noloco_momentum, state["noloco_momentum"], strict=True):
-                m.copy_(q)
         self.versions = list(state["versions"])
         self.newest_seen = [max(a, b) for a, b in zip(self.newest_seen, self.versions, strict=True)]
-        if self.optimizer is not None:
-            # moments and step counts from the state; hyperparameters stay this peer's own
-            ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            self.optimizer.load_state_dict(state["optimizer"])
-            for group, hyper in zip(self.optimizer.param_groups, ours, strict=True):
-                group.update(hyper)
+        # moments and step counts from the state; hyperparameters stay this peer's own
+        ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, hyper in zip(self.optimizer.param_groups, ours, strict=True):
+            group.update(hyper)

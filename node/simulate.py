@@ -19,87 +19,18 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
+from cgad.node.config import SimConfig
 from cgad.node.data import TokenDataset
 from cgad.node.model import build_model
-from cgad.node.outer import OPTIMIZERS, Delivery, OuterConfig, OuterLoop
+from cgad.node.outer import Delivery, OuterLoop
 from cgad.node.trainer import InnerTrainer, evaluate
-from cgad.optim import DEFAULT_ALPHA, DEFAULT_CUTOFF
 from cgad.protocol.memory import Delay, MemoryTransport, VirtualNetwork
 
-__all__ = ["SimConfig", "parse_stragglers", "simulate"]
-
-
-@dataclass
-class SimConfig:
-    optimizer: str = "cgad"
-    workers: int = 4
-    inner_steps: int = 10  # H: inner steps per outer round
-    rounds: int = 20
-    delay: str = "0"  # rounds, or random:MAX
-    drop: float = 0.0
-    bandwidth: float | None = None  # bytes per virtual second on each worker's uplink
-    stragglers: list[float] = field(default_factory=list)  # per-worker slow-down factors
-    churn: float = 0.0  # chance per round that a worker leaves for 1..4 rounds
-    fragments: int = 4  # PA-CGAD's partial-sync schedule; the other optimizers sync all at once
-    outer_lr: float | None = None
-    alpha: float = DEFAULT_ALPHA
-    cutoff: float = DEFAULT_CUTOFF
-    seed: int = 0
-    model: str = "tiny"
-    batch_size: int = 8
-    seq_len: int = 128
-    inner_lr: float = 4e-4
-    warmup_steps: int = 0
-    eval_batches: int = 4
-    step_time: float = 1.0  # virtual seconds per inner step at speed factor 1
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-        for name in ("workers", "inner_steps", "rounds", "batch_size", "seq_len", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        Delay.parse(self.delay)
-        if not 0.0 <= self.drop < 1.0:
-            raise ValueError(f"drop must be in [0, 1), got {self.drop}")
-        if not 0.0 <= self.churn < 1.0:
-            raise ValueError(f"churn must be in [0, 1), got {self.churn}")
-        if self.stragglers and len(self.stragglers) != self.workers:
-            raise ValueError(f"{len(self.stragglers)} straggler factors for {self.workers} workers")
-        if any(not s > 0 for s in self.stragglers):
-            raise ValueError(f"straggler factors must be > 0, got {self.stragglers}")
-        if self.inner_steps % self.schedule_fragments:
-            raise ValueError(
-                f"inner steps ({self.inner_steps}) must be a multiple of "
-                f"fragments ({self.schedule_fragments})"
-            )
-
-    @property
-    def schedule_fragments(self) -> int:
-        return self.fragments if self.optimizer == "pa-cgad" else 1
-
-
-def parse_stragglers(text: str, workers: int) -> list[float]:
-    """'1,1,2,4': one factor per worker; 'K:F': the last K workers are F times slower."""
-    if not text:
-        return []
-    try:
-        if ":" in text:
-            count, factor = text.split(":", 1)
-            k, f = int(count), float(factor)
-            if not 0 <= k <= workers:
-                raise ValueError
-            return [1.0] * (workers - k) + [f] * k
-        factors = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"stragglers must be 'F1,F2,...' or 'K:F' with K <= workers, got {text!r}") from None
-    if len(factors) != workers:
-        raise ValueError(f"stragglers lists {len(factors)} factors for {workers} workers")
-    return factors
+__all__ = ["simulate"]
 
 
 @dataclass
@@ -135,9 +66,6 @@ def simulate(
     eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
     base_model = build_model(c.model, vocab_size, seed=c.seed)
     initial_loss = evaluate(base_model, eval_batches)
-    outer = OuterConfig(
-        optimizer=c.optimizer, lr=c.outer_lr, fragments=c.schedule_fragments, alpha=c.alpha, cutoff=c.cutoff
-    )
     speeds = c.stragglers or [1.0] * c.workers
     transports = [network.join(f"worker-{w}") for w in range(c.workers)]
     workers = []
@@ -145,11 +73,11 @@ def simulate(
         model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
         batches = dataset.shard(w, c.workers).batches(c.batch_size, c.seq_len, seed=c.seed)
         trainer = InnerTrainer(model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps)
-        loop = OuterLoop(list(model.parameters()), outer, transports[w], run_id="sim", seed=c.seed * 31 + w)
+        loop = OuterLoop(list(model.parameters()), c, transports[w], run_id="sim", seed=c.seed * 31 + w)
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w]))
 
-    block_steps = c.inner_steps // c.schedule_fragments
-    blocks_per_round = c.schedule_fragments
+    block_steps = c.inner_steps // c.fragments
+    blocks_per_round = c.fragments
     events = [(block_steps * c.step_time * wk.speed, wk.index) for wk in workers]
     heapq.heapify(events)
     delivered: list[Delivery] = []
@@ -204,7 +132,7 @@ def simulate(
         "optimizer": c.optimizer,
         "delay": c.delay,
         "seed": c.seed,
-        "outer_lr": outer.outer_lr,
+        "outer_lr": workers[0].loop.method.lr(c),
         "initial_loss": initial_loss,
         "final_loss": final_loss,
         "losses": rounds_losses,
@@ -220,7 +148,7 @@ def simulate(
         "mean_age": _mean([d.age for d in delivered if not d.own]),
         "age_counts": _age_counts([d for d in delivered if not d.own]),
         "wall_seconds": time.perf_counter() - started,
-        "config": asdict(c),
+        "config": c.model_dump(),
     }
 
 

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer as _RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from cgad.node.data import bundled_corpus_files, cache_root, write_atomic
+from cgad.node.data import bundled_corpus_files, cache_root
+from cgad.protocol.files import atomic_write
 
 DEFAULT_VOCAB_SIZE = 4096
 EOS_TOKEN = "<|endoftext|>"
@@ -118,7 +119,8 @@ def train_bpe(
     target = cache_root(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{digest.hexdigest()[:20]}.json"
     if not target.exists():
         raw_tok = _train_raw(texts, vocab_size)
-        write_atomic(target, raw_tok.to_str().encode())
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(target, raw_tok.to_str().encode())
     hf = PreTrainedTokenizerFast(tokenizer_file=str(target), eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
     return Tokenizer(hf, source=f"bpe:{target.name}")
 

@@ -42,7 +42,22 @@ def test_mistyped_flag_is_named_with_a_suggestion(flag):
     assert "--version" in out.stderr
 
 
+@pytest.mark.slow
 def test_info_runs():
     out = cli("info")
     assert out.returncode == 0, out.stderr
     assert "CGAD" in out.stdout and "torch" in out.stdout
+
+
+@pytest.mark.parametrize("command", ["status", "leave"])
+def test_status_and_leave_stay_light(command):
+    """The compose health check runs `status` every 30 s: it must not pay for torch."""
+    code = (
+        "import sys\n"
+        "from cgad.node.cli import main\n"
+        f"rc = main([{command!r}, '--admin', '127.0.0.1:9'])\n"
+        "heavy = sorted(m for m in ('torch', 'hivemind', 'transformers') if m in sys.modules)\n"
+        "print(rc, heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr

@@ -15,6 +15,8 @@ import pytest
 from cgad.node.admin import call_admin, check_health
 from cgad.node.export import export_checkpoint
 
+pytestmark = pytest.mark.integration
+
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 HOSTILE = {
     "bad_shape", "bad_dtype", "bad_length", "bad_header", "bad_chunk", "non_finite", "norm_too_large",

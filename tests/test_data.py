@@ -54,6 +54,7 @@ def test_bundled_bpe_basics(tokenizer):
     assert len(tokenizer.encode(" the king")) == 2
 
 
+@pytest.mark.slow
 def test_training_is_deterministic(tokenizer, bpe_cache, tmp_path):
     again = load_tokenizer(cache_dir=tmp_path / "other")
     (first,) = (bpe_cache / "tokenizers").glob("*.json")
@@ -172,6 +173,7 @@ def test_token_cache_is_reused_and_keyed_by_content(tokenizer, tmp_path):
     assert len(changed) > len(first)
 
 
+@pytest.mark.slow
 def test_bundled_corpus(tokenizer):
     files = bundled_corpus_files()
     assert len(files) == 38

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 
 

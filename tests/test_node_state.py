@@ -16,7 +16,7 @@ from cgad.node.checkpoint import (
     save_checkpoint,
     unpack,
 )
-from cgad.node.config import NodeConfig, load_yaml
+from cgad.node.config import ConfigError, JoinConfig, build_config, load_yaml
 
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 
@@ -79,42 +79,51 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path):
 
 def test_yaml_config_and_flags(tmp_path):
     path = tmp_path / "node.yaml"
-    path.write_text("run-id: shakespeare\ninner_steps: 20\nfragments: 2\npeers: /ip4/1.2.3.4/tcp/5/p2p/Qm\n")
+    peer = "/ip4/1.2.3.4/tcp/5/p2p/QmWJbxQCyGo6X5mLrE9tYtWZj7VJbFsYJbw6pbJbZTbW3T"
+    path.write_text(f"run-id: shakespeare\ninner_steps: 20\nfragments: 2\npeers: {peer}\n")
     values = load_yaml(path)
-    config = NodeConfig.build(values, {"inner_steps": 40})
+    config = build_config(JoinConfig, ("file", values), ("flags", {"inner_steps": 40}))
     assert config.run_id == "shakespeare" and config.inner_steps == 40 and config.fragments == 2
-    assert config.peers == ["/ip4/1.2.3.4/tcp/5/p2p/Qm"]
+    assert config.peers == [peer]
 
 
 @pytest.mark.parametrize(
     ("text", "match"),
     [
         ("inner-step: 20\n", "unknown option 'inner-step' .*did you mean 'inner-steps'"),
-        ("inner_steps: many\n", "inner_steps must be a number"),
-        ("client_mode: 3\n", "client_mode must be true or false"),
+        ("inner_steps: many\n", "node.yaml: inner_steps .*valid integer"),
+        ("client_mode: 3\n", "node.yaml: client_mode .*valid boolean"),
         ("- a\n- b\n", "mapping"),
         ("a: [\n", "not valid YAML"),
+        ("grpc_port: 70000\n", "grpc_port .*65535"),
+        ("fan_in: 0\n", "fan_in .*greater than or equal to 1"),
+        ("alpha: -0.5\n", "alpha .*greater than or equal to 0"),
+        ("outer_lr: .nan\n", "outer_lr .*finite"),
+        ("peers: 203.0.113.7:31337\n", "peers .*not a multiaddr"),
+        ("peers: /ip4/203.0.113.7/tcp/99999\n", "peers .*port 99999"),
     ],
 )
 def test_bad_yaml(tmp_path, text, match):
     path = tmp_path / "node.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=match):
-        load_yaml(path)
+    with pytest.raises(ConfigError, match=match):
+        build_config(JoinConfig, (f"config file {path}", load_yaml(path)))
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"optimizer": "adamw"}, "optimizer must be one of"),
-        ({"codec": "3bit"}, "codec must be one of"),
+        ({"optimizer": "adamw"}, "optimizer .*'cgad'"),
+        ({"codec": "3bit"}, "codec .*'4bit'"),
+        ({"admin_port": -1}, "admin_port"),
+        ({"inner_lr": float("nan")}, "inner_lr"),
         ({"inner_steps": 10, "fragments": 3}, "multiple"),
         ({"data": "does/not/exist"}, "does not exist"),
     ],
 )
 def test_bad_node_config(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        NodeConfig(**kwargs)
+    with pytest.raises(ConfigError, match=match):
+        build_config(JoinConfig, ("", kwargs))
 
 
 def test_join_dry_run_validates_flags_and_file(tmp_path):

@@ -1,4 +1,4 @@
-"""CGAD, Adam-Decay and PA-CGAD against an independent float64 reference of DESIGN.md §1."""
+"""CGAD, Adam-Decay and PA-CGAD against an independent float64 reference of docs/DESIGN.md §1."""
 
 import copy
 import math

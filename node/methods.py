@@ -1,0 +1,238 @@
+"""The outer methods, one object each: its name, its default lr, whether it weighs deliveries by
+age, the optimizer it keeps, and how it takes one fragment's step from a round's deliveries.
+
+``OuterLoop`` asks the method; it never compares names. Adding a method is one class and one
+line in ``METHODS`` (and its name in ``cgad.node.config.OptimizerName``, which checks flags
+without importing torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from cgad.node.config import OPTIMIZERS, OuterOptions
+from cgad.optim import (
+    CGAD,
+    DEFAULT_LR,
+    PACGAD,
+    DelayedNesterov,
+    NoLoCo,
+    OuterNesterov,
+    merge,
+    staleness_weight,
+)
+
+if TYPE_CHECKING:
+    from cgad.node.outer import OuterLoop
+
+__all__ = ["METHODS", "Contribution", "OuterMethod", "method"]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One pseudo-gradient an outer step takes: its values, the tokens behind it, its age in
+    rounds, its age scale (σ(τ) for the age-aware methods, else 1), and who published it."""
+
+    delta: Tensor
+    tokens: int
+    age: int
+    scale: float
+    publisher: str
+    own: bool
+
+
+class OuterMethod:
+    """A method that merges the round's deliveries (``cgad.optim.merge``) and takes one step."""
+
+    name: str = ""
+    default_lr: float = 0.7
+    age_aware = False  # scales each delivery by σ(τ); a scale of 0 drops it as stale
+    mixes_params = False  # averages with peers' φ itself: needs them every round; no gossip on top
+
+    def scale(self, age: int, options: OuterOptions) -> float:
+        return 1.0
+
+    def lr(self, options: OuterOptions) -> float:
+        return self.default_lr if options.outer_lr is None else options.outer_lr
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        raise NotImplementedError
+
+    def step(
+        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
+    ) -> None:
+        mean = merge([c.delta for c in taken], [c.tokens for c in taken], [c.scale for c in taken])
+        if mean is None:
+            return
+        loop.set_grad(f, mean)
+        loop.optimizer.step()
+
+
+class _AdamFamily(OuterMethod):
+    default_lr = DEFAULT_LR
+    age_aware = True
+    gated = True  # the cosine gate reaches 0 at the cutoff
+    decays = True  # e^(−α·τ)
+
+    def scale(self, age: int, options: OuterOptions) -> float:
+        if not self.decays:
+            return 1.0
+        return staleness_weight(age, options.alpha, options.cutoff if self.gated else math.inf)
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        # σ is applied while merging the round's deliveries, so the optimizer itself sees age 0
+        return CGAD(
+            groups,
+            lr=self.lr(options),
+            betas=(options.beta1, options.beta2),
+            restart_every=options.restart_every,
+        )
+
+
+class CGADMethod(_AdamFamily):
+    name = "cgad"
+
+
+class AdamDecayMethod(_AdamFamily):
+    name = "adam-decay"
+    gated = False
+
+
+class AdamMethod(_AdamFamily):
+    """Outer Adam that takes every delivery at full weight, however old."""
+
+    name = "adam"
+    decays = False
+
+
+class PACGADMethod(_AdamFamily):
+    """Per-fragment CGAD: each fragment keeps its own step count."""
+
+    name = "pa-cgad"
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        return PACGAD(
+            groups,
+            lr=self.lr(options),
+            betas=(options.beta1, options.beta2),
+            restart_every=options.restart_every,
+        )
+
+    def step(
+        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
+    ) -> None:
+        mean = merge([c.delta for c in taken], [c.tokens for c in taken], [c.scale for c in taken])
+        if mean is None:
+            return
+        loop.set_grad(f, mean)
+        loop.optimizer.step(ages=[0 if g == f else None for g in range(len(loop.fragments))])
+
+
+class NesterovMethod(OuterMethod):
+    """DiLoCo's outer step: SGD with Nesterov momentum on the token-weighted mean."""
+
+    name = "nesterov"
+    momentum = True
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        momentum = options.momentum if self.momentum else 0.0
+        return OuterNesterov(
+            groups, lr=self.lr(options), momentum=momentum, restart_every=options.restart_every
+        )
+
+
+class SGDMethod(NesterovMethod):
+    """Plain outer SGD; at lr 1 it is averaging."""
+
+    name = "sgd"
+    momentum = False
+
+
+class DelayedNesterovMethod(OuterMethod):
+    """Liu et al.'s async baseline: each delivery is one arrival; momentum updates every N."""
+
+    name = "delayed-nesterov"
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        # N = the arrivals expected per round: this peer and the peers it sees now
+        return DelayedNesterov(groups, lr=self.lr(options), momentum=options.momentum, period=peers + 1)
+
+    def step(
+        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
+    ) -> None:
+        for group in loop.optimizer.param_groups:
+            group["period"] = len(loop.transport.live_peers()) + 1
+        for c in sorted(taken, key=lambda c: -c.age):  # oldest first, the own fresh one last
+            loop.set_grad(f, c.delta)
+            loop.optimizer.step()
+
+
+class NoLoCoMethod(OuterMethod):
+    """NoLoCo: a momentum step within a pair, this peer and one random peer of the round whose
+    Δ and φ both arrived; alone when none did."""
+
+    name = "noloco"
+    mixes_params = True
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        return NoLoCo(groups, lr=self.lr(options), beta=options.noloco_beta)
+
+    def step(
+        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
+    ) -> None:
+        own = next((c for c in taken if c.own), None)
+        if own is None:  # the local block was discarded: no own Δ to step with
+            return
+        deltas = {c.publisher: c for c in taken if not c.own}
+        numel = loop.numel(f)
+        newest_phi = {  # each peer's newest φ (sorted by version: later ones overwrite)
+            p.key.publisher: p.tensor
+            for p in sorted(peer_params, key=lambda p: p.key.base_version)
+            if p.tensor.numel() == numel
+        }
+        loop.set_grad(f, own.delta)
+        partners = sorted(set(deltas) & set(newest_phi))
+        if not partners:
+            loop.optimizer.step()
+            return
+        partner = loop.rng.choice(partners)
+        phi = loop.fragment_phi(f)
+        mean_phi = [(a + b) / 2 for a, b in zip(phi, loop.unflatten(f, newest_phi[partner]), strict=True)]
+        mean_delta = [
+            (a + b) / 2
+            for a, b in zip(
+                loop.unflatten(f, own.delta), loop.unflatten(f, deltas[partner].delta), strict=True
+            )
+        ]
+        loop.optimizer.step(mean_phi, mean_delta)
+
+
+METHODS: dict[str, OuterMethod] = {
+    m.name: m
+    for m in (
+        CGADMethod(),
+        PACGADMethod(),
+        AdamDecayMethod(),
+        AdamMethod(),
+        NesterovMethod(),
+        DelayedNesterovMethod(),
+        SGDMethod(),
+        NoLoCoMethod(),
+    )
+}
+if tuple(METHODS) != OPTIMIZERS:
+    raise ImportError(f"cgad.node.config.OptimizerName {OPTIMIZERS} and METHODS {tuple(METHODS)} disagree")
+
+
+def method(name: str) -> OuterMethod:
+    """The method called ``name``; ValueError naming the choices otherwise."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(METHODS)}") from None
