@@ -15,7 +15,7 @@ Threads, and who owns what:
   and the read-only views. It replaces ``_progress`` and adds to ``_interest``; the loop thread
   reads them (reference swap and a ``dict`` copy, atomic under the GIL).
 - the event-loop thread "cgad-net-<end of the peer id>": the DHT node, P2P, the fetcher, the
-  server, the selector's ledgers, ``fan_in_skipped`` and ``_live`` (replaced whole, read by the
+  server, the selector's ledgers, ``fan_in_skipped``, ``polls`` and ``_live`` (replaced whole, read by the
   trainer as a snapshot). It appends to ``_inbox``, which the trainer pops: ``_inbox_lock``
   guards it.
 - the codec worker thread "cgad-codec" (one torch thread): encoding for ``publish``, with the
@@ -96,6 +96,7 @@ class NetworkTransport(Transport):
         self.peer_id = identity.peer_id
         self.stats = TransportStats()
         self.fan_in_skipped = 0  # publishers passed over because of the fan-in cap
+        self.polls = 0  # looks at the DHT completed: what a caller waits on to see a poll through
         self.store = FragmentStore(self.options.keep_versions, self.options.keep_reserved)
         self.dht_node: DHTNode | None = None
         self.p2p: P2P | None = None
@@ -385,6 +386,7 @@ class NetworkTransport(Transport):
         while True:
             try:
                 await self._poll_once()
+                self.polls += 1
             except asyncio.CancelledError:
                 raise
             except Exception:
