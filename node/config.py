@@ -46,7 +46,7 @@ ADMIN_PORT = 7780  # where `cgad-node status` and `leave` look by default
 # The outer methods by name; cgad.node.methods holds what each one does (and checks it has one
 # method per name).
 OptimizerName = Literal[
-    "cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco"
+    "cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco", "local"
 ]
 OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
 
@@ -108,7 +108,10 @@ class OuterOptions(_Part):
         0, ge=0, description="reset the outer optimizer's state every N steps (0: never)"
     )
     fragments: Positive = Field(
-        1, description="F: fragments synced in turn, one every H/F steps (Streaming DiLoCo)"
+        1,
+        description="F: the model is split into F strided fragments, synced in turn, one every H/F "
+        "inner steps, each with its own version and outer-optimizer state (Streaming DiLoCo); "
+        "for every method",
     )
     mixing: Literal["none", "gossip"] = Field("none", description="gossip: also average φ with a random peer")
     mixing_period: Positive = Field(1, description="outer rounds between gossip mixes")
@@ -201,6 +204,8 @@ class _Schedule(_Part):
         steps, fragments = self.inner_steps, self.fragments  # type: ignore[attr-defined]
         if steps % fragments:
             raise ValueError(f"inner_steps ({steps}) must be a multiple of fragments ({fragments})")
+        if self.optimizer == "pa-cgad" and fragments < 2:  # type: ignore[attr-defined]
+            raise ValueError("pa-cgad is CGAD synced fragment by fragment: set fragments >= 2")
         return self
 
 

@@ -30,6 +30,7 @@ from cgad.node.checkpoint import CheckpointError, load_checkpoint, pack, save_ch
 from cgad.node.config import JoinConfig
 from cgad.node.data import load_dataset
 from cgad.node.export import TOKENIZER_DIR
+from cgad.node.methods import method
 from cgad.node.metrics import Metrics
 from cgad.node.model import build_model
 from cgad.node.outer import OuterLoop
@@ -72,7 +73,7 @@ class Node:
             "run_id": c.run_id,
             "model": _model_fingerprint(self.model.config.to_dict()),
             "tokenizer": self.tokenizer.fingerprint,
-            "optimizer": c.optimizer,
+            "optimizer": method(c.optimizer).family,
             "fragments": c.fragments,
         }
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()

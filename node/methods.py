@@ -54,6 +54,12 @@ class OuterMethod:
     default_lr: float = 0.7
     age_aware = False  # scales each delivery by σ(τ); a scale of 0 drops it as stale
     mixes_params = False  # averages with peers' φ itself: needs them every round; no gossip on top
+    shares = True  # publishes its pseudo-gradients and takes its peers'
+
+    @property
+    def family(self) -> str:
+        """What peers must agree on to train together: methods that compute the same share it."""
+        return self.name
 
     def scale(self, age: int, options: OuterOptions) -> float:
         return 1.0
@@ -112,9 +118,13 @@ class AdamMethod(_AdamFamily):
 
 
 class PACGADMethod(_AdamFamily):
-    """Per-fragment CGAD: each fragment keeps its own step count."""
+    """PA-CGAD: CGAD under a streaming schedule (``--fragments`` F >= 2), each fragment with its
+    own version, age and Adam step count. The outer loop keeps those per fragment for every
+    method, so ``cgad`` with F >= 2 computes the same steps: the two share a family, and
+    ``pa-cgad`` is the name that insists on F >= 2."""
 
     name = "pa-cgad"
+    family = "cgad"  # type: ignore[assignment]
 
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         return PACGAD(
@@ -213,6 +223,19 @@ class NoLoCoMethod(OuterMethod):
         loop.optimizer.step(mean_phi, mean_delta)
 
 
+class LocalMethod(OuterMethod):
+    """The floor: no exchange at all. Each peer continues from its own θ (φ ← θ, an outer SGD step
+    at lr 1 on its own Δ), publishes nothing and ignores what arrives: training alone, with the
+    same steps and data as a swarm member."""
+
+    name = "local"
+    default_lr = 1.0
+    shares = False
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        return OuterNesterov(groups, lr=1.0, momentum=0.0)
+
+
 METHODS: dict[str, OuterMethod] = {
     m.name: m
     for m in (
@@ -224,6 +247,7 @@ METHODS: dict[str, OuterMethod] = {
         DelayedNesterovMethod(),
         SGDMethod(),
         NoLoCoMethod(),
+        LocalMethod(),
     )
 }
 if tuple(METHODS) != OPTIMIZERS:

@@ -126,6 +126,8 @@ class OuterLoop:
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         fragment = Fragment(key, own, tokens)
         self._turn[f] = fragment
+        if not self.method.shares:
+            return
         self.transport.publish(fragment)
         self.counters.published += 1
         if self.method.mixes_params or self._mixing_due(f):
@@ -139,7 +141,8 @@ class OuterLoop:
         own = self._turn.pop(f)
         base = self.versions[f]
         incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
-        for frag in self.transport.receive(f):
+        arrived = self.transport.receive(f)
+        for frag in arrived if self.method.shares else ():
             if frag.tensor.numel() != self.numel(f):
                 self.counters.rejected["bad_shape"] += 1
                 continue

@@ -81,6 +81,7 @@ def simulate(
     events = [(block_steps * c.step_time * wk.speed, wk.index) for wk in workers]
     heapq.heapify(events)
     delivered: list[Delivery] = []
+    swarm = _SwarmView(copy.deepcopy(base_model), eval_batches)
     started = time.perf_counter()
     while events:
         now = events[0][0]
@@ -121,6 +122,8 @@ def simulate(
                     continue
             if wk.round < c.rounds:
                 heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
+        while len(swarm.consensus) < min(wk.round for wk in workers):
+            swarm.snapshot(workers)  # the slowest worker has finished another round
 
     rounds_losses = [sum(wk.losses[r] for wk in workers) / c.workers for r in range(c.rounds)]
     final_loss = rounds_losses[-1]
@@ -137,6 +140,11 @@ def simulate(
         "final_loss": final_loss,
         "losses": rounds_losses,
         "worker_final_losses": [wk.losses[-1] for wk in workers],
+        # the swarm as a whole, each time its slowest worker finished a round: how far the
+        # workers' outer parameters are apart, and how good their average would be
+        "consensus": swarm.consensus,
+        "mean_phi_losses": swarm.mean_phi_losses,
+        "final_mean_phi_loss": swarm.mean_phi_losses[-1],
         "diverged": not math.isfinite(final_loss) or final_loss > initial_loss,
         "bytes_sent": sum(s.bytes_sent for s in stats),
         "virtual_seconds": virtual_seconds,
@@ -145,11 +153,35 @@ def simulate(
         "dropped_stale": sum(wk.loop.counters.dropped_stale for wk in workers),
         "dropped_in_flight": sum(s.rejected["dropped_in_flight"] for s in stats),
         "resyncs": sum(wk.resyncs for wk in workers),
+        "mixed": sum(wk.loop.counters.mixed for wk in workers),
         "mean_age": _mean([d.age for d in delivered if not d.own]),
         "age_counts": _age_counts([d for d in delivered if not d.own]),
         "wall_seconds": time.perf_counter() - started,
         "config": c.model_dump(),
     }
+
+
+class _SwarmView:
+    """Consensus distance, mean_i ‖φ_i − φ̄‖ / ‖φ̄‖ over all parameters, and the held-out loss
+    of φ̄: what tells drift from progress in a swarm without a barrier."""
+
+    def __init__(self, scratch: torch.nn.Module, eval_batches: list) -> None:
+        self.scratch = scratch
+        self.eval_batches = eval_batches
+        self.consensus: list[float] = []
+        self.mean_phi_losses: list[float] = []
+
+    @torch.no_grad()
+    def snapshot(self, workers: list[_Worker]) -> None:
+        phis = [torch.cat([p.detach().flatten() for p in wk.loop.phi]) for wk in workers]
+        mean = torch.stack(phis).mean(dim=0)
+        norm = float(torch.linalg.vector_norm(mean)) or 1.0
+        self.consensus.append(sum(float(torch.linalg.vector_norm(p - mean)) for p in phis) / len(phis) / norm)
+        offset = 0
+        for p in self.scratch.parameters():
+            p.copy_(mean[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.mean_phi_losses.append(evaluate(self.scratch, self.eval_batches))
 
 
 def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_batches: list) -> None:

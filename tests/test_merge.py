@@ -52,3 +52,9 @@ def test_one_method_per_name_each_knowing_its_lr_and_whether_it_ages():
     assert method("noloco").mixes_params and not method("sgd").mixes_params
     with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
         method("adamw")
+
+
+def test_cgad_and_pa_cgad_are_one_family_and_local_shares_nothing():
+    assert method("pa-cgad").family == method("cgad").family == "cgad"
+    assert method("sgd").family == "sgd"
+    assert not method("local").shares and method("cgad").shares

@@ -296,3 +296,45 @@ def test_bad_cgad_settings_fail_at_configuration():
         OuterOptions(optimizer="cgad", cutoff=0)
     with pytest.raises(ValueError, match="alpha"):
         OuterOptions(optimizer="cgad", alpha=-1)
+
+
+@pytest.mark.slow
+def test_local_is_each_worker_training_alone(corpus):
+    tokenizer, dataset = corpus
+    record = run(corpus, optimizer="local", workers=2, inner_steps=4, rounds=3)
+    assert record["bytes_sent"] == 0 and record["applied"] == 0
+    model = build_model("tiny", tokenizer.vocab_size, seed=0)
+    batches = dataset.shard(1, 2).batches(SMALL["batch_size"], SMALL["seq_len"], seed=0)
+    trainer = InnerTrainer(model, batches, lr=SMALL["inner_lr"])
+    evals = dataset.eval_batches(SMALL["eval_batches"], SMALL["batch_size"], SMALL["seq_len"])
+    alone = []
+    for _ in range(3):
+        for _ in range(4):
+            trainer.step()
+        alone.append(evaluate(model, evals))
+    assert record["worker_final_losses"][1] == pytest.approx(alone[-1], rel=1e-5)
+    assert record["consensus"][-1] > 0  # alone, the workers drift apart
+
+
+@pytest.mark.slow
+def test_consensus_distance_and_the_loss_of_the_mean(corpus):
+    synced = run(corpus, optimizer="sgd", outer_lr=1.0, rounds=3)  # synchronous averaging
+    assert len(synced["consensus"]) == len(synced["mean_phi_losses"]) == 3
+    assert max(synced["consensus"]) < 1e-6  # every worker holds the same φ
+    assert synced["mean_phi_losses"] == pytest.approx(synced["losses"], rel=1e-4)
+    delayed = run(corpus, optimizer="sgd", outer_lr=1.0, rounds=3, delay="random:2", seed=1)
+    assert min(delayed["consensus"][1:]) > 1e-4  # without a barrier the workers' φ differ
+
+
+@pytest.mark.slow
+def test_gossip_mixing_runs_in_the_simulator(corpus):
+    mixed = run(corpus, optimizer="cgad", mixing="gossip", delay="1", rounds=4)
+    assert mixed["mixed"] > 0
+    plain = run(corpus, optimizer="cgad", delay="1", rounds=4)
+    assert plain["mixed"] == 0 and plain["losses"] != mixed["losses"]
+
+
+def test_fragments_mean_one_thing_for_every_method():
+    assert SimConfig(optimizer="cgad", fragments=2, inner_steps=4).fragments == 2
+    with pytest.raises(ValueError, match="pa-cgad is CGAD synced fragment by fragment"):
+        SimConfig(optimizer="pa-cgad", fragments=1)
