@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cgad.node.report import delay_sort_key, plot_records, summarize
 from cgad.node.config import SimConfig
+from cgad.node.report import delay_sort_key, plot_records, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

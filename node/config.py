@@ -46,7 +46,7 @@ ADMIN_PORT = 7780  # where `cgad-node status` and `leave` look by default
 # The outer methods by name; cgad.node.methods holds what each one does (and checks it has one
 # method per name).
 OptimizerName = Literal[
-    "cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco", "local"
+    "cga", "cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco", "local"
 ]
 OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
 
@@ -91,9 +91,11 @@ class TrainingOptions(_Part):
 class OuterOptions(_Part):
     """The outer step: which method, its settings, and how the model is split into fragments."""
 
-    optimizer: OptimizerName = Field("cgad", description="the outer method")
-    outer_lr: PositiveFloat | None = Field(
-        None, description="outer learning rate (default: the method's own)"
+    optimizer: OptimizerName = Field("cga", description="the outer method")
+    outer_lr: PositiveFloat | Literal["auto"] = Field(
+        "auto",
+        description="outer learning rate; auto: the method's own (1 for cga, sgd, local; 0.7 for the "
+        "Nesterov family and noloco; for the Adam family a multiple of H × inner lr)",
     )
     alpha: float = Field(DEFAULT_ALPHA, ge=0, allow_inf_nan=False, description="CGAD: decay per round of age")
     cutoff: PositiveFloat = Field(
@@ -103,6 +105,7 @@ class OuterOptions(_Part):
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam family: first-moment decay")
     beta2: float = Field(0.95, ge=0, lt=1, description="Adam family: second-moment decay")
     momentum: float = Field(0.9, ge=0, lt=1, description="Nesterov family: momentum")
+    cga_momentum: float = Field(0.0, ge=0, lt=1, description="CGA: Nesterov momentum on the averaged step")
     noloco_beta: float = Field(0.5, ge=0, lt=1, description="NoLoCo: momentum β")
     restart_every: int = Field(
         0, ge=0, description="reset the outer optimizer's state every N steps (0: never)"
@@ -113,8 +116,13 @@ class OuterOptions(_Part):
         "inner steps, each with its own version and outer-optimizer state (Streaming DiLoCo); "
         "for every method",
     )
-    mixing: Literal["none", "gossip"] = Field("none", description="gossip: also average φ with a random peer")
+    mixing: Literal["none", "gossip"] = Field(
+        "none", description="gossip: also pull φ toward a random peer's, by their drift at a common version"
+    )
     mixing_period: Positive = Field(1, description="outer rounds between gossip mixes")
+    mixing_rate: float = Field(
+        0.5, gt=0, le=1, description="gossip: the share of the drift from the partner's φ removed per mix"
+    )
 
 
 class NodeOptions(_Part):

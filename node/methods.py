@@ -18,8 +18,9 @@ from torch.optim import Optimizer
 
 from cgad.node.config import OPTIMIZERS, OuterOptions
 from cgad.optim import (
+    AUTO_LR_SCALE,
+    CGA,
     CGAD,
-    DEFAULT_LR,
     PACGAD,
     DelayedNesterov,
     NoLoCo,
@@ -65,7 +66,10 @@ class OuterMethod:
         return 1.0
 
     def lr(self, options: OuterOptions) -> float:
-        return self.default_lr if options.outer_lr is None else options.outer_lr
+        return self.auto_lr(options) if options.outer_lr == "auto" else float(options.outer_lr)
+
+    def auto_lr(self, options: OuterOptions) -> float:
+        return self.default_lr
 
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         raise NotImplementedError
@@ -80,11 +84,48 @@ class OuterMethod:
         loop.optimizer.step()
 
 
+class CGAMethod(OuterMethod):
+    """Cosine-gated averaging (``cgad.optim.CGA``): the round's deliveries weighted by tokens and
+    σ(τ), renormalised by their scaled weights, taken as one outer SGD step (lr 1: averaging)."""
+
+    name = "cga"
+    default_lr = 1.0
+    age_aware = True
+
+    def scale(self, age: int, options: OuterOptions) -> float:
+        return staleness_weight(age, options.alpha, options.cutoff)
+
+    def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
+        return CGA(
+            groups,
+            lr=self.lr(options),
+            momentum=options.cga_momentum,
+            alpha=options.alpha,
+            cutoff=options.cutoff,
+            restart_every=options.restart_every,
+        )
+
+    def step(
+        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
+    ) -> None:
+        for c in taken:
+            loop.set_grad(f, c.delta)
+            loop.optimizer.accumulate(age=c.age, weight=max(c.tokens, 1))
+        loop.optimizer.step()
+
+
 class _AdamFamily(OuterMethod):
-    default_lr = DEFAULT_LR
     age_aware = True
     gated = True  # the cosine gate reaches 0 at the cutoff
     decays = True  # e^(−α·τ)
+
+    def auto_lr(self, options: OuterOptions) -> float:
+        """AUTO_LR_SCALE × H × inner lr: Adam moves every coordinate by about lr per outer step,
+        so lr must follow how far the inner steps move a coordinate in a round."""
+        steps, inner_lr = getattr(options, "inner_steps", None), getattr(options, "inner_lr", None)
+        if steps is None or inner_lr is None:
+            raise ValueError(f"outer_lr auto for {self.name} needs inner_steps and inner_lr; give outer_lr")
+        return AUTO_LR_SCALE * steps * inner_lr
 
     def scale(self, age: int, options: OuterOptions) -> float:
         if not self.decays:
@@ -239,6 +280,7 @@ class LocalMethod(OuterMethod):
 METHODS: dict[str, OuterMethod] = {
     m.name: m
     for m in (
+        CGAMethod(),
         CGADMethod(),
         PACGADMethod(),
         AdamDecayMethod(),

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from cgad.node.config import OuterOptions
 from cgad.node.methods import Contribution, method
+from cgad.optim import staleness_weight
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -96,6 +97,8 @@ class OuterLoop:
         # this turn's own pseudo-gradient per fragment, published and not yet applied; None when
         # the local block diverged and was discarded
         self._turn: dict[int, Fragment | None] = {}
+        # φ_f as published at each recent version (gossip measures drift against peers' φ there)
+        self._phi_published: dict[int, dict[int, Tensor]] = {}
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -133,6 +136,8 @@ class OuterLoop:
         if self.method.mixes_params or self._mixing_due(f):
             params = torch.cat([self.phi[i].detach().flatten() for i in idx])
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
+            if self._mixing_due(f):  # kept to measure drift against peers' φ of this version
+                self._phi_published.setdefault(f, {})[self.versions[f]] = params
 
     def apply(self, f: int) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since."""
@@ -218,23 +223,30 @@ class OuterLoop:
         )
 
     def _gossip(self, f: int, params: list[Fragment]) -> None:
-        """Average fragment f's φ with one random peer's latest published φ (pairwise gossip),
-        among peers whose φ is at most the cutoff old."""
+        """Pull fragment f's φ toward one random peer's, by the difference between the two at a
+        version both published: φ_f ← φ_f − μ·σ(V − s)·(φ_f(s) − φ_peer(s)). Measured at the
+        same version, a peer's φ that is s rounds old still says how far apart the two drifted,
+        never how far behind it is; so a late φ does not drag this peer back to where it was."""
+        mine = self._phi_published.get(f, {})
         newest: dict[str, Fragment] = {}
         for p in params:
-            fresh = self.versions[f] - p.key.base_version <= self.options.cutoff
-            if fresh and p.tensor.numel() == self.numel(f):
+            if p.key.base_version in mine and p.tensor.numel() == self.numel(f):
                 held = newest.get(p.key.publisher)
                 if held is None or p.key.base_version > held.key.base_version:
                     newest[p.key.publisher] = p
-        if not newest:
-            return
-        partner = newest[self.rng.choice(sorted(newest))]
-        for mine, theirs in zip(
-            [p.data for p in self.fragment_phi(f)], self.unflatten(f, partner.tensor), strict=True
-        ):
-            mine.lerp_(theirs.to(mine.dtype), 0.5)
-        self.counters.mixed += 1
+        if newest:
+            partner = newest[self.rng.choice(sorted(newest))]
+            s = partner.key.base_version
+            o = self.options
+            rate = o.mixing_rate * staleness_weight(self.versions[f] - s, o.alpha, o.cutoff)
+            if rate > 0:
+                drift = mine[s] - partner.tensor
+                for p, d in zip(self.fragment_phi(f), self.unflatten(f, drift), strict=True):
+                    p.data.sub_(d.to(p.dtype), alpha=rate)
+                self.counters.mixed += 1
+        horizon = self.versions[f] - self.options.cutoff
+        for version in [v for v in mine if v < horizon]:
+            del mine[version]
 
     # -- swarm position and state -----------------------------------------------------------
 

@@ -194,7 +194,7 @@ def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_
     wk.clock = now
     wk.transport.set_alive(True)
     live = [o for o in workers if o is not wk and o.transport.alive and o.away_since is None]
-    if not live:
+    if not live or not wk.loop.method.shares:  # a worker training alone adopts nobody's state
         return
     leader = max(live, key=lambda o: min(o.loop.versions))
     if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff and leader.round < c.rounds:

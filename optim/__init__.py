@@ -10,9 +10,10 @@ first use, so ``from cgad.optim import CGAD`` works as usual.
 from importlib import import_module
 from typing import Any
 
-from .defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF, DEFAULT_LR
+from .defaults import AUTO_LR_SCALE, DEFAULT_ALPHA, DEFAULT_CUTOFF, DEFAULT_LR
 
 _HOME = {
+    "CGA": "cga",
     "CGAD": "cgad",
     "PACGAD": "cgad",
     "AdamDecay": "cgad",
@@ -28,7 +29,7 @@ _HOME = {
     "staleness_weight": "staleness",
 }
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_CUTOFF", "DEFAULT_LR", *_HOME]
+__all__ = ["AUTO_LR_SCALE", "DEFAULT_ALPHA", "DEFAULT_CUTOFF", "DEFAULT_LR", *_HOME]
 
 
 def __getattr__(name: str) -> Any:

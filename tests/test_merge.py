@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from cgad.node.config import OPTIMIZERS, OuterOptions
+from cgad.node.config import OPTIMIZERS, OuterOptions, SimConfig
 from cgad.node.methods import METHODS, method
-from cgad.optim import merge, staleness_weight
+from cgad.optim import AUTO_LR_SCALE, merge, staleness_weight
 
 
 def test_merge_by_hand_with_mixed_ages_tokens_and_a_gated_delivery():
@@ -42,10 +42,17 @@ def test_merge_refuses_mismatched_or_negative_input():
 def test_one_method_per_name_each_knowing_its_lr_and_whether_it_ages():
     assert tuple(METHODS) == OPTIMIZERS
     options = OuterOptions()
-    assert {n for n, m in METHODS.items() if m.age_aware} == {"cgad", "pa-cgad", "adam-decay", "adam"}
+    assert {n for n, m in METHODS.items() if m.age_aware} == {"cga", "cgad", "pa-cgad", "adam-decay", "adam"}
     assert method("nesterov").lr(options) == 0.7
-    assert method("cgad").lr(options) == 1e-2
+    assert method("cga").lr(options) == 1.0
+    run = SimConfig(inner_steps=10, inner_lr=1e-3)
+    assert method("cgad").lr(run) == pytest.approx(AUTO_LR_SCALE * 10 * 1e-3)  # follows H × inner lr
+    assert method("cgad").lr(run.model_copy(update={"inner_steps": 50})) == pytest.approx(
+        AUTO_LR_SCALE * 5e-2
+    )
     assert method("cgad").lr(OuterOptions(outer_lr=0.3)) == 0.3
+    with pytest.raises(ValueError, match="needs inner_steps"):
+        method("cgad").lr(options)
     assert method("cgad").scale(4, options) == 0.0  # gated at the cutoff
     assert method("adam-decay").scale(4, options) == pytest.approx(math.exp(-0.6 * 4))  # no gate
     assert method("adam").scale(50, options) == 1.0

@@ -159,12 +159,12 @@ def test_a_republished_key_is_rejected_as_replay():
 def test_outer_state_round_trip_continues_identically():
     t1, t2 = VirtualNetwork().join("a"), VirtualNetwork().join("b")  # two swarms of one
     params = [torch.randn(5), torch.randn(2, 3)]
-    first = OuterLoop([p.clone() for p in params], OuterOptions(optimizer="cgad"), t1, "run")
+    first = OuterLoop([p.clone() for p in params], OuterOptions(optimizer="cgad", outer_lr=1e-2), t1, "run")
     for _ in range(3):
         for th in first.theta:
             th.add_(torch.randn_like(th) * 0.1)
         first.sync(0, tokens=1)
-    second = OuterLoop([p.clone() for p in params], OuterOptions(optimizer="cgad"), t2, "run")
+    second = OuterLoop([p.clone() for p in params], OuterOptions(optimizer="cgad", outer_lr=1e-2), t2, "run")
     second.load_state_dict(copy.deepcopy(first.state_dict()))
     assert second.versions == first.versions == [3]
     step = [torch.randn_like(th) * 0.1 for th in first.theta]
@@ -332,6 +332,12 @@ def test_gossip_mixing_runs_in_the_simulator(corpus):
     assert mixed["mixed"] > 0
     plain = run(corpus, optimizer="cgad", delay="1", rounds=4)
     assert plain["mixed"] == 0 and plain["losses"] != mixed["losses"]
+    # in lockstep every φ is the same: the drift is nil, and a peer's φ of the previous version
+    # does not drag anyone back
+    synced = run(corpus, optimizer="sgd", outer_lr=1.0, rounds=3)
+    synced_mixed = run(corpus, optimizer="sgd", outer_lr=1.0, rounds=3, mixing="gossip")
+    assert synced_mixed["mixed"] > 0
+    assert synced_mixed["losses"] == pytest.approx(synced["losses"], rel=1e-5)
 
 
 def test_fragments_mean_one_thing_for_every_method():

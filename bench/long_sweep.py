@@ -1,0 +1,239 @@
+"""The long-horizon sweep: every outer method against the floor (each worker alone), 150 rounds.
+
+8 workers of the sweep model (bench/sweep_model.json with a 1024-token BPE of the bundled corpus,
+so that an inner step costs what these 2-core machines can afford 1500 times per worker), H = 10,
+batch 4 × 64, inner AdamW lr 1e-3, 150 outer rounds (1500 inner steps per worker). Conditions:
+no delay, random delays up to 4 and 8 rounds, stragglers (half the workers 2-4x slower, so ages
+come from speed as on the internet), and churn 0.05 with 10% of deliveries lost.
+
+Stages (the tuning seed is disjoint from the table's seeds):
+ 1. each tuned method's grid, per condition, on seed 100;
+ 2. the table: every method in every condition, seeds 0-2, each at its own tuned setting.
+
+Runs go to a JSON-lines log as they finish (bench/results/long_sweep.runs.jsonl), so the sweep
+resumes where it stopped; `--stage 1` stops after tuning; `--report` writes the JSON, the PNG and
+the generated part of docs/RESULTS.md from what the log holds.
+
+    python bench/long_sweep.py [--jobs 2] [--stage 1|2] [--report]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from cgad.node.config import SimConfig
+from cgad.node.report import summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+LOG = RESULTS / "long_sweep.runs.jsonl"
+MODEL = ROOT / "bench" / "sweep_model.json"
+VOCAB = 1024
+
+BASE = dict(workers=8, inner_steps=10, rounds=150, batch_size=4, seq_len=64, eval_batches=4, inner_lr=1e-3)
+CONDITIONS: dict[str, dict[str, Any]] = {
+    "τ=0": {"delay": "0"},
+    "random:4": {"delay": "random:4"},
+    "random:8": {"delay": "random:8"},
+    "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.5, 3.0, 4.0]},
+    "churn+drop": {"churn": 0.05, "drop": 0.1},
+}
+SEEDS = [0, 1, 2]
+TUNING_SEED = 100
+# H × inner lr: the size of the largest coordinate moves the inner steps can make in a round, the
+# scale the Adam family's outer lr is tuned against (and --outer-lr auto derives from)
+STEP_SCALE = BASE["inner_steps"] * BASE["inner_lr"]
+
+ADAM_GRID = [{"outer_lr": c * STEP_SCALE} for c in (0.25, 0.5, 1.0, 2.0)]
+NESTEROV_CGA_GRID = [{"outer_lr": lr, "cga_momentum": mu} for lr, mu in ((0.7, 0.9), (1.0, 0.5), (0.5, 0.5))]
+
+# name in the tables -> (optimizer, fixed settings, grid of settings to tune over or None)
+METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
+    "local": ("local", {}, None),
+    "cga": ("cga", {}, None),
+    "cga+gossip": ("cga", {"mixing": "gossip"}, None),
+    "cga-nesterov": ("cga", {}, NESTEROV_CGA_GRID),
+    "sgd (averaging)": ("sgd", {"outer_lr": 1.0}, None),
+    "gossip": ("sgd", {"outer_lr": 1.0, "mixing": "gossip"}, None),
+    "cgad": ("cgad", {}, ADAM_GRID),
+    "pa-cgad": ("pa-cgad", {"fragments": 2}, ADAM_GRID),
+    "nesterov": ("nesterov", {}, [{"outer_lr": lr} for lr in (0.1, 0.3, 0.7)]),
+    "delayed-nesterov": ("delayed-nesterov", {}, [{"outer_lr": lr} for lr in (0.1, 0.3, 0.7)]),
+    "noloco": ("noloco", {}, [{"outer_lr": lr} for lr in (0.3, 0.7, 1.0)]),
+}  # fmt: skip
+# tuned once without delay and once at the largest random delay; the delayed conditions use the
+# latter (random:4, stragglers and churn all put stale deliveries into the outer step)
+TUNED_AT = {"τ=0": "τ=0", "random:4": "random:8", "random:8": "random:8", "stragglers": "random:8",
+            "churn+drop": "random:8"}  # fmt: skip
+# a worker training alone does the same steps on the same data whatever the network does (and
+# never adopts another's state after churn): its runs are made once, without delay
+SAME_AS = {("local", c): "τ=0" for c in CONDITIONS}
+
+
+def config(method: str, condition: str, seed: int, settings: dict[str, Any]) -> SimConfig:
+    optimizer, fixed, _ = METHODS[method]
+    return SimConfig(
+        **BASE, **CONDITIONS[condition], **fixed, **settings, optimizer=optimizer, seed=seed, model=str(MODEL)
+    )
+
+
+def run_key(method: str, condition: str, seed: int, settings: dict[str, Any]) -> str:
+    condition = SAME_AS.get((method, condition), condition)
+    return json.dumps([method, condition, seed, settings], sort_keys=True)
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # two single-threaded runs beat one two-threaded run on tiny models
+
+
+def _run(c: SimConfig) -> dict:
+    from cgad.node.data import load_dataset
+    from cgad.node.simulate import simulate
+    from cgad.node.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None, vocab_size=VOCAB)
+    record = simulate(c, load_dataset(tokenizer), tokenizer.vocab_size)
+    record.pop("config", None)
+    return record
+
+
+def load_log() -> dict[str, dict]:
+    done = {}
+    if LOG.exists():
+        for line in LOG.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["key"]] = record
+    return done
+
+
+def run_all(jobs: list[tuple[str, str, int, dict]], workers: int, desc: str) -> dict[str, dict]:
+    """Run what the log does not hold yet (each run once, however many cells share it); return
+    the records of all ``jobs`` by key."""
+    done = load_log()
+    todo = list({run_key(*j): j for j in jobs if run_key(*j) not in done}.values())
+    if todo:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        with (
+            ProcessPoolExecutor(workers, initializer=_init_worker) as pool,
+            tqdm(total=len(todo), desc=desc, unit="run", dynamic_ncols=True) as bar,
+            LOG.open("a") as log,
+        ):
+            futures = {pool.submit(_run, config(m, SAME_AS.get((m, c), c), seed, st)): (m, c, seed, st)
+                       for m, c, seed, st in todo}  # fmt: skip
+            for future in as_completed(futures):
+                method, condition, seed, settings = futures[future]
+                record = future.result()
+                record.update(key=run_key(method, condition, seed, settings), method=method,
+                              condition=condition, settings=settings)  # fmt: skip
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                done[record["key"]] = record
+                bar.set_postfix_str(f"{method} {condition}: {record['final_loss']:.3f}")
+                bar.update()
+    return {run_key(*j): done[run_key(*j)] for j in jobs if run_key(*j) in done}
+
+
+def score(record: dict) -> float:
+    """Final loss; a diverged run counts as infinitely bad."""
+    return math.inf if record["diverged"] else record["final_loss"]
+
+
+def tuned_settings(records: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """For each method and condition, the grid point with the lowest loss on the tuning seed in
+    the condition it is tuned at (``TUNED_AT``)."""
+    chosen: dict[str, dict[str, dict]] = {}
+    for method, (_, _, grid) in METHODS.items():
+        for condition in CONDITIONS:
+            if not grid:
+                chosen.setdefault(method, {})[condition] = {}
+                continue
+            keys = [run_key(method, TUNED_AT[condition], TUNING_SEED, s) for s in grid]
+            scored = [(score(records[k]), i) for i, k in enumerate(keys) if k in records]
+            if len(scored) == len(grid):
+                chosen.setdefault(method, {})[condition] = grid[min(scored)[1]]
+    return chosen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    parser.add_argument("--stage", type=int, choices=(1, 2), default=2, help="stop after this stage")
+    parser.add_argument("--report", action="store_true", help="only write the report from the log")
+    args = parser.parse_args()
+
+    tuning = [
+        (m, c, TUNING_SEED, s)
+        for m, (_, _, grid) in METHODS.items()
+        if grid
+        for c in CONDITIONS
+        for s in grid
+    ]
+    if not args.report:
+        run_all(tuning, args.jobs, "1/2 tuning")
+    chosen = tuned_settings(load_log())
+    table = [
+        (m, c, seed, chosen[m][c])
+        for c in CONDITIONS
+        for m in METHODS
+        for seed in SEEDS
+        if c in chosen.get(m, {})
+    ]
+    if not args.report and args.stage == 2:
+        run_all(table, args.jobs, "2/2 table")
+    write_report(chosen, table)
+
+
+def write_report(chosen: dict[str, dict[str, dict]], table: list[tuple[str, str, int, dict]]) -> None:
+    from cgad.node.report import plot_long_sweep
+
+    done = load_log()
+    rows: dict[str, dict[str, dict]] = {}
+    for method, condition, seed, settings in table:
+        record = done.get(run_key(method, condition, seed, settings))
+        if record is not None:
+            rows.setdefault(method, {}).setdefault(condition, []).append(record)
+    cells = {
+        method: {condition: _cell(records) for condition, records in by_condition.items()}
+        for method, by_condition in rows.items()
+    }
+    floor = {c: cells.get("local", {}).get(c, {}).get("mean") for c in CONDITIONS}
+    result = {
+        "config": {**BASE, "model": MODEL.name, "vocab": VOCAB, "conditions": CONDITIONS, "seeds": SEEDS,
+                   "tuning_seed": TUNING_SEED},
+        "methods": {m: {"optimizer": o, "fixed": f, "grid": g} for m, (o, f, g) in METHODS.items()},
+        "tuned": chosen,
+        "cells": cells,
+        "gain_over_local": {
+            m: {c: (floor[c] - cell["mean"]) if floor[c] is not None else None for c, cell in by_c.items()}
+            for m, by_c in cells.items()
+        },
+        "records": [r for by_c in rows.values() for rs in by_c.values() for r in rs],
+    }  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "long_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot_long_sweep(result, RESULTS / "long_sweep.png")
+    done_runs, all_runs = len(result["records"]), len(table)
+    print(f"wrote {RESULTS / 'long_sweep.json'} and long_sweep.png ({done_runs}/{all_runs} table runs)")
+
+
+def _cell(records: list[dict]) -> dict[str, Any]:
+    mean, std = summarize(score(r) for r in records)
+    phi_mean, _ = summarize(r["final_mean_phi_loss"] for r in records)
+    consensus, _ = summarize(r["consensus"][-1] for r in records)
+    return {"mean": mean, "std": std, "risk": mean + std, "seeds": len(records),
+            "mean_phi_loss": phi_mean, "consensus": consensus}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

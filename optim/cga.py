@@ -1,0 +1,107 @@
+"""CGA, cosine-gated averaging: one outer SGD step on the age-weighted mean of a round's deliveries.
+
+Each pseudo-gradient Δ_i of a round (held in ``p.grad`` when ``accumulate`` is called) has an age
+τ_i and a weight w_i (the tokens behind it). With s_i = w_i·σ(τ_i):
+
+    Δ̄ = Σ_i s_i·Δ_i / Σ_i s_i              (deliveries with σ = 0 are dropped: in neither sum)
+    b ← μ·b + Δ̄;   u = Δ̄ + μ·b (Nesterov) or Δ̄ (μ = 0)
+    φ ← φ − lr·u
+
+At lr 1 and μ = 0 this is averaging, DiLoCo's outer step without momentum. The normalisation is
+by Σ s_i, not Σ w_i: a stale delivery loses its share of the mean to the fresh ones instead of
+shrinking the whole step, so a peer whose fellows' deliveries are all gated out continues from its
+own θ exactly (training alone, never worse), and with every delivery fresh it is plain averaging.
+``merge`` (``cgad.optim.merging``) is the other normalisation, which the Adam family uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
+from .staleness import check_age, staleness_weight
+
+__all__ = ["CGA"]
+
+
+class CGA(Optimizer):
+    """Accumulate a round's pseudo-gradients with ``accumulate(age=, weight=)``, then ``step()``.
+
+    Only parameters that had a grad at some ``accumulate`` since the last step move, so a
+    fragment's parameters step alone. ``restart_every`` = K > 0 clears the momentum every K steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1.0,
+        momentum: float = 0.0,
+        alpha: float = DEFAULT_ALPHA,
+        cutoff: float = DEFAULT_CUTOFF,
+        restart_every: int = 0,
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not isinstance(restart_every, int) or restart_every < 0:
+            raise ValueError(f"restart_every must be an integer >= 0 (0 = never), got {restart_every!r}")
+        staleness_weight(0, alpha, cutoff)  # validates alpha and cutoff with their own messages
+        defaults = dict(lr=lr, momentum=momentum, alpha=alpha, cutoff=cutoff, restart_every=restart_every)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def accumulate(self, *, age: float = 0, weight: float = 1.0) -> bool:
+        """Add ``p.grad`` of every parameter that has one, as a delivery of this age and weight;
+        False when σ(age) dropped it (nothing changed)."""
+        age = check_age(age)
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
+        taken = False
+        for group in self.param_groups:
+            scale = weight * staleness_weight(age, group["alpha"], group["cutoff"])
+            if scale == 0.0:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["total"] = 0.0
+                state["sum"].add_(p.grad.float(), alpha=scale)
+                state["total"] += scale
+                taken = True
+        return taken
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Move every parameter with accumulated deliveries by its mean; clear the sums."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            mu, restart = group["momentum"], group["restart_every"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state.get("total"):
+                    continue
+                mean = state["sum"].div_(state["total"])
+                update = mean
+                if mu:
+                    steps = state.get("steps", 0)
+                    if "momentum" not in state or (restart and steps and steps % restart == 0):
+                        state["momentum"] = torch.zeros_like(mean)
+                    buf = state["momentum"].mul_(mu).add_(mean)
+                    update = mean.add(buf, alpha=mu)
+                    state["steps"] = steps + 1
+                p.add_(update.to(p.dtype), alpha=-group["lr"])
+                state["sum"].zero_()
+                state["total"] = 0.0
+        return loss
