@@ -134,7 +134,8 @@ def plot_long_sweep(result: dict, path: str | Path) -> Path:
     gains.set_xticks(range(len(conditions)), conditions)
     gains.set(ylabel="final loss of local − final loss (higher is better)",
               title="gain over each worker training alone (mean over seeds; bars: std)")  # fmt: skip
-    gains.legend(fontsize=7, ncol=len(methods))
+    if methods:
+        gains.legend(fontsize=7, ncol=min(6, len(methods)))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -8,6 +8,6 @@ order of a pseudo-gradient's typical coordinate (roughly H × inner lr / 2).
 DEFAULT_LR = 1e-2
 # --outer-lr auto for the Adam family: this many times H × inner lr, the most any coordinate can
 # move in a round's inner steps (inner Adam moves each by at most about its lr per step)
-AUTO_LR_SCALE = 1.0
+AUTO_LR_SCALE = 0.5
 DEFAULT_ALPHA = 0.6
 DEFAULT_CUTOFF = 4.0

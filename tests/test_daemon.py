@@ -29,7 +29,7 @@ STATUS_KEYS = {
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
 SETTINGS = [
     "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
-    "--eval-batches", "4", "--inner-lr", "2e-3", "--outer-lr", "3e-3", "--codec", "fp16",
+    "--eval-batches", "4", "--inner-lr", "2e-3", "--codec", "fp16",
     "--checkpoint-every", "1", "--admin-port", "0",
 ]  # fmt: skip
 
