@@ -174,19 +174,20 @@ def main() -> None:
 
     tuning = [
         (m, c, TUNING_SEED, s)
+        for c in dict.fromkeys(TUNED_AT.values())
         for m, (_, _, grid) in METHODS.items()
         if grid
-        for c in CONDITIONS
         for s in grid
     ]
     if not args.report:
         run_all(tuning, args.jobs, "1/2 tuning")
     chosen = tuned_settings(load_log())
+    # seed by seed, so that an interrupted sweep has every cell at one seed before any at three
     table = [
         (m, c, seed, chosen[m][c])
+        for seed in SEEDS
         for c in CONDITIONS
         for m in METHODS
-        for seed in SEEDS
         if c in chosen.get(m, {})
     ]
     if not args.report and args.stage == 2:
