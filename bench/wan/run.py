@@ -1,0 +1,181 @@
+"""Run one WAN scenario on the namespace testbed and record what every node reported.
+
+A scenario is data (JSON; see bench/wan/scenarios/): how many nodes, each link's rates, the flags
+every node gets, how long to train, and events at given seconds (``kill``, ``restart``,
+``partition`` for a while, ``shape`` to new rates). Node 0 starts the swarm; the others join it,
+unless ``isolated`` is set (the floor: the same nodes, each training alone). Every few seconds
+the runner asks each node's admin API for its status; at the end every node is asked to leave.
+
+Writes bench/results/wan/<name>.json (the scenario, the testbed, every status sample, each
+node's final status) and a PNG of held-out loss against wall-clock time per node.
+
+    sudo .venv/bin/python bench/wan/run.py bench/wan/scenarios/10mbit-4.json [--minutes M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from testbed import Link, Testbed, available
+
+from cgad.node.admin import call_admin
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "wan"
+POLL_SECONDS = 5.0
+
+
+def load_scenario(path: str | Path) -> dict[str, Any]:
+    scenario = json.loads(Path(path).read_text())
+    scenario.setdefault("name", Path(path).stem)
+    scenario.setdefault("events", [])
+    scenario.setdefault("args", [])
+    scenario.setdefault("isolated", False)
+    nodes = scenario["nodes"]
+    same = {"up_mbit": scenario.get("mbit"), "down_mbit": scenario.get("mbit")}
+    links = scenario.get("links") or [same] * nodes
+    if len(links) != nodes:
+        raise ValueError(f"{len(links)} links for {nodes} nodes")
+    scenario["links"] = links
+    return scenario
+
+
+def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, Any]:
+    links = [Link(**link) for link in scenario["links"]]
+    samples: list[dict[str, Any]] = []
+    finals: dict[int, Any] = {}
+    events = sorted(scenario["events"], key=lambda e: e["at"])
+    shape_after = scenario.get("shape_after_join", False)
+    with Testbed([Link() for _ in links] if shape_after else links) as bed:
+
+        def start(index: int, peers: list[str]) -> None:
+            args = [*scenario["args"], "--checkpoint-dir", str(workdir / f"n{index}" / "ckpt"),
+                    "--identity", str(workdir / f"n{index}.key")]  # fmt: skip
+            if peers:
+                args += ["--peers", *peers]
+            bed.start(index, executable, args, workdir / f"n{index}")
+
+        start(0, [])
+        bootstrap = [bed.multiaddr(0)]
+        for index in range(1, len(links)):
+            start(index, [] if scenario["isolated"] else bootstrap)
+        for index in range(len(links)):
+            bed.multiaddr(index)
+        if shape_after:
+            for index, link in enumerate(links):
+                bed.shape(index, link)
+        started = time.monotonic()
+        deadline = started + scenario["minutes"] * 60
+        partitions: list[tuple[float, int]] = []
+        while time.monotonic() < deadline:
+            now = time.monotonic() - started
+            while events and events[0]["at"] <= now:
+                event = events.pop(0)
+                _apply(event, bed, start, bootstrap, partitions, now)
+                samples.append({"t": now, "event": event})
+            for until, index in [p for p in partitions if p[0] <= now]:
+                bed.set_link(index, True)
+                partitions.remove((until, index))
+                samples.append({"t": now, "event": {"healed": index}})
+            for index, node in bed.nodes.items():
+                status = _status(node.admin) if node.alive() else None
+                samples.append({"t": now, "node": index, "alive": node.alive(), "status": status})
+            time.sleep(POLL_SECONDS)
+        for index, node in bed.nodes.items():
+            finals[index] = _status(node.admin) if node.alive() else None
+            if node.alive():
+                try:
+                    call_admin(node.admin, "Leave", timeout=10)
+                except ConnectionError:
+                    pass
+        for node in bed.nodes.values():
+            try:
+                node.process.wait(timeout=120)
+            except Exception:
+                pass
+        testbed = bed.describe()
+        logs = {i: node.log.read_text()[-4000:] for i, node in bed.nodes.items()}
+    return {"scenario": scenario, "testbed": testbed, "samples": samples, "final": finals, "log_tails": logs}
+
+
+def _apply(event: dict, bed: Testbed, start: Any, bootstrap: list[str], partitions: list, now: float) -> None:
+    if "kill" in event:
+        bed.kill(event["kill"])
+    elif "restart" in event:
+        start(event["restart"], bootstrap)
+    elif "partition" in event:
+        bed.set_link(event["partition"], False)
+        partitions.append((now + event.get("for", 60), event["partition"]))
+    elif "shape" in event:
+        bed.shape(event["shape"], Link(event.get("up_mbit"), event.get("down_mbit")))
+    else:
+        raise ValueError(f"unknown event {event}")
+
+
+def _status(admin: str) -> dict | None:
+    try:
+        return call_admin(admin, "Status", timeout=10)
+    except ConnectionError:
+        return None
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    nodes = sorted({s["node"] for s in result["samples"] if "node" in s})
+    for index in nodes:
+        samples = [s for s in result["samples"] if s.get("node") == index and s.get("status")]
+        points = [(s["t"], s["status"]["eval_loss"]) for s in samples if s["status"]["eval_loss"] is not None]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], label=f"node {index}")
+    for s in result["samples"]:
+        if "event" in s:
+            ax.axvline(s["t"], color="grey", lw=0.6, ls=":")
+    ax.set(xlabel="wall-clock seconds", ylabel="held-out loss", title=result["scenario"]["name"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("scenario")
+    parser.add_argument("--minutes", type=float, help="override the scenario's duration")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    why = available()
+    if why:
+        sys.exit(f"cannot build the testbed here: {why}")
+    scenario = load_scenario(args.scenario)
+    if args.minutes:
+        scenario["minutes"] = args.minutes
+    executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent)) or "cgad-node"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cgad-wan-") as tmp:
+        result = run(scenario, Path(tmp), executable)
+    (out / f"{scenario['name']}.json").write_text(json.dumps(result, indent=1) + "\n")
+    png = plot(result, out / f"{scenario['name']}.png")
+    for index, status in sorted(result["final"].items()):
+        loss = None if status is None else status.get("eval_loss")
+        print(f"node {index}: final eval loss {loss}")
+    print(f"wrote {out / (scenario['name'] + '.json')} and {png}")
+
+
+if __name__ == "__main__":
+    main()

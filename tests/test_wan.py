@@ -1,0 +1,36 @@
+"""The WAN testbed's short scenario: 3 real daemons in network namespaces on 10 Mbit links, one
+SIGKILLed and restarted. Skipped, with the reason, where namespaces cannot be made."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))
+
+from run import load_scenario, run  # noqa: E402
+from testbed import available  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+
+@pytest.mark.timeout(600)
+def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
+    scenario = load_scenario(ROOT / "bench" / "wan" / "scenarios" / "smoke-3.json")
+    executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent))
+    result = run(scenario, tmp_path, executable)
+    final = result["final"]
+    assert all(final[i] is not None for i in range(3)), result["log_tails"]
+    for index in range(3):
+        status = final[index]
+        history = status["eval_history"]
+        assert history[-1][1] < history[0][1] - 0.3, (index, history)
+        assert status["rejected"].get("non_finite", 0) == 0
+        assert status["applied"] > 0, (index, status)
+    restarted = final[2]
+    assert restarted["resumed"], restarted
+    swarm_version = min(final[0]["versions"])
+    assert min(restarted["versions"]) >= swarm_version - 4, (restarted["versions"], final[0]["versions"])
