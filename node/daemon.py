@@ -214,9 +214,13 @@ class Node:
                 except (KeyError, TypeError, ValueError, RuntimeError) as exc:
                     logger.warning("state from %s is unusable: %s", peer, exc)
                     continue
-                self.round = max(self.round, state["round"])
+                moved = self._fast_forward(peer)
+                self.round = max(self.round, state["round"] + moved)
                 self.started_from = f"peer {peer}"
-                logger.info("adopted the outer state of %s at versions %s", peer, self.loop.versions)
+                logger.info(
+                    "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
+                    peer, self.loop.versions, moved,
+                )  # fmt: skip
                 return True
             if not required and candidates:
                 return False
@@ -224,6 +228,21 @@ class Node:
         if required and not self._leave.is_set():
             raise ConnectionError("could not download the swarm's state from any peer; is --peers right?")
         return False
+
+    def _fast_forward(self, peer: str) -> int:
+        """Versions the source moved on while its state downloaded (from its latest progress
+        record), counted on here so that this peer's versions and ages agree with the swarm's
+        instead of trailing it for good; bounded by the history horizon (the record is the
+        peer's own claim)."""
+        latest = self.transport.swarm_progress().get(peer)
+        if latest is None or len(latest.versions) != len(self.loop.versions):
+            return 0
+        moved = max(b - a for a, b in zip(self.loop.versions, latest.versions, strict=True))
+        if not 0 < moved <= self.config.history_versions:
+            return 0
+        with self._outer_lock:
+            self.loop.fast_forward(latest.versions)
+        return moved
 
     def _bootstrap_peer_ids(self) -> list[str]:
         return [addr.rsplit("/p2p/", 1)[1] for addr in self.config.peers if "/p2p/" in addr]

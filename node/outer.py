@@ -254,6 +254,14 @@ class OuterLoop:
         """How many versions this peer's most lagging fragment is behind the newest seen."""
         return max(n - v for n, v in zip(self.newest_seen, self.versions, strict=True))
 
+    def fast_forward(self, versions: list[int]) -> None:
+        """Count this peer's versions on from where the swarm's are now (after adopting a state
+        that the swarm has moved past while it downloaded): ages then measure real lateness."""
+        if len(versions) != len(self.versions):
+            raise ValueError(f"{len(versions)} versions for {len(self.versions)} fragments")
+        self.versions = [max(a, int(b)) for a, b in zip(self.versions, versions, strict=True)]
+        self.newest_seen = [max(a, b) for a, b in zip(self.newest_seen, self.versions, strict=True)]
+
     def mean_age(self) -> float:
         c = self.counters
         return c.age_sum / c.age_count if c.age_count else 0.0

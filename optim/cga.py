@@ -102,6 +102,7 @@ class CGA(Optimizer):
                     update = mean.add(buf, alpha=mu)
                     state["steps"] = steps + 1
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
-                state["sum"].zero_()
-                state["total"] = 0.0
+                # the sums live only within a round: dropped, they stay out of the state that
+                # checkpoints and joining peers carry (which is then the momentum, if any)
+                del state["sum"], state["total"]
         return loss
