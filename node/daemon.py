@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -244,6 +245,17 @@ class Node:
             self.loop.fast_forward(latest.versions)
         return moved
 
+    def behind_swarm(self) -> int:
+        """How far this peer's slowest fragment trails the swarm: the median over live peers of
+        their reported versions (so no single peer's claim moves it), fragment by fragment."""
+        live = set(self.transport.live_peers())
+        reports = [p.versions for pid, p in self.transport.swarm_progress().items() if pid in live]
+        reports = [v for v in reports if len(v) == len(self.loop.versions)]
+        if not reports:
+            return 0
+        swarm = [statistics.median_low(column) for column in zip(*reports, strict=True)]
+        return max(s - v for s, v in zip(swarm, self.loop.versions, strict=True))
+
     def _bootstrap_peer_ids(self) -> list[str]:
         return [addr.rsplit("/p2p/", 1)[1] for addr in self.config.peers if "/p2p/" in addr]
 
@@ -296,8 +308,9 @@ class Node:
                 self.eval_history.append((self.round, loss))
             if c.checkpoint_dir and self.round % c.checkpoint_every == 0:
                 self.save()
-            if self.loop.behind_by() > c.cutoff:
-                logger.warning("%d versions behind the swarm: re-syncing", self.loop.behind_by())
+            behind = self.behind_swarm()
+            if behind > c.cutoff:
+                logger.warning("%d versions behind the swarm: re-syncing", behind)
                 if self.sync_from_swarm(required=False):
                     self.resyncs += 1
         status = self.status()

@@ -12,8 +12,10 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
    arrival; NoLoCo averages with one random peer of the round;
 4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters.
 
-A peer more than the cutoff behind the newest version it has seen should re-sync its state
-(``behind_by``); the driver does that with ``state_dict`` / ``load_state_dict`` from a live peer.
+A peer that fell more than the cutoff behind the swarm should re-sync its state; the driver
+judges that from the swarm's progress records and does it with ``state_dict`` /
+``load_state_dict`` (and ``fast_forward``) from a live peer. Deliveries claiming a base more than
+the cutoff ahead are dropped (counted as ``future``): they are no evidence of anything.
 The loop is driven from one thread (the trainer's); a daemon that serves its state to joiners
 from another thread holds its own lock around ``sync`` and ``state_dict``.
 """
@@ -89,7 +91,6 @@ class OuterLoop:
         self.fragments = strided_fragments(len(params), options.fragments)
         self.phi = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
         self.versions = [0] * options.fragments
-        self.newest_seen = [0] * options.fragments
         self.counters = _Counters()
         # the deliveries the optimizer took, newest last (bounded: a daemon runs for weeks)
         self.history: deque[Delivery] = deque(maxlen=HISTORY)
@@ -151,8 +152,15 @@ class OuterLoop:
             if frag.tensor.numel() != self.numel(f):
                 self.counters.rejected["bad_shape"] += 1
                 continue
+            if frag.key.base_version > base + self.options.cutoff:
+                # claims to be further ahead than any honest peer gets before re-syncing us: it
+                # moves neither the outer step nor this peer's idea of how far behind it is
+                self.counters.rejected["future"] += 1
+                continue
+            if not torch.isfinite(frag.tensor).all():
+                self.counters.rejected["non_finite"] += 1
+                continue
             age = base - frag.key.base_version
-            self.newest_seen[f] = max(self.newest_seen[f], frag.key.base_version + 1)
             if age < 0:  # a peer ahead of us: fresh information, and a hint that we lag
                 self.counters.from_future += 1
                 age = 0
@@ -168,7 +176,6 @@ class OuterLoop:
             self.versions[f] += 1
             for i in self.fragments[f]:
                 self.theta[i].copy_(self.phi[i])
-        self.newest_seen[f] = max(self.newest_seen[f], self.versions[f])
         return deliveries
 
     def _take(
@@ -250,17 +257,12 @@ class OuterLoop:
 
     # -- swarm position and state -----------------------------------------------------------
 
-    def behind_by(self) -> int:
-        """How many versions this peer's most lagging fragment is behind the newest seen."""
-        return max(n - v for n, v in zip(self.newest_seen, self.versions, strict=True))
-
     def fast_forward(self, versions: list[int]) -> None:
         """Count this peer's versions on from where the swarm's are now (after adopting a state
         that the swarm has moved past while it downloaded): ages then measure real lateness."""
         if len(versions) != len(self.versions):
             raise ValueError(f"{len(versions)} versions for {len(self.versions)} fragments")
         self.versions = [max(a, int(b)) for a, b in zip(self.versions, versions, strict=True)]
-        self.newest_seen = [max(a, b) for a, b in zip(self.newest_seen, self.versions, strict=True)]
 
     def mean_age(self) -> float:
         c = self.counters
@@ -284,7 +286,6 @@ class OuterLoop:
                 p.copy_(q)
                 t.copy_(q)
         self.versions = list(state["versions"])
-        self.newest_seen = [max(a, b) for a, b in zip(self.newest_seen, self.versions, strict=True)]
         # moments and step counts from the state; hyperparameters stay this peer's own
         ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -236,15 +237,19 @@ class Fetcher:
 
 def decode_and_check(data: bytearray, numel: int, max_norm: float | None) -> torch.Tensor:
     """The fp32 tensor in ``data``, refused (``FragmentError``) unless it is 1-D with ``numel``
-    floating-point values and, with ``max_norm``, an L2 norm no larger."""
+    finite floating-point values and, with ``max_norm``, an L2 norm no larger."""
     tensor = decode(data)
     if tensor.dim() != 1 or tensor.numel() != numel:
         raise FragmentError("bad_shape", f"shape {tuple(tensor.shape)}, expected ({numel},)")
     if not tensor.is_floating_point():
         raise FragmentError("bad_dtype", str(tensor.dtype))
     tensor = tensor.float()
+    # on the final values: a finite payload can still overflow in the widening cast or the
+    # block scaling, and nothing non-finite may reach an outer step
+    norm = float(torch.linalg.vector_norm(tensor))
+    if not math.isfinite(norm):
+        raise FragmentError("non_finite", "the decoded values hold NaN or Inf")
     if max_norm is not None:
-        norm = float(torch.linalg.vector_norm(tensor))
         if not norm <= max_norm:
             raise FragmentError("norm_too_large", f"norm {norm:.4g} > {max_norm:.4g}")
     return tensor

@@ -295,3 +295,18 @@ def test_encoding_a_large_tensor_keeps_the_scratch_bounded() -> None:
             same, scratch = thread.submit(in_a_fresh_thread, codec).result()
         assert same
         assert 0 < scratch <= SCRATCH_BYTES
+
+
+def test_a_header_that_widens_finite_bytes_into_inf_is_refused_after_decoding():
+    """fp32 bytes of 1e6 whose header claims float16: decode() casts them to Inf; the check on
+    the final values refuses them (the hash and checksum of such bytes are perfectly valid)."""
+    from cgad.protocol.fetching import decode_and_check
+
+    data = bytearray(encode(torch.full((8,), 1e6), "fp32"))
+    data[6] = 1  # the dtype byte: float16
+    header = 4 + 1 + 1 + 1 + 1 + 4 + 8 + 8 + 8  # the fixed part and one dimension
+    crc = zlib.crc32(bytes(data[header + 4 :]), zlib.crc32(bytes(data[:header])))
+    data[header : header + 4] = struct.pack("<I", crc)
+    assert not torch.isfinite(decode(data)).all()
+    with pytest.raises(FragmentError, match="non_finite"):
+        decode_and_check(data, 8, None)

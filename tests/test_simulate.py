@@ -344,3 +344,20 @@ def test_fragments_mean_one_thing_for_every_method():
     assert SimConfig(optimizer="cgad", fragments=2, inner_steps=4).fragments == 2
     with pytest.raises(ValueError, match="pa-cgad is CGAD synced fragment by fragment"):
         SimConfig(optimizer="pa-cgad", fragments=1)
+
+
+def test_far_future_and_non_finite_deliveries_are_counted_and_dropped():
+    network = VirtualNetwork()
+    a, b = network.join("a"), network.join("b")
+    loop = OuterLoop([torch.zeros(4)], OuterOptions(optimizer="cga", cutoff=4.0), a, "run")
+    forged = [
+        Fragment(FragmentKey("run", 0, 10**9, "b"), torch.full((4,), 5.0), tokens=1),  # far future
+        Fragment(FragmentKey("run", 0, 0, "b"), torch.full((4,), float("inf")), tokens=1),
+    ]
+    for fragment in forged:
+        b.publish(fragment)
+    loop.theta[0].fill_(-0.5)
+    loop.sync(0, tokens=1)
+    assert loop.counters.rejected["future"] == 1 and loop.counters.rejected["non_finite"] == 1
+    assert loop.counters.applied == 0 and loop.versions == [1]
+    torch.testing.assert_close(loop.phi[0].detach(), torch.full((4,), -0.5))  # only its own step
