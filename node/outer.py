@@ -36,6 +36,7 @@ from cgad.optim import staleness_weight
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
+TOKEN_CAP = 2  # a delivery weighs at most this many times the receiver's own block (claims are cheap)
 
 __all__ = ["Delivery", "OuterLoop", "strided_fragments"]
 
@@ -182,15 +183,18 @@ class OuterLoop:
         self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None
     ) -> tuple[list[Contribution], list[Delivery]]:
         """The deliveries the step takes, each with its age scale; those scaled to 0 are dropped
-        as stale. Counted, and kept in ``history``."""
+        as stale. A peer's token count is its own claim: it weighs at most ``TOKEN_CAP`` times this
+        peer's own block. Counted, and kept in ``history``."""
         taken, deliveries = [], []
+        cap = TOKEN_CAP * max(own.tokens, 1) if own is not None else None
         for frag, age in incoming:
             scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
             if scale == 0.0:
                 self.counters.dropped_stale += 1
                 continue
             is_own = frag is own
-            taken.append(Contribution(frag.tensor, frag.tokens, age, scale, frag.key.publisher, is_own))
+            tokens = frag.tokens if cap is None or is_own else min(frag.tokens, cap)
+            taken.append(Contribution(frag.tensor, tokens, age, scale, frag.key.publisher, is_own))
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
             if not is_own:
                 self.counters.applied += 1

@@ -361,3 +361,14 @@ def test_far_future_and_non_finite_deliveries_are_counted_and_dropped():
     assert loop.counters.rejected["future"] == 1 and loop.counters.rejected["non_finite"] == 1
     assert loop.counters.applied == 0 and loop.versions == [1]
     torch.testing.assert_close(loop.phi[0].detach(), torch.full((4,), -0.5))  # only its own step
+
+
+def test_a_peer_claiming_huge_token_counts_weighs_at_most_twice_the_own_block():
+    network = VirtualNetwork()
+    a, b = network.join("a"), network.join("b")
+    loop = OuterLoop([torch.zeros(1)], OuterOptions(optimizer="cga"), a, "run")
+    b.publish(Fragment(FragmentKey("run", 0, 0, "b"), torch.full((1,), 3.0), tokens=2**62))
+    loop.theta[0].fill_(-0.5)  # own Δ = +0.5, 100 tokens
+    loop.sync(0, tokens=100)
+    # weights 100 (own) and 200 (capped claim): Δ̄ = (100·0.5 + 200·3) / 300
+    torch.testing.assert_close(loop.phi[0].detach(), torch.tensor([-(100 * 0.5 + 200 * 3.0) / 300]))
