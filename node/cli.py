@@ -273,9 +273,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from cgad.node.config import DemoConfig
     from cgad.node.demo import run_demo
 
-    png = run_demo(_config_from(DemoConfig, args))
+    png, interrupted = run_demo(_config_from(DemoConfig, args))
     print(f"loss curves: {png.resolve()}")
-    return 0
+    return 130 if interrupted else 0  # the shell's code for "stopped by Ctrl-C"
 
 
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:

@@ -111,8 +111,10 @@ def _line(p: _Proc) -> str:
     return f"node {p.index}: starting" if p.status is None else f"node {p.index}: {status_line(p.status)}"
 
 
-def run_demo(config: DemoConfig) -> Path:
-    """Run the swarm for ``config.minutes``; return the path of the loss-curve PNG."""
+def run_demo(config: DemoConfig) -> tuple[Path, bool]:
+    """Run the swarm for ``config.minutes`` (or until Ctrl-C); return the path of the loss-curve
+    PNG and whether it was interrupted. Either way every node is asked to leave, then stopped,
+    and the summary covers what ran."""
     nodes, minutes, out = config.nodes, config.minutes, Path(config.out)
     options = _join_options(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,54 +122,67 @@ def run_demo(config: DemoConfig) -> Path:
     workdir.mkdir(exist_ok=True)
     (workdir / "bootstrap.maddrs").unlink(missing_ok=True)
     procs: list[_Proc] = []
+    interrupted = False
     previous = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        procs.append(_start(0, workdir, [], options))
-        peers = _wait_for(workdir / "bootstrap.maddrs", procs, timeout=180)
-        print(f"bootstrap node up at {peers[0]}; starting {nodes - 1} more", flush=True)
-        for i in range(1, nodes):
-            procs.append(_start(i, workdir, peers, options))
-        deadline = time.monotonic() + minutes * 60
-        tty = sys.stdout.isatty()
-        shown = 0.0
-        while time.monotonic() < deadline:
-            dead = [p for p in procs if p.process.poll() is not None]
-            if dead:
-                tail = dead[0].log.read_text()[-2000:]
-                raise RuntimeError(f"node {dead[0].index} exited; see {dead[0].log}:\n{tail}")
-            _poll(procs)
-            if tty:  # redraw one line per node in place
-                if shown:
-                    sys.stdout.write(f"\x1b[{len(procs)}F")
-                sys.stdout.write("".join(f"\x1b[2K{_line(p)}\n" for p in procs))
-                sys.stdout.flush()
-                shown = 1.0
-            elif time.monotonic() - shown >= 15.0:
-                print(" | ".join(_line(p) for p in procs), flush=True)
-                shown = time.monotonic()
-            time.sleep(2.0)
-        _poll(procs)
-        for p in procs:
-            try:
-                call_admin(p.admin, "Leave", timeout=5)
-            except ConnectionError:
-                p.process.terminate()
-        for p in procs:
-            try:
-                p.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                _stop_all([p], signal.SIGKILL)
+        try:
+            procs.append(_start(0, workdir, [], options))
+            peers = _wait_for(workdir / "bootstrap.maddrs", procs, timeout=180)
+            print(f"bootstrap node up at {peers[0]}; starting {nodes - 1} more", flush=True)
+            for i in range(1, nodes):
+                procs.append(_start(i, workdir, peers, options))
+            _watch(procs, deadline=time.monotonic() + minutes * 60)
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\ninterrupted: stopping every node (Ctrl-C again to kill them at once)", file=sys.stderr)
+        _leave(procs)
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping every node", file=sys.stderr)
-        raise
+        pass  # a second Ctrl-C: the nodes are killed below
     finally:
         _stop_all(procs, signal.SIGTERM)
         time.sleep(1.0)
         _stop_all(procs, signal.SIGKILL)
         signal.signal(signal.SIGINT, previous)
     _summary(procs)
-    return _plot(procs, out / "demo_loss.png")
+    return _plot(procs, out / "demo_loss.png"), interrupted
+
+
+def _watch(procs: list[_Proc], deadline: float) -> None:
+    """A live line per node until the deadline; a node that dies ends the demo with its log."""
+    tty = sys.stdout.isatty()
+    shown = 0.0
+    while time.monotonic() < deadline:
+        dead = [p for p in procs if p.process.poll() is not None]
+        if dead:
+            tail = dead[0].log.read_text()[-2000:]
+            raise RuntimeError(f"node {dead[0].index} exited; see {dead[0].log}:\n{tail}")
+        _poll(procs)
+        if tty:  # redraw one line per node in place
+            if shown:
+                sys.stdout.write(f"\x1b[{len(procs)}F")
+            sys.stdout.write("".join(f"\x1b[2K{_line(p)}\n" for p in procs))
+            sys.stdout.flush()
+            shown = 1.0
+        elif time.monotonic() - shown >= 15.0:
+            print(" | ".join(_line(p) for p in procs), flush=True)
+            shown = time.monotonic()
+        time.sleep(2.0)
+
+
+def _leave(procs: list[_Proc]) -> None:
+    """The last status of each node, then each asked to finish its step and checkpoint."""
+    _poll(procs)
+    for p in procs:
+        try:
+            call_admin(p.admin, "Leave", timeout=5)
+        except ConnectionError:
+            p.process.terminate()
+    for p in procs:
+        try:
+            p.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            _stop_all([p], signal.SIGKILL)
 
 
 def _summary(procs: list[_Proc]) -> None:

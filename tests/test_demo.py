@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,23 @@ def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path):
     png = tmp_path / "demo_loss.png"
     assert str(png.resolve()) in result.stdout and png.stat().st_size > 10_000
     assert not list((tmp_path / "demo-swarm").glob("*.maddrs.tmp"))
+
+
+def test_ctrl_c_stops_the_nodes_and_still_prints_the_summary_and_the_plot(tmp_path):
+    env = {**os.environ, "CGAD_CACHE_DIR": str(tmp_path / "cache")}
+    demo = subprocess.Popen(
+        [CLI, "demo", "--nodes", "2", "--minutes", "5", "--out", str(tmp_path), "--inner-steps", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    lines = []
+    for line in demo.stdout:  # wait until the swarm is up and a first status has been shown
+        lines.append(line)
+        if "node 1: round" in line:
+            break
+    demo.send_signal(signal.SIGINT)
+    out, err = demo.communicate(timeout=300)
+    out = "".join(lines) + out
+    assert demo.returncode == 130, out[-2000:] + err[-2000:]
+    assert "interrupted: stopping every node" in err and "Traceback" not in err, err[-3000:]
+    assert "eval start" in out and (tmp_path / "demo_loss.png").exists()
+    assert not [p for p in (tmp_path / "demo-swarm").glob("*.log") if "Traceback" in p.read_text()]
