@@ -271,13 +271,9 @@ class Node:
                 (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
             )
         block = c.inner_steps // c.fragments
-        last, last_tokens = time.monotonic(), self.trainer.tokens
+        self._round_mark = (time.monotonic(), self.trainer.tokens)
         while not self._leave.is_set():
             self.losses.append(self.trainer.step())
-            now = time.monotonic()
-            if now - last >= 2.0:
-                self.tokens_per_second = (self.trainer.tokens - last_tokens) / (now - last)
-                last, last_tokens = now, self.trainer.tokens
             if self.trainer.steps - self.block_start < block:
                 continue
             self._sync()
@@ -303,6 +299,10 @@ class Node:
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
+            # over the whole round, outer steps and waits included: what the swarm gets from us
+            now, (since, tokens_then) = time.monotonic(), self._round_mark
+            self.tokens_per_second = (self.trainer.tokens - tokens_then) / max(now - since, 1e-9)
+            self._round_mark = (now, self.trainer.tokens)
             if self.round % c.eval_every == 0:
                 loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
                 self.eval_history.append((self.round, loss))
