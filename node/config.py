@@ -94,8 +94,8 @@ class OuterOptions(_Part):
     optimizer: OptimizerName = Field("cga", description="the outer method")
     outer_lr: PositiveFloat | Literal["auto"] = Field(
         "auto",
-        description="outer learning rate; auto: the method's own (1 for cga, sgd, local; 0.7 for the "
-        "Nesterov family and noloco; for the Adam family a multiple of H × inner lr)",
+        description="outer learning rate; auto: the method's own (1 for cga and local; 0.7 for sgd, "
+        "the Nesterov family and noloco; for the Adam family 0.5 × H × inner lr)",
     )
     alpha: float = Field(DEFAULT_ALPHA, ge=0, allow_inf_nan=False, description="CGAD: decay per round of age")
     cutoff: PositiveFloat = Field(

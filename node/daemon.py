@@ -181,7 +181,10 @@ class Node:
             self.trainer.tokens = state["tokens"]
             self.batches.load_state_dict(state["data"])
             self.round = state["round"]
-            self.blocks, self.block_start = state["blocks"], state["block_start"]
+            # checkpoints from before the node kept its schedule: whole blocks up to the step
+            block = c.inner_steps // c.fragments
+            self.blocks = state.get("blocks", self.trainer.steps // block)
+            self.block_start = state.get("block_start", self.blocks * block)
             self.eval_history = [tuple(e) for e in state["eval_history"]]
             self.started_from = "checkpoint"
             self.resumed = True
