@@ -138,7 +138,13 @@ def run_all(jobs: list[tuple[str, str, int, dict]], workers: int, desc: str) -> 
                        for m, c, seed, st in todo}  # fmt: skip
             for future in as_completed(futures):
                 method, condition, seed, settings = futures[future]
-                record = future.result()
+                try:
+                    record = future.result()
+                except Exception as error:  # one broken run must not throw away the others'
+                    bar.write(f"{method} {condition} seed {seed} {settings} failed: {error!r}")
+                    bar.update()
+                    continue
+                condition = SAME_AS.get((method, condition), condition)  # where it actually ran
                 record.update(key=run_key(method, condition, seed, settings), method=method,
                               condition=condition, settings=settings)  # fmt: skip
                 log.write(json.dumps(record) + "\n")
@@ -212,8 +218,8 @@ def write_report(chosen: dict[str, dict[str, dict]], table: list[tuple[str, str,
     rows: dict[str, dict[str, dict]] = {}
     for method, condition, seed, settings in table:
         record = done.get(run_key(method, condition, seed, settings))
-        if record is not None:
-            rows.setdefault(method, {}).setdefault(condition, []).append(record)
+        if record is not None:  # a shared run stands in each cell it serves, under that cell's name
+            rows.setdefault(method, {}).setdefault(condition, []).append({**record, "condition": condition})
     cells = {
         method: {condition: _cell(records) for condition, records in by_condition.items()}
         for method, by_condition in rows.items()

@@ -296,7 +296,7 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     runs.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     runs.add_argument("--out", default="results.json", help="the JSON record; the PNG goes beside it")
     overrides = {
-        "optimizer": {"action": "append", "help": "repeatable: one run per optimizer (default: cgad)"},
+        "optimizer": {"action": "append", "help": "repeatable: one run per optimizer (default: cga)"},
         "stragglers": {
             "nargs": None,
             "type": str,
@@ -312,7 +312,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     """Run the virtual swarm once per (optimizer, seed); write the JSON and a PNG beside it."""
     from pathlib import Path
 
-    from cgad.node.config import SimConfig
+    from cgad.node.config import SimConfig, build_config
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -320,7 +320,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     optimizers = getattr(args, "optimizer", None) or [base.optimizer]
     # every configuration is validated before any work starts
     configs = [
-        base.model_copy(update={"optimizer": opt, "seed": base.seed + k})
+        build_config(SimConfig, ("", {**base.model_dump(), "optimizer": opt, "seed": base.seed + k}))
         for opt in optimizers
         for k in range(args.seeds)
     ]
@@ -391,8 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as exc:
-        # bad input (a data path, a model config, an option's value): say what, not where
+    except (ValueError, OSError) as exc:
+        # bad input (a data path, a model config, an option's value) or an unreachable node
+        # (ConnectionError is an OSError): say what, not where
         if os.environ.get("CGAD_DEBUG"):
             raise
         print(f"cgad-node {args.command}: error: {exc}", file=sys.stderr)

@@ -181,7 +181,12 @@ class SimOptions(_Part):
     def _straggler_text(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("stragglers"), str):
             workers = data.get("workers", cls.model_fields["workers"].default)
-            data = {**data, "stragglers": parse_stragglers(data["stragglers"], int(workers))}
+            if isinstance(workers, bool) or not isinstance(workers, int):
+                raise ValueError(f"workers must be a whole number, got {workers!r}")
+            data = {**data, "stragglers": parse_stragglers(data["stragglers"], workers)}
+        delay = data.get("delay") if isinstance(data, dict) else None
+        if isinstance(delay, int) and not isinstance(delay, bool):
+            data = {**data, "delay": str(delay)}  # `delay: 2` in a YAML file
         return data
 
     @field_validator("delay")

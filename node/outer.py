@@ -280,18 +280,30 @@ class OuterLoop:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ."""
-        if len(state["phi"]) != len(self.phi) or len(state["versions"]) != len(self.versions):
+        """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ. Checked
+        whole before anything changes: a state that does not fit raises and leaves this one."""
+        phi, versions = state["phi"], [int(v) for v in state["versions"]]
+        if len(phi) != len(self.phi) or len(versions) != len(self.versions):
             raise ValueError("outer state has a different model or fragment layout")
-        with torch.no_grad():
-            for p, q, t in zip(self.phi, state["phi"], self.theta, strict=True):
-                if p.shape != q.shape:
-                    raise ValueError(f"outer state shape {tuple(q.shape)} != local {tuple(p.shape)}")
-                p.copy_(q)
-                t.copy_(q)
-        self.versions = list(state["versions"])
+        for p, q in zip(self.phi, phi, strict=True):
+            if not isinstance(q, Tensor) or p.shape != q.shape:
+                raise ValueError(f"outer state tensor {getattr(q, 'shape', q)} != local {tuple(p.shape)}")
+            if not torch.isfinite(q).all():
+                raise ValueError("outer state holds NaN or Inf")
+        if any(v < 0 for v in versions):
+            raise ValueError(f"negative versions {versions}")
         # moments and step counts from the state; hyperparameters stay this peer's own
         ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved = self.optimizer.state_dict()
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except Exception as exc:  # torch raises whatever the malformed part provokes
+            self.optimizer.load_state_dict(saved)
+            raise ValueError(f"the outer optimizer's state does not fit this peer's: {exc!r}") from exc
         for group, hyper in zip(self.optimizer.param_groups, ours, strict=True):
             group.update(hyper)
+        with torch.no_grad():
+            for p, q, t in zip(self.phi, phi, self.theta, strict=True):
+                p.copy_(q)
+                t.copy_(q)
+        self.versions = versions

@@ -16,6 +16,7 @@ import copy
 import heapq
 import math
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -113,6 +114,7 @@ def simulate(
             if f == blocks_per_round - 1:
                 wk.round += 1
                 wk.losses.append(evaluate(wk.trainer.model, eval_batches))
+                _catch_up(wk, workers, c, eval_batches)  # as a daemon re-syncs when far behind
                 if wk.round < c.rounds and c.churn and rng.random() < c.churn:
                     # away for 1-4 rounds: neither sending nor receiving; back via a rejoin event
                     wk.transport.set_alive(False)
@@ -182,6 +184,30 @@ class _SwarmView:
             p.copy_(mean[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.mean_phi_losses.append(evaluate(self.scratch, self.eval_batches))
+
+
+def _catch_up(wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: list) -> bool:
+    """A daemon re-syncs when its versions trail the median of its live peers' by more than the
+    cutoff (``Node.behind_swarm``): a straggler adopts the most advanced live peer's outer state,
+    and the rounds it skips count at the loss of the state it adopted."""
+    if not wk.loop.method.shares or wk.round >= c.rounds:
+        return False
+    live = [o for o in workers if o is not wk and o.transport.alive and o.away_since is None]
+    if not live:
+        return False
+    median = statistics.median_low(min(o.loop.versions) for o in live)
+    if median - min(wk.loop.versions) <= c.cutoff:
+        return False
+    leader = max(live, key=lambda o: min(o.loop.versions))
+    wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
+    if leader.round > wk.round:
+        loss = evaluate(wk.trainer.model, eval_batches)
+        skipped = min(leader.round, c.rounds) - wk.round
+        wk.losses.extend([loss] * skipped)
+        wk.round += skipped
+    wk.block = wk.round * c.fragments
+    wk.resyncs += 1
+    return True
 
 
 def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_batches: list) -> None:

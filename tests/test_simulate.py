@@ -372,3 +372,10 @@ def test_a_peer_claiming_huge_token_counts_weighs_at_most_twice_the_own_block():
     loop.sync(0, tokens=100)
     # weights 100 (own) and 200 (capped claim): Δ̄ = (100·0.5 + 200·3) / 300
     torch.testing.assert_close(loop.phi[0].detach(), torch.tensor([-(100 * 0.5 + 200 * 3.0) / 300]))
+
+
+@pytest.mark.slow
+def test_a_straggler_far_behind_catches_up_instead_of_drifting_alone(corpus):
+    record = run(corpus, optimizer="cga", stragglers=[1.0, 1.0, 4.0], rounds=8, cutoff=1.0)
+    assert record["resyncs"] >= 1
+    assert len(record["losses"]) == 8 and len(record["consensus"]) == 8

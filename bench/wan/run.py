@@ -111,7 +111,9 @@ def _apply(event: dict, bed: Testbed, start: Any, bootstrap: list[str], partitio
     if "kill" in event:
         bed.kill(event["kill"])
     elif "restart" in event:
-        start(event["restart"], bootstrap)
+        index = event["restart"]  # back through any live node (node 0 may be the one restarting)
+        others = [bed.multiaddr(i) for i, node in bed.nodes.items() if i != index and node.alive()]
+        start(index, others[:2] or bootstrap)
     elif "partition" in event:
         bed.set_link(event["partition"], False)
         partitions.append((now + event.get("for", 60), event["partition"]))

@@ -92,6 +92,14 @@ class Testbed:
 
     def __enter__(self) -> Testbed:
         teardown_stale()
+        try:
+            self._build()
+        except BaseException:
+            teardown_stale()
+            raise
+        return self
+
+    def _build(self) -> None:
         _sh("ip", "link", "add", BRIDGE, "type", "bridge")
         _sh("ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", BRIDGE)
         _sh("ip", "link", "set", BRIDGE, "up")
@@ -105,12 +113,13 @@ class Testbed:
             _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
             _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
             self.shape(index, link)
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for node in self.nodes.values():
-            _kill(node.process)
-        teardown_stale()
+        try:
+            for node in self.nodes.values():
+                _kill(node.process)
+        finally:
+            teardown_stale()
 
     def shape(self, index: int, link: Link) -> None:
         """Set (or change, while nodes run) a node's link rates."""
