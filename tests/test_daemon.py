@@ -121,9 +121,9 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
         others = {ids[o.name] for o in (a, b, c) if o is not node}
         status = node.wait(
             lambda s, others=others: (
-                len(s["eval_history"]) >= 6 and others <= set(s["applied_by_peer"]) and s["peers"] == 2
+                len(s["eval_history"]) >= 8 and others <= set(s["applied_by_peer"]) and s["peers"] == 2
             ),
-            "six evaluations, two live peers, fragments from both",
+            "eight evaluations, two live peers, fragments from both",
         )
         start, end = first_and_last_eval(status)
         # a starts from scratch; b and c from the state a had when they joined, and go lower still
