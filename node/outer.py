@@ -256,7 +256,7 @@ class OuterLoop:
                     p.data.sub_(d.to(p.dtype), alpha=rate)
                 self.counters.mixed += 1
         horizon = self.versions[f] - self.options.cutoff
-        for version in [v for v in mine if v < horizon]:
+        for version in [v for v in mine if v <= horizon]:  # σ is 0 from the cutoff on
             del mine[version]
 
     # -- swarm position and state -----------------------------------------------------------
