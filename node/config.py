@@ -192,13 +192,9 @@ class SimOptions(_Part):
     @field_validator("delay")
     @classmethod
     def _delay(cls, value: str) -> str:
-        text = value.removeprefix("random:")
-        try:
-            rounds = int(text)
-        except ValueError:
-            raise ValueError(f"delay must be N or random:N (rounds), got {value!r}") from None
-        if rounds < 0:
-            raise ValueError(f"delay must be >= 0, got {value!r}")
+        from cgad.protocol.memory import Delay  # the simulator's own parser (imports torch)
+
+        Delay.parse(value)
         return value
 
     @field_validator("stragglers")

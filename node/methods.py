@@ -81,6 +81,10 @@ class OuterMethod:
         if mean is None:
             return
         loop.set_grad(f, mean)
+        self.step_optimizer(loop, f)
+
+    def step_optimizer(self, loop: OuterLoop, f: int) -> None:
+        """The optimizer's step once fragment f's merged pseudo-gradient is in its ``.grad``."""
         loop.optimizer.step()
 
 
@@ -175,13 +179,7 @@ class PACGADMethod(_AdamFamily):
             restart_every=options.restart_every,
         )
 
-    def step(
-        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
-    ) -> None:
-        mean = merge([c.delta for c in taken], [c.tokens for c in taken], [c.scale for c in taken])
-        if mean is None:
-            return
-        loop.set_grad(f, mean)
+    def step_optimizer(self, loop: OuterLoop, f: int) -> None:
         loop.optimizer.step(ages=[0 if g == f else None for g in range(len(loop.fragments))])
 
 
