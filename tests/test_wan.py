@@ -24,10 +24,13 @@ def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, mon
     result = run(scenario, tmp_path, executable)
     final = result["final"]
     assert all(final[i] is not None for i in range(3)), result["log_tails"]
+    # judged against the untrained model (node 0's first evaluation): a joiner's own history
+    # starts wherever the swarm was when it joined, late on a slow machine
+    untrained = final[0]["eval_history"][0][1]
     for index in range(3):
         status = final[index]
         history = status["eval_history"]
-        assert history[-1][1] < history[0][1] - 0.3, (index, history)
+        assert history[-1][1] < untrained - 0.3, (index, untrained, history)
         assert status["rejected"].get("non_finite", 0) == 0
         assert status["applied"] > 0, (index, status)
     restarted = final[2]
