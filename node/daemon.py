@@ -96,7 +96,11 @@ class Node:
         numels = OuterLoop.layout_numels(params, c.fragments)
         # the transport and the outer loop read their own parts of the one configuration
         self.transport = NetworkTransport(
-            c, num_fragments=c.fragments, fragment_numel=dict(enumerate(numels)), identity=self.identity
+            c,
+            num_fragments=c.fragments,
+            fragment_numel=dict(enumerate(numels)),
+            identity=self.identity,
+            stale_after=method(c.optimizer).stale_after(c),
         )
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind
             self.loop = OuterLoop(params, c, self.transport, c.run_id, seed=seed)
@@ -385,6 +389,9 @@ class Node:
             "applied_by_peer": dict(counters.applied_by_peer.copy()),
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
+            "skipped": dict(self.transport.stats.skipped),
+            "downlink_bytes_per_second": self.transport.downlink_rate,
+            "fetches_waiting": self.transport.fetches_waiting,
             "mean_age": self.loop.mean_age(),
             "resyncs": self.resyncs,
             "started_from": self.started_from,

@@ -48,6 +48,11 @@ class Contribution:
     own: bool
 
 
+def _gate_age(options: OuterOptions) -> int:
+    """The first whole age the cosine gate weighs at 0 (the cutoff is finite by validation)."""
+    return math.ceil(options.cutoff)
+
+
 class OuterMethod:
     """A method that merges the round's deliveries (``cgad.optim.merge``) and takes one step."""
 
@@ -64,6 +69,11 @@ class OuterMethod:
 
     def scale(self, age: int, options: OuterOptions) -> float:
         return 1.0
+
+    def stale_after(self, options: OuterOptions) -> int | None:
+        """The age from which a delivery counts for nothing (so it is not worth fetching); None
+        when every age counts."""
+        return None
 
     def lr(self, options: OuterOptions) -> float:
         return self.auto_lr(options) if options.outer_lr == "auto" else float(options.outer_lr)
@@ -98,6 +108,9 @@ class CGAMethod(OuterMethod):
 
     def scale(self, age: int, options: OuterOptions) -> float:
         return staleness_weight(age, options.alpha, options.cutoff)
+
+    def stale_after(self, options: OuterOptions) -> int | None:
+        return _gate_age(options)
 
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         return CGA(
@@ -135,6 +148,9 @@ class _AdamFamily(OuterMethod):
         if not self.decays:
             return 1.0
         return staleness_weight(age, options.alpha, options.cutoff if self.gated else math.inf)
+
+    def stale_after(self, options: OuterOptions) -> int | None:
+        return _gate_age(options) if self.gated and self.decays else None
 
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         # σ is applied while merging the round's deliveries, so the optimizer itself sees age 0

@@ -102,6 +102,9 @@ class NetworkOptions(BaseModel):
     fan_in: int = Field(
         4, ge=1, description="at most this many peers' fragments fetched per fragment and round"
     )
+    max_fetches: int = Field(
+        3, ge=1, le=64, description="fragment fetches in flight at once (the youngest offers go first)"
+    )
     keep_versions: int = Field(2, ge=1, description="own encoded versions kept per fragment to serve")
     keep_reserved: int = Field(8, ge=0, description="peers' fragments kept per fragment to serve onward")
     history_versions: int = Field(

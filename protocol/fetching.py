@@ -62,6 +62,7 @@ class Fetcher:
         self.reject = reject
         self.p2p: P2P | None = None
         self.bytes_by_path: Counter[str] = Counter()  # bytes fetched over each path
+        self.bytes_in = 0  # payload bytes received so far, counted as chunks land (the link meter's input)
         self.transfers: dict[FragmentKey, ChunkAssembler] = {}  # fetches in progress
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -201,7 +202,9 @@ class Fetcher:
                     piece = None if first else split_chunk(item)
                     if piece is not None:
                         assert assembler is not None
+                        before = assembler.received
                         assembler.add_slice(*piece)
+                        self.bytes_in += assembler.received - before
                         continue
                     message = parse(pb.FetchResponse, item)  # StateResponse has the same fields
                 else:
@@ -217,7 +220,9 @@ class Fetcher:
                     first = False
                 elif part == "chunk":
                     assert assembler is not None
+                    before = assembler.received
                     assembler.add(message.chunk)
+                    self.bytes_in += assembler.received - before
                 else:
                     raise FragmentError("bad_chunk", f"unexpected {part} inside a transfer")
         finally:

@@ -50,11 +50,12 @@ class EventLoopThread:
         """From any thread: run ``coroutine`` as a tracked background task."""
         self.loop.call_soon_threadsafe(self.spawn, coroutine)
 
-    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """On the loop's thread: run ``coroutine`` as a tracked task; its failure is logged."""
         task = self.loop.create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

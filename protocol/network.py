@@ -15,9 +15,9 @@ Threads, and who owns what:
   and the read-only views. It replaces ``_progress`` and adds to ``_interest``; the loop thread
   reads them (reference swap and a ``dict`` copy, atomic under the GIL).
 - the event-loop thread "cgad-net-<end of the peer id>": the DHT node, P2P, the fetcher, the
-  server, the selector's ledgers, ``fan_in_skipped``, ``polls`` and ``_live`` (replaced whole, read by the
-  trainer as a snapshot). It appends to ``_inbox``, which the trainer pops: ``_inbox_lock``
-  guards it.
+  server, the selector's ledgers, the fetch queue and its meters, ``_in_flight``, ``polls`` and
+  ``_live`` (replaced whole, read by the trainer as a snapshot). It appends to ``_inbox``, which
+  the trainer pops: ``_inbox_lock`` guards it.
 - the codec worker thread "cgad-codec" (one torch thread): encoding for ``publish``, with the
   error-feedback residuals in ``_feedback`` (touched nowhere else), and decoding fetched bytes.
 - ``store`` is shared by all three and guarded by its own lock. ``stats`` counters are bumped from
@@ -34,6 +34,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,7 @@ from cgad.protocol.records import (
     progress_key,
     schema_validator,
 )
+from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
 from cgad.protocol.selection import Candidate, OfferSelector, own_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
@@ -77,7 +79,10 @@ class NetworkTransport(Transport):
     ``options`` may be any ``NetworkOptions`` subclass (a node's whole configuration): only its
     ``NetworkOptions`` fields are read, copied once here. ``fragment_numel`` names the fragments
     to receive, with the number of values each must have; ``identity`` defaults to the key file
-    ``options.identity`` (created if missing), or a fresh key."""
+    ``options.identity`` (created if missing), or a fresh key. ``stale_after`` is the age (in
+    versions of this peer's own fragment) from which a delivery no longer counts in the outer
+    step: such offers are not fetched, and fetches in flight are cancelled once they reach it
+    (``scheduling``); None when every age counts."""
 
     def __init__(
         self,
@@ -86,6 +91,7 @@ class NetworkTransport(Transport):
         num_fragments: int,
         fragment_numel: Mapping[int, int],
         identity: Identity | None = None,
+        stale_after: int | None = None,
     ) -> None:
         fields = set(NetworkOptions.model_fields)
         self.options = NetworkOptions.model_validate(options.model_dump(include=fields))
@@ -95,7 +101,6 @@ class NetworkTransport(Transport):
         self.identity = identity
         self.peer_id = identity.peer_id
         self.stats = TransportStats()
-        self.fan_in_skipped = 0  # publishers passed over because of the fan-in cap
         self.polls = 0  # looks at the DHT completed: what a caller waits on to see a poll through
         self.store = FragmentStore(self.options.keep_versions, self.options.keep_reserved)
         self.dht_node: DHTNode | None = None
@@ -109,6 +114,11 @@ class NetworkTransport(Transport):
             history_versions=self.options.history_versions,
             record_ttl=self.options.record_ttl,
         )
+        self._queue = FetchQueue(stale_after)
+        self._downlink = LinkMeter()
+        self._version_clock = VersionClock()
+        self._in_flight: dict[FragmentKey, tuple[asyncio.Task, Candidate]] = {}
+        self._metered = (0, False)  # bytes fetched and whether a fetch ran, at the last reading
         self._interest = dict(fragment_numel)
         self._inbox: dict[tuple[int, Kind], list[Fragment]] = defaultdict(list)
         self._inbox_lock = threading.Lock()
@@ -222,6 +232,7 @@ class NetworkTransport(Transport):
             tokens_per_second=float(tokens_per_second),
             time=get_dht_time(),
         )
+        self.loop.call_soon_threadsafe(self._version_clock.update, time.monotonic(), list(versions))
         self._runner.submit(self._store_progress())
 
     def expect(self, fragment: int, numel: int) -> None:
@@ -428,17 +439,64 @@ class NetworkTransport(Transport):
             selection = self._selector.choose(fragment, numel, holdings, own_version(versions, fragment), now)
             for rejection in selection.rejections:
                 self._reject(rejection.reason, rejection.detail)
-            self.fan_in_skipped += selection.fan_in_skipped
+            self.stats.skipped["fan_in"] += selection.fan_in_skipped
             for candidate in selection.candidates:
-                self._runner.spawn(self._fetch(candidate))
+                if self._queue.push(candidate) is not None:
+                    self.stats.skipped["queue_full"] += 1
         self._selector.forget(versions, now)
+        for task, candidate in list(self._in_flight.values()):
+            if self._queue.is_stale(candidate, versions):  # it could no longer count when it lands
+                task.cancel()
+                self.stats.skipped["stale_in_flight"] += 1
+        self._dispatch()
+
+    def _meter(self) -> None:
+        """Feed the downlink meter what arrived since its last reading."""
+        fetched, was_busy = self._metered
+        self._downlink.update(time.monotonic(), self._fetcher.bytes_in - fetched, was_busy)
+        self._metered = (self._fetcher.bytes_in, bool(self._in_flight))
+
+    def _dispatch(self) -> None:
+        """Start queued fetches, youngest first, while fewer than ``max_fetches`` run."""
+        if self._closed:
+            return
+        self._meter()
+        versions = self._progress.versions
+        while len(self._in_flight) < self.options.max_fetches:
+            ahead = sum(total - received for received, total in self.transfers().values())
+            candidate, passed = self._queue.pop(
+                versions,
+                link_rate=self._downlink.rate,
+                seconds_per_version=self._version_clock.seconds_per_version,
+                bytes_ahead=ahead,
+            )
+            for item in passed:
+                self.stats.skipped[item.reason] += 1
+            if candidate is None:
+                break
+            task = self._runner.spawn(self._fetch(candidate))
+            self._in_flight[candidate.key] = (task, candidate)
+            self._metered = (self._metered[0], True)
+
+    @property
+    def downlink_rate(self) -> float | None:
+        """Bytes per second the downlink carried while fetching (None before it is measured)."""
+        return self._downlink.rate
+
+    @property
+    def fetches_waiting(self) -> int:
+        return len(self._queue)
 
     def _reject_record(self, error: FragmentError, record: tuple, now: float) -> None:
         if self._selector.judge(record, now):
             self._reject(error.reason, error.detail)
 
     async def _fetch(self, candidate: Candidate) -> None:
-        data = await self._fetcher.fetch(candidate)
+        try:
+            data = await self._fetcher.fetch(candidate)
+        finally:
+            self._in_flight.pop(candidate.key, None)
+            self._dispatch()
         if data is None:
             self._reject("unavailable", f"no holder delivered {candidate.key}")
             return

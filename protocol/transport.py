@@ -53,6 +53,8 @@ class TransportStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    # offers passed over by policy, not for a fault: the fan-in cap, too old to count on arrival
+    skipped: Counter[str] = field(default_factory=Counter)
 
 
 class Transport(abc.ABC):

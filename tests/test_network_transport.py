@@ -212,7 +212,7 @@ def test_fan_in_cap_is_honoured(swarm: list[NetworkTransport]) -> None:
         peer.publish(Fragment(key(peer, 6, 9), torch.randn(SMALL)))
     p3.expect(6, SMALL)
     got = collect(p3, 6, 2)
-    wait_for(lambda: p3.fan_in_skipped >= 1, what="the third publisher to be passed over")
+    wait_for(lambda: p3.stats.skipped["fan_in"] >= 1, what="the third publisher to be passed over")
     settle(p3)
     got += p3.receive(6)
     assert len(got) == 2
@@ -459,3 +459,58 @@ def test_close_leaves_no_daemon_thread_or_port() -> None:
     wait_for(lambda: not _alive(daemon_pid), 10, "p2pd to exit")
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=1).close()
+
+
+@pytest.mark.timeout(120)
+def test_fetches_wait_their_turn_youngest_first_and_stop_when_too_old() -> None:
+    """One fetch at a time (``max_fetches`` 1) on a slow uplink: the youngest offer goes first,
+    and a fetch in flight is cancelled, not finished, once its fragment is too old to count."""
+    run = "net-test-sched"
+    sizes = {0: 1 << 18, 1: 1 << 18, 2: 1 << 18, 3: 1 << 20}  # 1 MiB each, 4 MiB for fragment 3
+    publisher = _transport(run_id=run, upload_limit=2e6)
+    receiver = NetworkTransport(
+        NetworkOptions(run_id=run, poll_interval=0.2, connect_timeout=1.0, max_fetches=1,
+                       peers=publisher.maddrs()),
+        num_fragments=NUM_FRAGMENTS, fragment_numel={}, stale_after=2,
+    )  # fmt: skip
+    try:
+        for fragment, base in ((0, 1), (1, 3), (2, 2)):
+            publisher.publish(
+                Fragment(FragmentKey(run, fragment, base, publisher.peer_id), torch.randn(sizes[fragment])),
+                codec="fp32",
+            )
+        wait_for(
+            lambda: (
+                len(publisher.store.offers(0))
+                + len(publisher.store.offers(1))
+                + len(publisher.store.offers(2))
+                == 3
+            ),
+            what="three announcements",
+        )
+        receiver.report_progress([3] * NUM_FRAGMENTS, 0, 0.0)
+        for fragment in (0, 1, 2):
+            receiver.expect(fragment, sizes[fragment])
+        seen: list[int] = []  # base versions in the order their transfers were seen
+        most = 0
+        deadline = time.monotonic() + 30
+        while receiver.stats.received < 2 and time.monotonic() < deadline:
+            transfers = receiver.transfers()
+            most = max(most, len(transfers))
+            seen += [k.base_version for k in transfers if k.base_version not in seen]
+            time.sleep(0.02)
+        # base 1 is age 2 at version 3: it counts for nothing, so it is never fetched
+        assert receiver.stats.received == 2 and most == 1 and seen == [3, 2], (seen, most)
+        wait_for(lambda: receiver.stats.skipped["stale"] == 1, what="the stale offer to be passed over")
+        # a transfer that becomes too old while it runs is cancelled
+        big = FragmentKey(run, 3, 3, publisher.peer_id)
+        publisher.publish(Fragment(big, torch.randn(sizes[3])), codec="fp32")
+        receiver.expect(3, sizes[3])
+        wait_for(lambda: receiver.transfers().get(big, (0, 0))[0] > 0, what="the big transfer to start")
+        receiver.report_progress([5] * NUM_FRAGMENTS, 0, 0.0)
+        wait_for(lambda: receiver.stats.skipped["stale_in_flight"] == 1, what="the cancellation")
+        wait_for(lambda: big not in receiver.transfers(), what="the transfer to end")
+        assert receiver.receive(3) == []
+    finally:
+        receiver.close()
+        publisher.close()

@@ -1,0 +1,163 @@
+"""When chosen offers are fetched: newest first, a few at a time, and only what can still count.
+
+A slow link cannot carry every peer's fragment every round. Started all at once, the transfers
+share the link and all arrive late, past the age at which the outer step still uses them (the
+first testbed runs applied 3-5% of fragments at 2 Mbit with the link full). So fetches wait in a
+``FetchQueue`` and at most ``max_fetches`` run at a time; the queue hands out the youngest offer
+first (the one that stays useful longest), passes over an offer that the measured link would
+deliver only after it has aged past ``stale_after`` versions, and the transport cancels a fetch in
+flight once its fragment is that old. The link carries fewer fragments, in full and in time.
+
+Two measurements feed it: ``LinkMeter``, the bytes per second the downlink carries while any
+fetch runs, and ``VersionClock``, the seconds this peer takes per version of a fragment.
+
+Pure bookkeeping: no I/O, no clock of its own (times come in as arguments), as in ``selection``.
+
+Threads: not thread-safe; the network transport uses all three on its event-loop thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cgad.protocol.selection import Candidate, own_version
+from cgad.protocol.transport import Kind
+
+__all__ = ["FetchQueue", "LinkMeter", "VersionClock"]
+
+
+class LinkMeter:
+    """Bytes per second over the time at least one transfer was running: an exponential mean of
+    windows of at least ``window`` seconds, each weighted by its length (``half_life`` seconds of
+    busy time halve an old window's weight). None until the first window closes."""
+
+    def __init__(self, window: float = 1.0, half_life: float = 10.0) -> None:
+        self.window = window
+        self.half_life = half_life
+        self.rate: float | None = None
+        self._busy = 0.0  # busy seconds in the open window
+        self._bytes = 0  # bytes in the open window
+        self._last: float | None = None
+
+    def update(self, now: float, new_bytes: int, busy: bool) -> None:
+        """``new_bytes`` arrived since the last update; ``busy`` says whether a transfer ran in
+        between (idle time says nothing about the link)."""
+        if self._last is not None and busy:
+            self._busy += max(0.0, now - self._last)
+        self._bytes += new_bytes
+        self._last = now
+        if self._busy >= self.window:
+            sample = self._bytes / self._busy
+            keep = 0.5 ** (self._busy / self.half_life)
+            self.rate = sample if self.rate is None else keep * self.rate + (1 - keep) * sample
+            self._busy, self._bytes = 0.0, 0
+
+
+class VersionClock:
+    """Seconds per version of one fragment, from this peer's own progress reports: every fragment
+    advances once a round, so ``k`` version steps summed over ``F`` fragments in ``dt`` seconds
+    mean ``dt · F / k`` seconds per version. An exponential mean over the last few rounds."""
+
+    def __init__(self, smoothing: float = 0.3) -> None:
+        self.smoothing = smoothing
+        self.seconds_per_version: float | None = None
+        self._last: tuple[float, int] | None = None
+
+    def update(self, now: float, versions: Sequence[int]) -> None:
+        total = sum(versions)
+        if self._last is not None:
+            since, before = self._last
+            steps = total - before
+            if steps <= 0:
+                if steps < 0:  # adopted another peer's state: the count starts again
+                    self._last = (now, total)
+                return
+            sample = (now - since) * len(versions) / steps
+            previous = self.seconds_per_version
+            self.seconds_per_version = (
+                sample if previous is None else (1 - self.smoothing) * previous + self.smoothing * sample
+            )
+        self._last = (now, total)
+
+
+@dataclass(frozen=True)
+class Passed:
+    """An offer the queue let go without fetching it, and why ("too_late" or "stale")."""
+
+    candidate: Candidate
+    reason: str
+
+
+class FetchQueue:
+    """Chosen offers waiting for a fetch slot. ``stale_after`` is the age (in versions of this
+    peer's own fragment) from which a delivery no longer counts in an outer step; None when every
+    age counts (the methods without an age weight), and then only the order matters."""
+
+    def __init__(self, stale_after: int | None, limit: int = 256) -> None:
+        self.stale_after = stale_after
+        self.limit = limit
+        self._heap: list[tuple[tuple[int, int, int], int, Candidate]] = []
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, candidate: Candidate) -> Candidate | None:
+        """Queue an offer; returns the one that had to leave a full queue (the oldest), if any."""
+        key = candidate.key
+        # DELTAs before PARAMS (what the outer step consumes before what mixing tightens), then
+        # the newest base version; equal ones in arrival order
+        rank = (0 if key.kind is Kind.DELTA else 1, -key.base_version, key.fragment)
+        heapq.heappush(self._heap, (rank, next(self._order), candidate))
+        if len(self._heap) > self.limit:
+            worst = max(self._heap)
+            self._heap.remove(worst)
+            heapq.heapify(self._heap)
+            return worst[2]
+        return None
+
+    def age(self, candidate: Candidate, versions: Sequence[int]) -> int:
+        """The candidate's age now, in versions of this peer's own fragment."""
+        return own_version(versions, candidate.key.fragment) - candidate.key.base_version
+
+    def is_stale(self, candidate: Candidate, versions: Sequence[int]) -> bool:
+        return self.stale_after is not None and self.age(candidate, versions) >= self.stale_after
+
+    def pop(
+        self,
+        versions: Sequence[int],
+        *,
+        link_rate: float | None,
+        seconds_per_version: float | None,
+        bytes_ahead: int,
+    ) -> tuple[Candidate | None, list[Passed]]:
+        """The next offer to fetch, or None; and the offers passed over on the way. ``bytes_ahead``
+        is what the fetches in flight still have to receive: a new fetch shares the link with
+        them, so it arrives after about (``bytes_ahead`` + its size) / ``link_rate`` seconds."""
+        passed: list[Passed] = []
+        while self._heap:
+            _, _, candidate = heapq.heappop(self._heap)
+            if self.is_stale(candidate, versions):
+                passed.append(Passed(candidate, "stale"))
+                continue
+            if self._arrives_too_late(candidate, versions, link_rate, seconds_per_version, bytes_ahead):
+                passed.append(Passed(candidate, "too_late"))
+                continue
+            return candidate, passed
+        return None, passed
+
+    def _arrives_too_late(
+        self,
+        candidate: Candidate,
+        versions: Sequence[int],
+        link_rate: float | None,
+        seconds_per_version: float | None,
+        bytes_ahead: int,
+    ) -> bool:
+        if self.stale_after is None or not link_rate or not seconds_per_version:
+            return False  # nothing measured yet: try it
+        seconds = (bytes_ahead + candidate.offer.byte_length) / link_rate
+        return self.age(candidate, versions) + seconds / seconds_per_version >= self.stale_after

@@ -1,0 +1,124 @@
+"""When chosen offers are fetched, without any peer: youngest first, and only what the measured
+link can deliver before it is too old to count."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from cgad.protocol.records import Holdings, Identity, Offer
+from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
+from cgad.protocol.selection import Candidate
+from cgad.protocol.transport import FragmentKey, Kind
+
+pytestmark = pytest.mark.timeout(60)
+
+PUBLISHER = Identity().peer_id
+LENGTH = 1_000_000
+
+
+def _candidate(base: int, fragment: int = 0, kind: Kind = Kind.DELTA, length: int = LENGTH) -> Candidate:
+    offer = Offer(
+        publisher=PUBLISHER,
+        base_version=base,
+        kind=str(kind),
+        tokens=10,
+        codec="fp32",
+        numel=length // 4,
+        content_hash=hashlib.sha256(f"{fragment}/{base}/{kind}".encode()).digest(),
+        byte_length=length,
+    )
+    key = FragmentKey("sched-test", fragment, base, PUBLISHER, kind)
+    return Candidate(key, offer, [Holdings(peer_id=PUBLISHER, grpc=None, offers=[offer])])
+
+
+def _pop(queue: FetchQueue, versions: list[int], rate=None, per_version=None, ahead=0):
+    return queue.pop(versions, link_rate=rate, seconds_per_version=per_version, bytes_ahead=ahead)
+
+
+def test_youngest_delta_first_then_params():
+    queue = FetchQueue(stale_after=None)
+    for c in (_candidate(3), _candidate(7, kind=Kind.PARAMS), _candidate(5), _candidate(7)):
+        queue.push(c)
+    order = []
+    while (item := _pop(queue, [8])[0]) is not None:
+        order.append((item.key.base_version, item.key.kind))
+    assert order == [(7, Kind.DELTA), (5, Kind.DELTA), (3, Kind.DELTA), (7, Kind.PARAMS)]
+
+
+def test_stale_offers_are_passed_over_and_counted():
+    queue = FetchQueue(stale_after=4)
+    queue.push(_candidate(10))  # age 4 at version 14: counts for nothing
+    queue.push(_candidate(11))  # age 3
+    candidate, passed = _pop(queue, [14])
+    assert candidate is not None and candidate.key.base_version == 11
+    assert passed == []  # the younger one came first; the stale one waits
+    candidate, passed = _pop(queue, [14])
+    assert candidate is None and [p.reason for p in passed] == ["stale"]
+
+
+def test_an_offer_the_link_cannot_deliver_in_time_is_passed_over():
+    queue = FetchQueue(stale_after=4)
+    queue.push(_candidate(12))  # age 2 now
+    # 1 MB at 100 kB/s with 1 MB ahead of it: 20 s, 2 versions at 10 s each: age 4 on arrival
+    candidate, passed = _pop(queue, [14], rate=100_000, per_version=10.0, ahead=LENGTH)
+    assert candidate is None and [p.reason for p in passed] == ["too_late"]
+    queue.push(_candidate(12))
+    # with nothing ahead it lands at age 3: fetched
+    candidate, _ = _pop(queue, [14], rate=100_000, per_version=10.0, ahead=0)
+    assert candidate is not None
+
+
+def test_without_measurements_or_a_gate_nothing_is_passed_over_for_time():
+    gated = FetchQueue(stale_after=4)
+    gated.push(_candidate(13))
+    assert _pop(gated, [14], rate=None, per_version=10.0, ahead=10 * LENGTH)[0] is not None
+    ungated = FetchQueue(stale_after=None)
+    ungated.push(_candidate(1))
+    assert _pop(ungated, [14], rate=1.0, per_version=1.0, ahead=10 * LENGTH)[0] is not None
+
+
+def test_a_full_queue_evicts_its_oldest_offer():
+    queue = FetchQueue(stale_after=None, limit=2)
+    assert queue.push(_candidate(5)) is None
+    assert queue.push(_candidate(9)) is None
+    evicted = queue.push(_candidate(7))
+    assert evicted is not None and evicted.key.base_version == 5 and len(queue) == 2
+
+
+def test_link_meter_counts_only_busy_time():
+    meter = LinkMeter(window=1.0, half_life=10.0)
+    meter.update(0.0, 0, busy=False)
+    meter.update(100.0, 0, busy=False)  # a long idle stretch says nothing about the link
+    assert meter.rate is None
+    meter.update(102.0, 2_000_000, busy=True)  # 2 MB in 2 busy seconds
+    assert meter.rate == pytest.approx(1_000_000)
+    meter.update(104.0, 500_000, busy=True)  # the link slowed to 250 kB/s: the mean moves toward it
+    assert 250_000 < meter.rate < 1_000_000
+
+
+def test_version_clock_from_progress_reports():
+    clock = VersionClock(smoothing=0.5)
+    clock.update(0.0, [0, 0])
+    clock.update(10.0, [1, 0])  # one of two fragments advanced in 10 s: 20 s per version
+    assert clock.seconds_per_version == pytest.approx(20.0)
+    clock.update(20.0, [1, 0])  # nothing new: no sample
+    assert clock.seconds_per_version == pytest.approx(20.0)
+    clock.update(30.0, [2, 2])  # three steps in 20 s since the last advance: 13.3 s per version
+    smoothed = 0.5 * 20.0 + 0.5 * 20.0 * 2 / 3
+    assert clock.seconds_per_version == pytest.approx(smoothed)
+    clock.update(31.0, [0, 0])  # a re-sync adopted another state: counting starts again
+    clock.update(41.0, [1, 1])
+    assert clock.seconds_per_version == pytest.approx(0.5 * smoothed + 0.5 * 10.0)
+
+
+def test_what_the_node_calls_too_old_follows_its_method():
+    from cgad.node.config import OuterOptions
+    from cgad.node.methods import method
+
+    options = OuterOptions(cutoff=2.5)
+    assert method("cga").stale_after(options) == 3  # σ(3) = 0 past a cutoff of 2.5
+    assert method("cgad").stale_after(options) == 3
+    assert method("adam-decay").stale_after(options) is None  # no gate: every age counts a little
+    assert method("sgd").stale_after(options) is None
