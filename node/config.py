@@ -135,6 +135,16 @@ class NodeOptions(_Part):
         None, description="checkpoint here, and resume from it if it holds one"
     )
     checkpoint_every: Positive = Field(5, description="outer rounds between checkpoints")
+    join_timeout: float = Field(
+        120.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds a new node waits for the swarm to offer its state (a download under way"
+        " has its own timeout, from its size)",
+    )
+    state_every: Positive = Field(
+        5, description="outer rounds between snapshots of the outer state offered to joining peers"
+    )
     max_rounds: int = Field(0, ge=0, description="stop after this many outer rounds (0: until told to leave)")
     eval_every: Positive = Field(1, description="outer rounds between held-out evaluations")
     maddrs_file: str | None = Field(None, description="write this node's multiaddrs here, one per line")

@@ -47,6 +47,10 @@ __all__ = ["IncompatibleSwarm", "Node"]
 
 logger = logging.getLogger(__name__)
 
+# bytes per second a state download may not fall below on average: its timeout is a minute
+# plus its size at this rate (100 kB/s, 0.8 Mbit/s: a slow volunteer's link)
+MIN_STATE_RATE = 100e3
+
 LINGER_SECONDS = 3.0  # after the last publish, so peers (polling every second) can fetch it
 
 
@@ -102,6 +106,7 @@ class Node:
             identity=self.identity,
             stale_after=method(c.optimizer).stale_after(c),
         )
+        self.transport.describe_as(json.dumps(self.swarm))
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind
             self.loop = OuterLoop(params, c, self.transport, c.run_id, seed=seed)
             self.round = 0
@@ -118,18 +123,19 @@ class Node:
             self._outer_lock = threading.Lock()
             self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
             self.admin = AdminServer(c.admin_host, c.admin_port, status=self.status, leave=self.request_leave)
-            self.transport.serve_state(self.state_blob)  # last: it reads what is set up above
         except BaseException:
             self.transport.close()
             raise
 
     # ------------------------------------------------------------------ state
 
-    def state_blob(self) -> bytes:
-        """What a joining peer downloads: the swarm's identity and this peer's outer state
-        (called on the transport's thread: the lock keeps it from seeing half an outer step)."""
-        with self._outer_lock:  # serialized under the lock: one consistent snapshot
-            return pack({"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round})
+    def publish_state(self) -> None:
+        """Offer a snapshot of the swarm's identity and this peer's outer state to peers that
+        join or fall behind: packed once, served to all of them by content hash."""
+        with self._outer_lock:  # one consistent snapshot, never half an outer step
+            versions = list(self.loop.versions)
+            blob = pack({"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round})
+        self.transport.publish_state(blob, versions)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -194,48 +200,103 @@ class Node:
             self.resumed = True
             logger.info("resumed from %s at round %d", c.checkpoint_dir, self.round)
         if c.peers:
+            self._check_bootstrap_peers()
             # a fresh node starts from the swarm's model; a resumed one catches up if it lags
             self.sync_from_swarm(required=state is None)
 
+    def _check_bootstrap_peers(self) -> None:
+        """Ask the peers named by --peers who they are: a node of another run, model or method
+        is refused at once (``IncompatibleSwarm``), before it waits for what it would never see."""
+        for peer in self._bootstrap_peer_ids():
+            try:
+                run_id, swarm_json = self.transport.describe(peer)
+            except FragmentError as exc:
+                logger.warning("the peer at --peers did not say who it is: %s", exc)
+                continue
+            try:
+                theirs = json.loads(swarm_json)
+            except ValueError:
+                theirs = None
+            theirs = theirs if isinstance(theirs, dict) else {}
+            self._check_compatible({**theirs, "run_id": run_id}, f"the peer at --peers ({peer})")
+
     def sync_from_swarm(self, required: bool) -> bool:
-        """Adopt the outer state of the most advanced live peer (if ahead of ours)."""
-        deadline = time.monotonic() + (60.0 if required else 10.0)
-        while time.monotonic() < deadline and not self._leave.is_set():
-            progress = self.transport.swarm_progress()
-            progress.pop(self.peer_id, None)
-            candidates = sorted(progress.values(), key=lambda p: -min(p.versions or [0]))
-            candidates = [p.peer_id for p in candidates] or self._bootstrap_peer_ids()
-            for peer in candidates:
-                try:
-                    state = unpack(self.transport.download_state(peer, timeout=120))
-                except (FragmentError, CheckpointError, TimeoutError) as exc:
-                    logger.warning("state download from %s failed: %s", peer, exc)
-                    continue
-                self._check_compatible(
-                    state.get("swarm", {}) if isinstance(state, dict) else {}, f"peer {peer}"
-                )
-                try:
-                    if min(state["outer"]["versions"]) <= min(self.loop.versions):
-                        continue  # not ahead of us; another peer may be
-                    with self._outer_lock:
-                        self.loop.load_state_dict(state["outer"])
-                except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-                    logger.warning("state from %s is unusable: %s", peer, exc)
-                    continue
-                moved = self._fast_forward(peer)
-                self.round = max(self.round, state["round"] + moved)
-                self.started_from = f"peer {peer}"
-                logger.info(
-                    "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
-                    peer, self.loop.versions, moved,
-                )  # fmt: skip
-                return True
-            if not required and candidates:
-                return False
+        """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a
+        fresh node, ``required``: any, within ``join_timeout``); True when one was adopted."""
+        c = self.config
+        give_up = time.monotonic() + (c.join_timeout if required else 10.0)
+        failures: list[str] = []
+        while not self._leave.is_set():
+            offers = self._snapshots_worth_adopting(at_least_ours=required)
+            for candidate in offers:
+                if self._adopt(candidate, failures):
+                    return True
+            if time.monotonic() > give_up or (offers and not required):
+                break
             time.sleep(1.0)
         if required and not self._leave.is_set():
-            raise ConnectionError("could not download the swarm's state from any peer; is --peers right?")
+            why = "; ".join(failures[-3:]) or (
+                f"no peer of run {c.run_id!r} offered a snapshot within {c.join_timeout:.0f} s"
+                " (is --peers right, and does that swarm train this run id?)"
+            )
+            raise ConnectionError(f"could not download the swarm's state: {why}")
         return False
+
+    def _snapshots_worth_adopting(self, at_least_ours: bool) -> list:
+        """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest
+        first; none claiming to be more than the cutoff past the median of live peers' reports
+        (a claim, until the bytes are checked, and no single peer moves the median)."""
+        mine = min(self.loop.versions)
+        reports = [min(p.versions) for p in self.transport.swarm_progress().values() if p.versions]
+        ceiling = statistics.median_high(reports) + self.config.cutoff if reports else float("inf")
+        return [
+            c
+            for c in self.transport.state_offers()
+            if (c.key.base_version >= mine if at_least_ours else c.key.base_version > mine)
+            and c.key.base_version <= ceiling
+        ]
+
+    def _adopt(self, candidate: Any, failures: list[str]) -> bool:
+        """Download one snapshot, check it and adopt it; False (with why, in ``failures``)
+        when it is unusable. A snapshot of another swarm raises ``IncompatibleSwarm``."""
+        peer, size = candidate.key.publisher, candidate.offer.byte_length
+        timeout = 60.0 + size / MIN_STATE_RATE
+        logger.info(
+            "downloading the state of %s (version %d, %.1f MB) from %d holder(s)",
+            peer, candidate.key.base_version, size / 1e6, len(candidate.holders),
+        )  # fmt: skip
+        try:
+            data = self.transport.fetch_state(candidate, timeout)
+            state = unpack(data)
+        except (FragmentError, CheckpointError, TimeoutError) as exc:
+            failures.append(str(exc))
+            logger.warning("state download failed: %s", exc)
+            return False
+        self._check_compatible(state.get("swarm", {}) if isinstance(state, dict) else {}, f"peer {peer}")
+        try:
+            versions, snapshot_round = state["outer"]["versions"], state["round"]
+            if not isinstance(snapshot_round, int) or snapshot_round < 0:
+                raise ValueError(f"round {snapshot_round!r}")
+            if min(versions) != candidate.key.base_version:
+                raise ValueError(
+                    f"its record says version {candidate.key.base_version}, its bytes {min(versions)}"
+                )
+            with self._outer_lock:
+                self.loop.load_state_dict(state["outer"])  # checks the whole before adopting any
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            failures.append(f"snapshot of {peer} is unusable: {exc}")
+            self.transport.stats.rejected["bad_state"] += 1
+            logger.warning("the snapshot of %s is unusable: %s", peer, exc)
+            return False
+        self.transport.reserve_state(candidate, data)
+        moved = self._fast_forward(peer)
+        self.round = max(self.round, snapshot_round + moved)
+        self.started_from = f"peer {peer}"
+        logger.info(
+            "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
+            peer, self.loop.versions, moved,
+        )  # fmt: skip
+        return True
 
     def _fast_forward(self, peer: str) -> int:
         """Versions the source moved on while its state downloaded (from its latest progress
@@ -273,6 +334,7 @@ class Node:
         self._install_signal_handlers()
         self._announce()
         self.resume_or_join()
+        self.publish_state()
         if not self.eval_history:
             self.eval_history.append(
                 (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
@@ -315,6 +377,8 @@ class Node:
                 self.eval_history.append((self.round, loss))
             if c.checkpoint_dir and self.round % c.checkpoint_every == 0:
                 self.save()
+            if self.round % c.state_every == 0:
+                self.publish_state()
             behind = self.behind_swarm()
             if behind > c.cutoff:
                 logger.warning("%d versions behind the swarm: re-syncing", behind)

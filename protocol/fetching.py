@@ -1,4 +1,4 @@
-"""Pulling content-addressed bytes from holders: fragments, and the state blob of a joining peer.
+"""Pulling content-addressed bytes from holders: fragments, and state snapshots for joining peers.
 
 Two data paths, tried in the order ``NetworkOptions.paths`` gives: a direct gRPC stream to the
 holder's announced ``host:port`` when it answers within ``connect_timeout``, else hivemind's
@@ -35,17 +35,11 @@ from cgad.protocol.errors import FragmentError
 from cgad.protocol.records import Holdings
 from cgad.protocol.selection import Candidate
 from cgad.protocol.transport import FragmentKey, TransportStats
-from cgad.protocol.wire import (
-    GRPC_FETCH,
-    GRPC_STATE,
-    LIBP2P_FETCH,
-    LIBP2P_STATE,
-    ChunkAssembler,
-    parse,
-    split_chunk,
-)
+from cgad.protocol.wire import GRPC_FETCH, LIBP2P_DESCRIBE, LIBP2P_FETCH, ChunkAssembler, parse, split_chunk
 
-__all__ = ["Fetcher", "decode_and_check"]
+__all__ = ["MAX_DESCRIPTION", "Fetcher", "decode_and_check"]
+
+MAX_DESCRIPTION = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +82,53 @@ class Fetcher:
             del self.transfers[candidate.key]
         return None
 
+    async def describe(self, peer_id: str) -> tuple[str, str]:
+        """A peer's run id and swarm identity (JSON), as it states them; at most
+        ``MAX_DESCRIPTION`` characters are believed to be a description."""
+        assert self.p2p is not None
+        try:
+            response = await asyncio.wait_for(
+                self.p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer_id), LIBP2P_DESCRIBE, pb.DescribeRequest(), pb.DescribeResponse
+                ),
+                self.options.connect_timeout * 5,
+            )
+        except Exception as error:  # hivemind P2P errors, timeouts and a bad peer id share no base
+            raise FragmentError("unavailable", f"{peer_id} did not say who it is: {error!r}") from None
+        if len(response.run_id) > 64 or len(response.swarm_json) > MAX_DESCRIPTION:
+            raise FragmentError("oversized", f"{peer_id} describes itself at length")
+        return response.run_id, response.swarm_json
+
+    async def fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
+        """A state snapshot from its holders in turn, each resuming where the last stopped,
+        within ``timeout``; ``FragmentError("unavailable")`` saying how far it got otherwise."""
+        offer = candidate.offer
+        assembler = ChunkAssembler(offer.content_hash, offer.byte_length)
+        self.transfers[candidate.key] = assembler
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        tried = 0
+        try:
+            async with asyncio.timeout(timeout):
+                while tried < 2 * len(candidate.holders):  # each holder gets a second chance
+                    holder = candidate.holders[tried % len(candidate.holders)]
+                    tried += 1
+                    data = await self.fetch_from(holder, assembler)
+                    if data is not None:
+                        return data
+            ending = "every holder failed"
+        except TimeoutError:
+            ending = f"timed out after {timeout:.0f} s"
+        finally:
+            del self.transfers[candidate.key]
+        seconds = max(loop.time() - started, 1e-9)
+        raise FragmentError(
+            "unavailable",
+            f"state snapshot of {candidate.key.publisher}: {ending} at {assembler.received / 1e6:.1f} of"
+            f" {offer.byte_length / 1e6:.1f} MB ({assembler.received / seconds / 1e3:.0f} kB/s,"
+            f" {len(candidate.holders)} holder(s))",
+        )
+
     async def fetch_from(
         self, holder: Holdings, assembler: ChunkAssembler, paths: Sequence[str] | None = None
     ) -> bytearray | None:
@@ -119,34 +160,6 @@ class Fetcher:
                     self.bytes_by_path[path] += assembler.received - received_before
                 fruitless = 0 if assembler.received > received_before else fruitless + 1
         return None
-
-    async def download_state(self, peer_id: str, endpoint: str | None) -> bytearray:
-        """The state blob ``peer_id`` serves, checked against the sha256 its stream announces (no
-        signed record names state: the trust is in the peer chosen). Over gRPC to ``endpoint``
-        when there is one, then libp2p; ``FragmentError("unavailable")`` when no path delivers."""
-        request = pb.StateRequest(run_id=self.options.run_id)
-        failures = []
-        for path in self.options.paths:
-            if path == "grpc" and endpoint is None:
-                continue
-            stream = (
-                self._open_grpc(endpoint, GRPC_STATE, request)
-                if path == "grpc"
-                else self._open_libp2p(peer_id, LIBP2P_STATE, request, pb.StateResponse)
-            )
-            try:
-                assembler = await self._drain(stream, None)
-                data = assembler.finish()
-            except FragmentError as error:
-                failures.append(f"{path}: {error}")
-                continue
-            except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
-                failures.append(f"{path}: {error!r}")
-                continue
-            self.bytes_by_path[path] += len(data)
-            self.stats.bytes_received += len(data)
-            return data
-        raise FragmentError("unavailable", f"no state from {peer_id}: {'; '.join(failures) or 'no path'}")
 
     async def _open_grpc(self, endpoint: str, method: str, request: Message) -> AsyncIterator[bytes]:
         """Serialized response messages: ``_drain`` reads chunks out of them in place."""
@@ -185,11 +198,9 @@ class Fetcher:
             return self._open_grpc(holder.grpc, GRPC_FETCH, request)
         return self._open_libp2p(holder.peer_id, LIBP2P_FETCH, request, pb.FetchResponse)
 
-    async def _drain(
-        self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler | None
-    ) -> ChunkAssembler:
-        """Read a header-then-chunks stream into ``assembler``; without one (a state download,
-        which has no signed record), the stream's own header says what to expect."""
+    async def _drain(self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler) -> None:
+        """Read a header-then-chunks stream into ``assembler``, which expects what the signed
+        record names."""
         iterator = aiter(stream)
         first = True
         try:
@@ -201,12 +212,11 @@ class Fetcher:
                 if isinstance(item, bytes):
                     piece = None if first else split_chunk(item)
                     if piece is not None:
-                        assert assembler is not None
                         before = assembler.received
                         assembler.add_slice(*piece)
                         self.bytes_in += assembler.received - before
                         continue
-                    message = parse(pb.FetchResponse, item)  # StateResponse has the same fields
+                    message = parse(pb.FetchResponse, item)
                 else:
                     message = item
                 part = message.WhichOneof("part")
@@ -215,11 +225,9 @@ class Fetcher:
                         raise FragmentError(
                             "bad_header", message.error or "stream did not start with a header"
                         )
-                    assembler = assembler or self._assembler_for(message.header)
                     assembler.check_header(message.header)
                     first = False
                 elif part == "chunk":
-                    assert assembler is not None
                     before = assembler.received
                     assembler.add(message.chunk)
                     self.bytes_in += assembler.received - before
@@ -228,16 +236,6 @@ class Fetcher:
         finally:
             with contextlib.suppress(Exception):
                 await iterator.aclose()
-        if assembler is None:
-            raise FragmentError("truncated", "the stream ended before its header")
-        return assembler
-
-    def _assembler_for(self, header: pb.FragmentHeader) -> ChunkAssembler:
-        if header.byte_length > self.options.max_state_bytes:
-            raise FragmentError("oversized", f"state of {header.byte_length} bytes")
-        if len(header.content_hash) != 32:
-            raise FragmentError("bad_header", "no sha256 in the header")
-        return ChunkAssembler(header.content_hash, header.byte_length)
 
 
 def decode_and_check(data: bytearray, numel: int, max_norm: float | None) -> torch.Tensor:

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -48,7 +48,7 @@ from hivemind.utils import get_dht_time
 from cgad.protocol.codec import Codec, ErrorFeedback, encode
 from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.errors import FragmentError
-from cgad.protocol.fetching import Fetcher, decode_and_check
+from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher, decode_and_check
 from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.records import (
     Holdings,
@@ -60,9 +60,10 @@ from cgad.protocol.records import (
     parse_progress,
     progress_key,
     schema_validator,
+    state_key,
 )
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
-from cgad.protocol.selection import Candidate, OfferSelector, own_version
+from cgad.protocol.selection import STATE_CODEC, Candidate, OfferSelector, own_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
@@ -120,6 +121,7 @@ class NetworkTransport(Transport):
         self._in_flight: dict[FragmentKey, tuple[asyncio.Task, Candidate]] = {}
         self._metered = (0, False)  # bytes fetched and whether a fetch ran, at the last reading
         self._interest = dict(fragment_numel)
+        self._state_candidates: list[Candidate] = []  # replaced whole by each poll
         self._inbox: dict[tuple[int, Kind], list[Fragment]] = defaultdict(list)
         self._inbox_lock = threading.Lock()
         self._logged_reasons: set[str] = set()
@@ -260,19 +262,54 @@ class NetworkTransport(Transport):
             raise FragmentError("unavailable", f"{holder.peer_id} did not deliver over {path}")
         return data
 
-    def serve_state(self, provider: Callable[[], bytes]) -> None:
-        """Serve this peer's state to peers that join or fall behind: ``provider`` is called on a
-        worker thread for each request and returns the bytes to send."""
-        self._server.state_provider = provider
+    def describe_as(self, swarm_json: str) -> None:
+        """What this peer tells a peer that asks who it is (``describe``): its node's identity
+        of the swarm, as JSON."""
+        if len(swarm_json) > MAX_DESCRIPTION:
+            raise ValueError(f"a description of {len(swarm_json)} characters; at most {MAX_DESCRIPTION}")
+        self._server.description = swarm_json
 
-    def download_state(self, peer_id: str, timeout: float = 120.0) -> bytearray:
-        """The state blob a peer serves, checked against the sha256 its stream announces (the
-        trust is in the peer chosen, as there is no signed record for state). Tries the peer's
-        direct gRPC endpoint from its progress record, then libp2p; ``FragmentError`` when both
-        fail."""
-        progress = self._live.get(peer_id)
-        endpoint = progress.grpc if progress is not None else None
-        return self._runner.call(self._fetcher.download_state(peer_id, endpoint), timeout)
+    def describe(self, peer_id: str) -> tuple[str, str]:
+        """The run id and swarm identity (JSON) a peer states; ``FragmentError`` when it does not
+        answer. Blocks the caller: for a joining node, before it waits for anything else."""
+        return self._runner.call(self._fetcher.describe(peer_id), self.options.connect_timeout * 5 + 10)
+
+    def publish_state(self, data: bytes, versions: Sequence[int]) -> None:
+        """Offer a snapshot of this peer's outer state (packed by the caller) to peers that join
+        or fall behind, in place of the previous one; its record says the oldest of ``versions``
+        (the rest is in the bytes, checked by whoever adopts them)."""
+        key = FragmentKey(self.options.run_id, 0, min(versions, default=0), self.peer_id, Kind.STATE)
+        offer = self._state_offer(key, data)
+        entry = StoredFragment(fragment_header(key, offer), data, offer, own=True)
+        self._runner.submit(self._keep_state(entry))
+
+    def state_offers(self) -> list[Candidate]:
+        """Other peers' snapshots seen at the last look at the DHT, newest first."""
+        return list(self._state_candidates)
+
+    def fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
+        """A snapshot's bytes, verified against its publisher's record; blocks the caller.
+        ``FragmentError("unavailable")`` says what failed and how far it got."""
+        return self._runner.call(self._fetcher.fetch_state(candidate, timeout), timeout + 30)
+
+    def reserve_state(self, candidate: Candidate, data: bytes | bytearray) -> None:
+        """Serve a snapshot fetched from others onward (the next joiner finds one more holder)."""
+        entry = StoredFragment(
+            fragment_header(candidate.key, candidate.offer), data, candidate.offer, own=False
+        )
+        self._runner.submit(self._keep_state(entry))
+
+    def _state_offer(self, key: FragmentKey, data: bytes) -> Offer:
+        return Offer(
+            publisher=self.peer_id,
+            base_version=key.base_version,
+            kind=str(Kind.STATE),
+            tokens=0,
+            codec=STATE_CODEC,
+            numel=0,
+            content_hash=content_hash(data),
+            byte_length=len(data),
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -356,13 +393,19 @@ class NetworkTransport(Transport):
         self._selector.mark_attempted(header.content_hash, header.fragment, header.base_version)
         await self._announce(header.fragment)
 
-    async def _announce(self, fragment: int) -> None:
+    async def _keep_state(self, entry: StoredFragment) -> None:
+        self.store.put(entry)
+        await self._announce(None)
+
+    async def _announce(self, fragment: int | None) -> None:
+        """This peer's holdings of a fragment (None: of state snapshots), signed."""
         offers = self.store.offers(fragment)
         if not offers or self.dht_node is None:
             return
         holdings = Holdings(peer_id=self.peer_id, grpc=self.grpc_endpoint, offers=offers)
+        run_id = self.options.run_id
         stored = await self.dht_node.store(
-            fragment_key(self.options.run_id, fragment),
+            state_key(run_id) if fragment is None else fragment_key(run_id, fragment),
             holdings.dict(),
             get_dht_time() + self.options.record_ttl,
             subkey=self.identity.owner_subkey,
@@ -387,7 +430,7 @@ class NetworkTransport(Transport):
         period = min(self.options.liveness_ttl, self.options.record_ttl) / 3
         while True:
             await self._store_progress()
-            for fragment in range(self.num_fragments):
+            for fragment in [*range(self.num_fragments), None]:
                 await self._announce(fragment)
             await asyncio.sleep(period)
 
@@ -408,9 +451,10 @@ class NetworkTransport(Transport):
         assert self.dht_node is not None
         run_id = self.options.run_id
         interest = dict(self._interest)
-        keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id)]
+        keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id), state_key(run_id)]
         found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"))
         now = get_dht_time()
+        self._state_candidates = self._parse_states(found.get(state_key(run_id)), now)
 
         progress_entry = found.get(progress_key(run_id))
         if progress_entry is not None and isinstance(progress_entry.value, dict):
@@ -486,6 +530,21 @@ class NetworkTransport(Transport):
     @property
     def fetches_waiting(self) -> int:
         return len(self._queue)
+
+    def _parse_states(self, entry: object, now: float) -> list[Candidate]:
+        value = getattr(entry, "value", None)
+        if not isinstance(value, dict):
+            return []
+        holdings = []
+        for owner, item in value.items():
+            try:
+                holdings.append(parse_holdings(owner, item.value))
+            except FragmentError as error:
+                self._reject_record(error, ("state", owner, item.expiration_time), now)
+        selection = self._selector.choose_states(holdings, self.options.max_state_bytes, now)
+        for rejection in selection.rejections:
+            self._reject(rejection.reason, rejection.detail)
+        return selection.candidates
 
     def _reject_record(self, error: FragmentError, record: tuple, now: float) -> None:
         if self._selector.judge(record, now):

@@ -4,6 +4,7 @@ Keys (hivemind hashes each to a DHT id)::
 
     "{run_id}_fragment{f}"   one subkey per holder: that holder's ``Holdings`` for fragment f
     "{run_id}_progress"      one subkey per peer: its ``Progress``
+    "{run_id}_state"         one subkey per holder: ``Holdings`` whose offers are state snapshots
 
 Every subkey is the writer's RSA public key in hivemind's ``[owner:...]`` form, so
 ``RSASignatureValidator`` lets only the key's owner write it (docs/DESIGN.md §4: the key in the
@@ -44,6 +45,7 @@ __all__ = [
     "peer_id_of_owner",
     "progress_key",
     "schema_validator",
+    "state_key",
 ]
 
 MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
@@ -62,7 +64,7 @@ class Offer(_Strict):
 
     publisher: _PEER_ID
     base_version: _NON_NEGATIVE
-    kind: pydantic.constr(strict=True, regex=r"^(delta|params)$")
+    kind: pydantic.constr(strict=True, regex=r"^(delta|params|state)$")
     tokens: _NON_NEGATIVE
     codec: pydantic.constr(strict=True, max_length=8)
     numel: _NON_NEGATIVE
@@ -97,13 +99,19 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
+def state_key(run_id: str) -> str:
+    return f"{run_id}_state"
+
+
 def schema_validator(run_id: str, num_fragments: int) -> SchemaValidator:
-    """Validates every key of this run: one field per fragment key plus the progress key."""
+    """Validates every key of this run: one field per fragment key, the progress key and the
+    state key."""
     fields = {
         f"fragment{f}": (dict[BytesWithPublicKey, Optional[Holdings]], None)  # noqa: UP045
         for f in range(num_fragments)
     }
     fields["progress"] = (dict[BytesWithPublicKey, Optional[Progress]], None)  # noqa: UP045
+    fields["state"] = (dict[BytesWithPublicKey, Optional[Holdings]], None)  # noqa: UP045
     schema = pydantic.create_model(f"CgadRun_{run_id}", **fields)
     return SchemaValidator(schema, allow_extra_keys=False, prefix=run_id)
 

@@ -35,7 +35,9 @@ from cgad.protocol.codec import encoded_size
 from cgad.protocol.records import Holdings, Offer
 from cgad.protocol.transport import FragmentKey, Kind
 
-__all__ = ["Candidate", "OfferSelector", "Rejection", "Selection", "check_offer"]
+__all__ = ["STATE_CODEC", "Candidate", "OfferSelector", "Rejection", "Selection", "check_offer"]
+
+STATE_CODEC = "state"  # a snapshot's encoding: the node's own packing, opaque to the transport
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ class OfferSelector:
             for offer in holder.offers:
                 if offer.publisher != holder.peer_id or offer.publisher == self.peer_id:
                     continue  # only a publisher's own record vouches for content
+                if offer.kind == Kind.STATE:
+                    continue  # a snapshot in a fragment's record: only choose_states takes those
                 if self.too_old(offer.base_version, own):
                     continue  # far too old to matter to any outer step
                 kind = Kind(offer.kind)
@@ -176,6 +180,39 @@ class OfferSelector:
                     continue
                 taken.add(candidate.key.publisher)
                 selection.candidates.append(candidate)
+        return selection
+
+    def choose_states(self, holdings: Sequence[Holdings], max_bytes: int, now: float) -> Selection:
+        """Every state snapshot on offer (none of this peer's own), vouched for by its
+        publisher's record, with its holders (re-servers first, the publisher last), newest
+        first. A snapshot larger than ``max_bytes`` or in another encoding is refused unseen."""
+        selection = Selection()
+        by_hash: dict[bytes, list[Holdings]] = defaultdict(list)
+        for holder in holdings:
+            for offer in holder.offers:
+                by_hash[offer.content_hash].append(holder)
+        for holder in holdings:
+            for offer in holder.offers:
+                if (
+                    offer.kind != Kind.STATE
+                    or offer.publisher != holder.peer_id
+                    or offer.publisher == self.peer_id
+                ):
+                    continue
+                key = FragmentKey(self.run_id, 0, offer.base_version, offer.publisher, Kind.STATE)
+                problem = None
+                if offer.codec != STATE_CODEC:
+                    problem = Rejection("unknown_codec", f"{key}: {offer.codec}")
+                elif offer.byte_length > max_bytes:
+                    problem = Rejection("oversized", f"{key}: {offer.byte_length} bytes > {max_bytes}")
+                if problem is not None:
+                    if self.judge(("state", offer.content_hash), now):
+                        selection.rejections.append(problem)
+                    continue
+                others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
+                self.rng.shuffle(others)
+                selection.candidates.append(Candidate(key, offer, [*others, holder]))
+        selection.candidates.sort(key=lambda c: -c.key.base_version)
         return selection
 
     def forget(self, versions: Sequence[int], now: float) -> None:

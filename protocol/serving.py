@@ -1,22 +1,27 @@
-"""Serving what this peer holds: fragments by content hash, and its state blob to joining peers.
+"""Serving what this peer holds, by content hash: fragments, and state snapshots for joiners.
 
-The same calls on both paths: a gRPC server on ``NetworkOptions.grpc_listen`` (unless that is
-none, behind NAT) and libp2p protobuf handlers. Each stream is a header, then the bytes from the
+The same call on both paths: a gRPC server on ``NetworkOptions.grpc_listen`` (unless that is
+none, behind NAT) and a libp2p protobuf handler. Each stream is a header, then the bytes from the
 requested offset in ``CHUNK_BYTES`` chunks, paced to ``upload_limit`` bytes per second (a
 volunteer's uplink is usually the scarcest thing it lends). gRPC gets the messages pre-serialized
 (``serialized_response_stream``), libp2p as messages.
 
+A state snapshot goes first: while one streams out, each fragment stream holds its next chunk
+until no snapshot streams, or for ``FRAGMENT_HOLD`` seconds (below the fetcher's silence
+timeout, so the fetch survives), so a joiner gets the uplink instead of a share of it (a fragment
+that waits only arrives a little older). At most ``MAX_STATE_STREAMS`` snapshots stream
+at once; a further asker is refused and tries another holder.
+
 Threads: a ``FragmentServer`` runs on the transport's event-loop thread ("cgad-net-*"), as do all
-its handlers; ``stats.bytes_sent`` is counted there. The state provider is set from the trainer's
-thread (a plain attribute swap) and called on the loop's default executor threads, once per
-request. The store it serves from has its own lock.
+its handlers; ``stats.bytes_sent`` is counted there. The store it serves from has its own lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 from hivemind.p2p import P2P, P2PContext
@@ -27,10 +32,9 @@ from cgad.protocol.store import FragmentStore
 from cgad.protocol.transport import TransportStats
 from cgad.protocol.wire import (
     CHUNK_BYTES,
+    LIBP2P_DESCRIBE,
     LIBP2P_FETCH,
-    LIBP2P_STATE,
     SERVICE,
-    content_hash,
     response_stream,
     serialized_response_stream,
 )
@@ -40,11 +44,12 @@ __all__ = ["FragmentServer"]
 logger = logging.getLogger(__name__)
 
 Outgoing = AsyncIterator[pb.FetchResponse | bytes]
+MAX_STATE_STREAMS = 2
+FRAGMENT_HOLD = 5.0  # seconds a fragment chunk waits at most while a snapshot streams
 
 
 class FragmentServer:
-    """Serves ``store`` and the state of ``state_provider`` (bytes, called per request; None:
-    no state served)."""
+    """Serves what ``store`` holds."""
 
     def __init__(
         self, options: NetworkOptions, store: FragmentStore, stats: TransportStats, peer_id: str
@@ -53,14 +58,18 @@ class FragmentServer:
         self.store = store
         self.stats = stats
         self.peer_id = peer_id
-        self.state_provider: Callable[[], bytes] | None = None
+        self.description = ""  # the swarm identity this peer tells askers (JSON, set by its node)
+        self.state_streams = 0  # snapshots streaming out now
+        self._no_state: asyncio.Event | None = None  # set while no snapshot streams
         self.grpc_endpoint: str | None = None  # host:port others dial, once the server runs
         self._grpc_server: grpc.aio.Server | None = None
 
     async def start(self, p2p: P2P) -> None:
         """Answer on libp2p, and on gRPC unless ``grpc_listen`` is none."""
+        self._no_state = asyncio.Event()
+        self._no_state.set()
         await p2p.add_protobuf_handler(LIBP2P_FETCH, self._fetch_libp2p, pb.FetchRequest, stream_output=True)
-        await p2p.add_protobuf_handler(LIBP2P_STATE, self._state_libp2p, pb.StateRequest, stream_output=True)
+        await p2p.add_protobuf_handler(LIBP2P_DESCRIBE, self._describe, pb.DescribeRequest)
         listen = self.options.grpc_listen
         if listen is None:
             return
@@ -69,11 +78,8 @@ class FragmentServer:
         fetch = grpc.unary_stream_rpc_method_handler(
             self._fetch_grpc, request_deserializer=pb.FetchRequest.FromString
         )
-        state = grpc.unary_stream_rpc_method_handler(
-            self._state_grpc, request_deserializer=pb.StateRequest.FromString
-        )
         self._grpc_server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler(SERVICE, {"Fetch": fetch, "DownloadState": state})]
+            [grpc.method_handlers_generic_handler(SERVICE, {"Fetch": fetch})]
         )
         port = self._grpc_server.add_insecure_port(listen)
         if port == 0:
@@ -89,13 +95,17 @@ class FragmentServer:
     async def _stream_out(
         self, header: pb.FragmentHeader, data: bytes | bytearray, offset: int, serialized: bool
     ) -> Outgoing:
-        """Header and chunks, within this peer's upload rate."""
+        """Header and chunks, within this peer's upload rate; a fragment's behind any snapshot."""
         stream = serialized_response_stream if serialized else response_stream
         rate = self.options.upload_limit
         loop = asyncio.get_running_loop()
         started = loop.time()
         position = offset
+        state = header.kind == pb.STATE
         for index, message in enumerate(stream(header, data, offset)):
+            if index > 0 and not state and self._no_state is not None and not self._no_state.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._no_state.wait(), FRAGMENT_HOLD)
             yield message
             if index == 0:
                 continue  # the header
@@ -115,35 +125,28 @@ class FragmentServer:
         if entry is None:
             yield self._refusal("not held here", serialized)
             return
+        state = entry.header.kind == pb.STATE
+        if state and self.state_streams >= MAX_STATE_STREAMS:
+            yield self._refusal("busy: serving other snapshots", serialized)
+            return
         offset = min(request.offset, len(entry.data))
-        async for message in self._stream_out(entry.header, entry.data, offset, serialized):
-            yield message
-
-    async def _state(self, request: pb.StateRequest, serialized: bool) -> Outgoing:
-        """This peer's state blob. ``StateResponse`` mirrors ``FetchResponse`` field for field,
-        so the fragment stream writer (and reader) serve it unchanged."""
-        # Served whatever run the asker names: the blob says which run, model and tokenizer it
-        # holds, so a peer that dialled the wrong swarm learns exactly what differs.
-        provider = self.state_provider
-        if provider is None:
-            yield self._refusal("no state served here", serialized)
-            return
+        self._count_state_stream(int(state))
         try:
-            blob = await asyncio.get_running_loop().run_in_executor(None, provider)
-        except Exception as error:
-            logger.exception("the state provider failed")
-            yield self._refusal(f"state unavailable: {error}", serialized)
-            return
-        header = pb.FragmentHeader(
-            run_id=self.options.run_id,
-            publisher=self.peer_id,
-            kind=pb.PARAMS,
-            codec="state",
-            content_hash=content_hash(blob),
-            byte_length=len(blob),
-        )
-        async for message in self._stream_out(header, blob, 0, serialized):
-            yield message
+            async for message in self._stream_out(entry.header, entry.data, offset, serialized):
+                yield message
+        finally:
+            self._count_state_stream(-int(state))
+
+    def _count_state_stream(self, change: int) -> None:
+        self.state_streams += change
+        if self._no_state is not None:
+            if self.state_streams:
+                self._no_state.clear()
+            else:
+                self._no_state.set()
+
+    async def _describe(self, request: pb.DescribeRequest, context: P2PContext) -> pb.DescribeResponse:
+        return pb.DescribeResponse(run_id=self.options.run_id, swarm_json=self.description)
 
     async def _fetch_grpc(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Outgoing:
         async for message in self._fetch(request, serialized=True):
@@ -151,12 +154,4 @@ class FragmentServer:
 
     async def _fetch_libp2p(self, request: pb.FetchRequest, context: P2PContext) -> Outgoing:
         async for message in self._fetch(request, serialized=False):
-            yield message
-
-    async def _state_grpc(self, request: pb.StateRequest, context: grpc.aio.ServicerContext) -> Outgoing:
-        async for message in self._state(request, serialized=True):
-            yield message
-
-    async def _state_libp2p(self, request: pb.StateRequest, context: P2PContext) -> Outgoing:
-        async for message in self._state(request, serialized=False):
             yield message

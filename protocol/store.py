@@ -1,4 +1,5 @@
-"""The encoded fragments a peer serves: its own recent versions and others' it re-serves.
+"""The encoded fragments a peer serves: its own recent versions and others' it re-serves; and
+state snapshots (kind STATE): its own latest and the one it adopted, which it re-serves.
 
 Threads: a ``FragmentStore`` is shared. The event-loop thread ("cgad-net-*") puts fragments in
 and reads them to serve and announce; the trainer's thread (and tools) may read or discard. Its
@@ -16,7 +17,7 @@ from cgad.protocol.transport import FragmentKey, Kind
 
 __all__ = ["FragmentStore", "StoredFragment", "fragment_header"]
 
-_KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS}
+_KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS, Kind.STATE: pb.STATE}
 
 
 @dataclass
@@ -46,7 +47,8 @@ def fragment_header(key: FragmentKey, offer: Offer) -> pb.FragmentHeader:
 
 class FragmentStore:
     """Encoded fragments by content hash, bounded per fragment: the newest ``keep_own`` own
-    versions per fragment and kind, and the newest ``keep_reserved`` others'."""
+    versions per fragment and kind, and the newest ``keep_reserved`` others'. Of state
+    snapshots, one own and one other (they are the size of the model)."""
 
     def __init__(self, keep_own: int, keep_reserved: int) -> None:
         self.keep_own = keep_own
@@ -61,9 +63,15 @@ class FragmentStore:
     def put(self, entry: StoredFragment) -> None:
         """Store ``entry``, dropping the oldest base versions of its group beyond the bound."""
         header = entry.header
+        state = header.kind == pb.STATE
         with self._lock:
             self._by_hash[header.content_hash] = entry
-            if entry.own:
+            if state:
+                group = [
+                    e for e in self._by_hash.values() if e.own == entry.own and e.header.kind == pb.STATE
+                ]
+                keep = 1
+            elif entry.own:
                 group = [
                     e
                     for e in self._by_hash.values()
@@ -72,7 +80,9 @@ class FragmentStore:
                 keep = self.keep_own
             else:
                 group = [
-                    e for e in self._by_hash.values() if not e.own and e.header.fragment == header.fragment
+                    e
+                    for e in self._by_hash.values()
+                    if not e.own and e.header.fragment == header.fragment and e.header.kind != pb.STATE
                 ]
                 keep = self.keep_reserved
             group.sort(key=lambda e: e.header.base_version)
@@ -83,10 +93,17 @@ class FragmentStore:
         with self._lock:
             self._by_hash.pop(digest, None)
 
-    def offers(self, fragment: int) -> list[Offer]:
-        """What to announce for a fragment: own versions first, newest first, at most
-        ``MAX_OFFERS`` (what a record may carry)."""
+    def offers(self, fragment: int | None) -> list[Offer]:
+        """What to announce for a fragment (None: for state snapshots): own versions first,
+        newest first, at most ``MAX_OFFERS`` (what a record may carry)."""
         with self._lock:
-            entries = [e for e in self._by_hash.values() if e.header.fragment == fragment]
+            if fragment is None:
+                entries = [e for e in self._by_hash.values() if e.header.kind == pb.STATE]
+            else:
+                entries = [
+                    e
+                    for e in self._by_hash.values()
+                    if e.header.fragment == fragment and e.header.kind != pb.STATE
+                ]
         entries.sort(key=lambda e: (not e.own, -e.header.base_version))
         return [e.offer for e in entries[:MAX_OFFERS]]

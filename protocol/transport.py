@@ -24,6 +24,7 @@ __all__ = ["Fragment", "FragmentKey", "Kind", "Transport", "TransportStats"]
 class Kind(enum.StrEnum):
     DELTA = "delta"
     PARAMS = "params"
+    STATE = "state"  # a snapshot of a peer's whole outer state (network transport only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,8 @@ from cgad.protocol.errors import FragmentError
 __all__ = [
     "CHUNK_BYTES",
     "GRPC_FETCH",
-    "GRPC_STATE",
+    "LIBP2P_DESCRIBE",
     "LIBP2P_FETCH",
-    "LIBP2P_STATE",
     "SERVICE",
     "ChunkAssembler",
     "content_hash",
@@ -39,9 +38,8 @@ CHUNK_BYTES = 1 << 20  # libp2p caps a message at 4 MiB; 1 MiB parts keep both p
 # can be streamed pre-serialized): the gRPC method paths and the libp2p protocol names.
 SERVICE = pb.DESCRIPTOR.services_by_name["FragmentService"].full_name
 GRPC_FETCH = f"/{SERVICE}/Fetch"
-GRPC_STATE = f"/{SERVICE}/DownloadState"
 LIBP2P_FETCH = f"{SERVICE}.Fetch"
-LIBP2P_STATE = f"{SERVICE}.DownloadState"
+LIBP2P_DESCRIBE = f"{SERVICE}.Describe"
 
 MessageT = TypeVar("MessageT", bound=Message)
 

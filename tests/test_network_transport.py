@@ -314,25 +314,43 @@ def test_download_from_a_chosen_holder_over_a_chosen_path(swarm: list[NetworkTra
     assert info.value.reason == "unavailable"
 
 
-@pytest.mark.timeout(60)
-def test_state_download_over_each_path(swarm: list[NetworkTransport]) -> None:
+@pytest.mark.timeout(90)
+def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
+    swarm: list[NetworkTransport],
+) -> None:
     p0, p1, p2, p3 = swarm
     blob = os.urandom(3 * (1 << 20) + 5)
-    p1.serve_state(lambda: blob)
-    wait_for(lambda: p1.peer_id in p0.swarm_progress() and p1.peer_id in p2.swarm_progress(), what="progress")
-    assert p0.swarm_progress()[p1.peer_id].grpc == p1.grpc_endpoint
-    assert bytes(p0.download_state(p1.peer_id)) == blob  # gRPC first
-    assert bytes(p2.download_state(p1.peer_id)) == blob  # libp2p only
-    with pytest.raises(FragmentError) as info:
-        p0.download_state(p3.peer_id)  # p3 serves no state
+    p1.publish_state(blob, [7] * NUM_FRAGMENTS)
+
+    def offered(transport: NetworkTransport, version: int, holders: int = 1) -> list:
+        return [
+            c
+            for c in transport.state_offers()
+            if c.key.publisher == p1.peer_id and c.key.base_version == version and len(c.holders) == holders
+        ]
+
+    wait_for(lambda: offered(p0, 7) and offered(p2, 7), what="the snapshot's record")
+    [candidate] = offered(p0, 7)
+    assert candidate.offer.byte_length == len(blob) and candidate.key.kind is Kind.STATE
+    assert bytes(p0.fetch_state(candidate, timeout=30)) == blob  # gRPC first
+    assert bytes(p2.fetch_state(offered(p2, 7)[0], timeout=30)) == blob  # libp2p only
+    # p0 serves it onward: the next joiner finds two holders, the re-server first
+    p0.reserve_state(candidate, blob)
+    wait_for(lambda: offered(p3, 7, holders=2), what="p0 as a second holder")
+    [two] = offered(p3, 7, holders=2)
+    assert [h.peer_id for h in two.holders] == [p0.peer_id, p1.peer_id]
+    assert bytes(p3.fetch_state(two, timeout=30)) == blob
+    # a newer snapshot replaces the publisher's older one, and is offered first
+    newer = os.urandom(1 << 20)
+    p1.publish_state(newer, [8] * NUM_FRAGMENTS)
+    wait_for(lambda: offered(p3, 8), what="the newer snapshot")
+    assert p3.state_offers()[0].key.base_version == 8
+    assert p1.store.get(candidate.offer.content_hash) is None
+    # nobody left who holds it: the error says how far the download got, and from how many
+    gone = type(candidate)(candidate.key, candidate.offer, [candidate.holders[-1]])
+    with pytest.raises(FragmentError, match=r"every holder failed at 0.0 of 3.1 MB .*1 holder") as info:
+        p3.fetch_state(gone, timeout=30)
     assert info.value.reason == "unavailable"
-
-    def broken() -> bytes:
-        raise RuntimeError("disk on fire")
-
-    p1.serve_state(broken)
-    with pytest.raises(FragmentError, match="disk on fire"):
-        p0.download_state(p1.peer_id)
 
 
 @pytest.mark.timeout(60)

@@ -213,3 +213,43 @@ def test_forgetting_bounds_every_ledger() -> None:
     # a fragment this peer reports no version of has version 0: nothing of it is too old
     selector.forget([], now=0.0)
     assert len(selector.delivered) == 20
+
+
+def _state(publisher: str, base: int, *, length: int = 5000, codec: str = "state") -> Offer:
+    return Offer(
+        publisher=publisher,
+        base_version=base,
+        kind="state",
+        tokens=0,
+        codec=codec,
+        numel=0,
+        content_hash=hashlib.sha256(f"state/{publisher}/{base}".encode()).digest(),
+        byte_length=length,
+    )
+
+
+def test_state_snapshots_newest_first_with_their_holders():
+    selector = _selector()
+    old, new, mine = _state(ALICE, 3), _state(BOB, 9), _state(ME, 12)
+    records = [
+        _own(old),
+        _own(new),
+        _own(mine),  # this peer's own: never offered back to it
+        Holdings(peer_id=CAROL, grpc=None, offers=[new]),  # a re-server of Bob's
+        Holdings(peer_id=DAVE, grpc=None, offers=[_state(ERIN, 50)]),  # Erin never vouched for it
+    ]
+    selection = selector.choose_states(records, max_bytes=10_000, now=0.0)
+    assert [(c.key.publisher, c.key.base_version) for c in selection.candidates] == [(BOB, 9), (ALICE, 3)]
+    assert [h.peer_id for h in selection.candidates[0].holders] == [CAROL, BOB]
+    assert all(c.key.kind is Kind.STATE for c in selection.candidates) and selection.rejections == []
+    # a snapshot is no fragment: a state offer in a fragment's record is not fetched as one
+    assert _choose(_selector(), [_own(_state(ALICE, 5))]).candidates == []
+
+
+def test_state_snapshots_too_large_or_foreign_are_refused_unseen_and_counted_once():
+    selector = _selector()
+    records = [_own(_state(ALICE, 4, length=20_000)), _own(_state(BOB, 4, codec="fp32"))]
+    first = selector.choose_states(records, max_bytes=10_000, now=0.0)
+    assert first.candidates == []
+    assert sorted(r.reason for r in first.rejections) == ["oversized", "unknown_codec"]
+    assert selector.choose_states(records, max_bytes=10_000, now=1.0).rejections == []

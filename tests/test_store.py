@@ -30,7 +30,7 @@ def _entry(fragment: int, base: int, own: bool, kind: Kind = Kind.DELTA) -> Stor
     header = pb.FragmentHeader(
         fragment=fragment,
         base_version=base,
-        kind=pb.DELTA if kind is Kind.DELTA else pb.PARAMS,
+        kind={Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS, Kind.STATE: pb.STATE}[kind],
         content_hash=offer.content_hash,
     )
     return StoredFragment(header, data, offer, own)
@@ -107,3 +107,15 @@ def test_fragment_header_describes_the_offer() -> None:
     )
     assert header.kind == pb.PARAMS and list(header.shape) == [1] and header.codec == "fp32"
     assert (header.content_hash, header.byte_length) == (entry.offer.content_hash, 64)
+
+
+def test_store_keeps_one_own_and_one_adopted_snapshot_apart_from_fragments() -> None:
+    store = FragmentStore(keep_own=2, keep_reserved=3)
+    fragments = [_entry(0, 5, own=True), _entry(0, 5, own=False)]
+    own = [_entry(0, base, own=True, kind=Kind.STATE) for base in (1, 6)]
+    adopted = [_entry(0, base, own=False, kind=Kind.STATE) for base in (2, 4)]
+    for entry in [*fragments, *own, *adopted]:
+        store.put(entry)
+    assert _held(store, [*fragments, *own, *adopted]) == [*fragments, own[1], adopted[1]]
+    assert store.offers(None) == [own[1].offer, adopted[1].offer]  # own first
+    assert store.offers(0) == [fragments[0].offer, fragments[1].offer]  # no snapshot among them
