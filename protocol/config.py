@@ -119,8 +119,16 @@ class NetworkOptions(BaseModel):
         None, gt=0, allow_inf_nan=False, description="refuse a fragment whose L2 norm is larger"
     )
     poll_interval: Seconds = Field(1.0, description="seconds between looks at the DHT")
-    record_ttl: Seconds = Field(120.0, description="seconds a holdings record lives in the DHT")
-    liveness_ttl: Seconds = Field(30.0, description="seconds a peer counts as live after its last report")
+    record_ttl: float = Field(
+        120.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a holdings record lives in the DHT"
+    )
+    liveness_ttl: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="seconds a peer counts as live after its last report",
+    )
     connect_timeout: Seconds = Field(2.0, description="seconds to wait for a holder to answer")
     chunk_timeout: Seconds = Field(
         15.0, description="longest silence within a transfer before trying another holder"

@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from hivemind.dht.node import DHTNode
-from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
@@ -59,7 +58,7 @@ from cgad.protocol.records import (
     parse_holdings,
     parse_progress,
     progress_key,
-    schema_validator,
+    run_validator,
     state_key,
 )
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
@@ -72,6 +71,8 @@ from cgad.protocol.wire import ChunkAssembler, content_hash
 __all__ = ["NetworkTransport"]
 
 logger = logging.getLogger(__name__)
+
+CLOCK_SKEW = 60.0  # seconds a peer's clock may run ahead of ours (DHT time is each peer's own)
 
 
 class NetworkTransport(Transport):
@@ -358,9 +359,7 @@ class NetworkTransport(Transport):
         if self.p2p.peer_id.to_base58() != self.peer_id:
             raise RuntimeError("libp2p identity and signing key disagree")
         self._fetcher.p2p = self.p2p
-        validator = CompositeValidator(
-            [schema_validator(options.run_id, self.num_fragments), self.identity.signature_validator]
-        )
+        validator = run_validator(options.run_id, self.num_fragments, self.identity)
         self.dht_node = await DHTNode.create(
             p2p=self.p2p,
             initial_peers=options.peers or None,
@@ -462,6 +461,8 @@ class NetworkTransport(Transport):
             for owner, item in progress_entry.value.items():
                 try:
                     progress = parse_progress(owner, item.value)
+                    if progress.time > now + CLOCK_SKEW:  # would count as live long after it left
+                        raise FragmentError("future_time", f"progress of {progress.peer_id} from the future")
                 except FragmentError as error:
                     self._reject_record(error, ("progress", owner, item.expiration_time), now)
                     continue

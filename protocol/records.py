@@ -25,9 +25,13 @@ from typing import Optional
 import pydantic.v1 as pydantic
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from cgad.protocol.errors import FragmentError
@@ -35,20 +39,24 @@ from cgad.protocol.files import atomic_write
 
 __all__ = [
     "MAX_OFFERS",
+    "MAX_RECORD_TTL",
     "Holdings",
     "Identity",
     "Offer",
     "Progress",
+    "RunKeysValidator",
     "fragment_key",
     "parse_holdings",
     "parse_progress",
     "peer_id_of_owner",
     "progress_key",
+    "run_validator",
     "schema_validator",
     "state_key",
 ]
 
 MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
+MAX_RECORD_TTL = 3600.0  # seconds: no record of a run may claim to live longer
 _PEER_ID = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
 _NON_NEGATIVE = pydantic.conint(strict=True, ge=0)
 
@@ -114,6 +122,38 @@ def schema_validator(run_id: str, num_fragments: int) -> SchemaValidator:
     fields["state"] = (dict[BytesWithPublicKey, Optional[Holdings]], None)  # noqa: UP045
     schema = pydantic.create_model(f"CgadRun_{run_id}", **fields)
     return SchemaValidator(schema, allow_extra_keys=False, prefix=run_id)
+
+
+def run_validator(run_id: str, num_fragments: int, identity: Identity) -> CompositeValidator:
+    """What every DHT node of a run checks each record against, on store and on every read: the
+    schema, one owner per subkey within a bounded lifetime, and the owner's signature (which
+    ``identity`` also adds to this peer's own records)."""
+    return CompositeValidator(
+        [
+            schema_validator(run_id, num_fragments),
+            RunKeysValidator(run_id, num_fragments),
+            identity.signature_validator,
+        ]
+    )
+
+
+class RunKeysValidator(RecordValidatorBase):
+    """Every record at a run's keys is one owner's subkey, and expires within
+    ``MAX_RECORD_TTL``. Without this, a bare value at a key (which needs no signature, having no
+    owner) would replace every subkey under it and be refused by nobody, and a record could be
+    made to outlive its writer for good."""
+
+    def __init__(self, run_id: str, num_fragments: int) -> None:
+        names = [fragment_key(run_id, f) for f in range(num_fragments)]
+        names += [progress_key(run_id), state_key(run_id)]
+        self._keys = {DHTID.generate(source=name).to_bytes() for name in names}
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._keys:
+            return True  # not this run's: the schema validator refuses unknown keys
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return False
+        return record.expiration_time <= get_dht_time() + MAX_RECORD_TTL
 
 
 @functools.lru_cache(maxsize=4096)

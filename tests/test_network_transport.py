@@ -532,3 +532,17 @@ def test_fetches_wait_their_turn_youngest_first_and_stop_when_too_old() -> None:
     finally:
         receiver.close()
         publisher.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_bare_value_cannot_wipe_the_records_of_a_fragment(swarm: list[NetworkTransport]) -> None:
+    p0, p1, _, p3 = swarm
+    x = torch.randn(SMALL)
+    p1.publish(Fragment(key(p1, 6, 1), x), codec="fp32")
+    wait_for(lambda: p1.store.offers(6), what="p1's announcement")
+    assert p0.dht_node is not None
+    wiped = p0._runner.call(p0.dht_node.store(fragment_key(RUN, 6), None, get_dht_time() + 60), timeout=20)
+    assert not wiped  # every DHT node refuses an ownerless value at a run's key
+    p3.expect(6, SMALL)
+    [got] = collect(p3, 6, 1)
+    assert got.key == key(p1, 6, 1) and torch.equal(got.tensor, x)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from cgad.protocol import FragmentError
 from cgad.protocol.records import (
     MAX_OFFERS,
+    MAX_RECORD_TTL,
     Holdings,
     Identity,
     Offer,
@@ -25,7 +26,9 @@ from cgad.protocol.records import (
     parse_progress,
     peer_id_of_owner,
     progress_key,
+    run_validator,
     schema_validator,
+    state_key,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +68,7 @@ def _record(key: str, owner: bytes, value: object) -> DHTRecord:
 
 
 def _validator(identity: Identity, num_fragments: int = 4) -> CompositeValidator:
-    return CompositeValidator([schema_validator("run", num_fragments), identity.signature_validator])
+    return run_validator("run", num_fragments, identity)
 
 
 def test_peer_id_follows_from_the_signing_key(alice: Identity, bob: Identity) -> None:
@@ -165,3 +168,24 @@ def test_fuzz_record_parsing_only_raises_fragment_error(alice: Identity, value: 
     for parse in (parse_holdings, parse_progress):
         with pytest.raises(FragmentError):
             parse(alice.owner_subkey, value)
+
+
+def test_a_bare_value_at_a_run_key_is_refused(alice: Identity) -> None:
+    """Unsigned and ownerless, it would replace every peer's subkey under the key."""
+    for key in (fragment_key("run", 0), progress_key("run"), state_key("run")):
+        bare = DHTRecord(
+            key=DHTID.generate(source=key).to_bytes(),
+            subkey=DHTProtocol.IS_REGULAR_VALUE,
+            value=serializer.dumps(None),
+            expiration_time=get_dht_time() + 30,
+        )
+        assert not _validator(alice).validate(bare), key
+
+
+def test_a_record_may_not_outlive_its_writer_for_long(alice: Identity) -> None:
+    holdings = Holdings(peer_id=alice.peer_id, grpc=None, offers=[_offer(alice.peer_id)])
+    record = _record(fragment_key("run", 1), alice.owner_subkey, holdings.dict())
+    for expiration, ok in ((get_dht_time() + MAX_RECORD_TTL - 60, True), (get_dht_time() + 1e9, False)):
+        timed = dataclasses.replace(record, expiration_time=expiration)
+        signed = dataclasses.replace(timed, value=_validator(alice).sign_value(timed))
+        assert _validator(alice).validate(signed) is ok

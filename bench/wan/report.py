@@ -1,0 +1,124 @@
+"""Compare WAN testbed runs: each scenario against the isolated floor, at the same wall-clock.
+
+Reads the result files of ``bench/wan/run.py`` (bench/results/wan/<name>.json), and for each
+scenario reports, per node and as mean [range] over nodes: the held-out loss at a common
+wall-clock time (the shortest run's end, so every scenario is judged at the same seconds),
+utilisation (inner steps done / the floor's mean inner steps in the same seconds), fragments
+applied, mean age, and what was rejected or skipped. Writes bench/results/wan/summary.json, a
+PNG of mean loss against wall-clock per scenario, and prints a markdown table (docs/WAN.md).
+
+    python bench/wan/report.py [--floor 10mbit-4-isolated] [names...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "wan"
+
+
+def node_series(result: dict[str, Any], index: int, field: str) -> list[tuple[float, float]]:
+    """(seconds, value) of one status field of one node, from the poller's samples."""
+    return [
+        (s["t"], s["status"][field])
+        for s in result["samples"]
+        if s.get("node") == index and s.get("status") and s["status"].get(field) is not None
+    ]
+
+
+def at(series: list[tuple[float, float]], t: float) -> float | None:
+    """The latest value at or before ``t``."""
+    before = [v for when, v in series if when <= t]
+    return before[-1] if before else None
+
+
+def nodes_of(result: dict[str, Any]) -> list[int]:
+    return sorted({s["node"] for s in result["samples"] if "node" in s})
+
+
+def summarize(result: dict[str, Any], t: float, floor_steps: float | None) -> dict[str, Any]:
+    per_node = []
+    for index in nodes_of(result):
+        loss = at(node_series(result, index, "eval_loss"), t)
+        steps = at(node_series(result, index, "inner_step"), t)
+        final = result["final"].get(str(index)) or result["final"].get(index) or {}
+        per_node.append({
+            "node": index,
+            "eval_loss": loss,
+            "inner_steps": steps,
+            "utilisation": steps / floor_steps if steps is not None and floor_steps else None,
+            "applied": final.get("applied"),
+            "mean_age": final.get("mean_age"),
+            "rejected": final.get("rejected", {}),
+            "skipped": final.get("skipped", {}),
+            "resyncs": final.get("resyncs"),
+        })  # fmt: skip
+    losses = [n["eval_loss"] for n in per_node if n["eval_loss"] is not None]
+    utilisation = [n["utilisation"] for n in per_node if n["utilisation"] is not None]
+    return {
+        "at_seconds": t,
+        "nodes": per_node,
+        "eval_loss_mean": statistics.fmean(losses) if losses else None,
+        "eval_loss_range": [min(losses), max(losses)] if losses else None,
+        "utilisation_mean": statistics.fmean(utilisation) if utilisation else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help="scenario names (default: every result file)")
+    parser.add_argument("--floor", default="10mbit-4-isolated", help="the isolated run to compare with")
+    args = parser.parse_args()
+    names = args.names or sorted(p.stem for p in RESULTS.glob("*.json") if p.stem != "summary")
+    results = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in names}
+    if args.floor not in results:
+        results[args.floor] = json.loads((RESULTS / f"{args.floor}.json").read_text())
+    t = min(max(s["t"] for s in r["samples"]) for r in results.values())
+    floor_nodes = summarize(results[args.floor], t, None)["nodes"]
+    floor_steps = statistics.fmean(n["inner_steps"] for n in floor_nodes if n["inner_steps"] is not None)
+    summary = {name: summarize(r, t, floor_steps) for name, r in results.items()}
+    (RESULTS / "summary.json").write_text(json.dumps({"floor": args.floor, "scenarios": summary}, indent=1) + "\n")
+    plot(results, RESULTS / "summary.png")
+    print(f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | utilisation | applied | mean age |")
+    print("|---|---|---|---|---|")
+    for name, row in summary.items():
+        lo, hi = row["eval_loss_range"] or (float("nan"), float("nan"))
+        applied = sum(n["applied"] or 0 for n in row["nodes"])
+        ages = [n["mean_age"] for n in row["nodes"] if n["mean_age"]]
+        print(
+            f"| {name} | {row['eval_loss_mean']:.3f} [{lo:.3f}-{hi:.3f}] | {row['utilisation_mean']:.2f} |"
+            f" {applied} | {statistics.fmean(ages) if ages else 0:.2f} |"
+        )
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, result in results.items():
+        nodes = nodes_of(result)
+        times = sorted({s["t"] for s in result["samples"] if "node" in s})
+        points = []
+        for t in times:
+            values = [at(node_series(result, i, "eval_loss"), t) for i in nodes]
+            values = [v for v in values if v is not None]
+            if values:
+                points.append((t, statistics.fmean(values)))
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=name)
+    ax.set(xlabel="wall-clock seconds", ylabel="held-out loss, mean over nodes", title="WAN testbed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
