@@ -143,7 +143,9 @@ class NodeOptions(_Part):
         " has its own timeout, from its size)",
     )
     state_every: Positive = Field(
-        5, description="outer rounds between snapshots of the outer state offered to joining peers"
+        1,
+        description="outer rounds between snapshots of the outer state offered to joining peers (a joiner"
+        " adopts the newest: an old one leaves its parameters behind the swarm's for good)",
     )
     max_rounds: int = Field(0, ge=0, description="stop after this many outer rounds (0: until told to leave)")
     eval_every: Positive = Field(1, description="outer rounds between held-out evaluations")

@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # bytes per second a state download may not fall below on average: its timeout is a minute
 # plus its size at this rate (100 kB/s, 0.8 Mbit/s: a slow volunteer's link)
 MIN_STATE_RATE = 100e3
+MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays far ahead
 
 LINGER_SECONDS = 3.0  # after the last publish, so peers (polling every second) can fetch it
 
@@ -222,18 +223,40 @@ class Node:
 
     def sync_from_swarm(self, required: bool) -> bool:
         """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a
-        fresh node, ``required``: any, within ``join_timeout``); True when one was adopted."""
+        fresh node, ``required``: any, within ``join_timeout``); True when one was adopted.
+        A snapshot that is still more than the cutoff behind the swarm once adopted (a slow
+        download, or an old snapshot) is followed by a newer one, up to ``MAX_ADOPTIONS``;
+        then this peer's versions are counted on to the source's (``_fast_forward``)."""
         c = self.config
         give_up = time.monotonic() + (c.join_timeout if required else 10.0)
         failures: list[str] = []
+        adopted: tuple[str, int] | None = None  # the last snapshot adopted: publisher, round
+        adoptions = 0
         while not self._leave.is_set():
-            offers = self._snapshots_worth_adopting(at_least_ours=required)
-            for candidate in offers:
-                if self._adopt(candidate, failures):
-                    return True
-            if time.monotonic() > give_up or (offers and not required):
+            offers = self._snapshots_worth_adopting(at_least_ours=required and adopted is None)
+            if adopted is not None and (
+                not offers or adoptions >= MAX_ADOPTIONS or self.behind_swarm() <= c.cutoff
+            ):
                 break
-            time.sleep(1.0)
+            for candidate in offers:
+                snapshot_round = self._adopt(candidate, failures)
+                if snapshot_round is not None:
+                    adopted, adoptions = (candidate.key.publisher, snapshot_round), adoptions + 1
+                    break
+            else:
+                if adopted is not None or time.monotonic() > give_up or (offers and not required):
+                    break
+                time.sleep(1.0)
+        if adopted is not None:
+            peer, snapshot_round = adopted
+            moved = self._fast_forward(peer)
+            self.round = max(self.round, snapshot_round + moved)
+            self.started_from = f"peer {peer}"
+            logger.info(
+                "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
+                peer, self.loop.versions, moved,
+            )  # fmt: skip
+            return True
         if required and not self._leave.is_set():
             why = "; ".join(failures[-3:]) or (
                 f"no peer of run {c.run_id!r} offered a snapshot within {c.join_timeout:.0f} s"
@@ -256,9 +279,10 @@ class Node:
             and c.key.base_version <= ceiling
         ]
 
-    def _adopt(self, candidate: Any, failures: list[str]) -> bool:
-        """Download one snapshot, check it and adopt it; False (with why, in ``failures``)
-        when it is unusable. A snapshot of another swarm raises ``IncompatibleSwarm``."""
+    def _adopt(self, candidate: Any, failures: list[str]) -> int | None:
+        """Download one snapshot, check it and adopt it: its round, or None (with why, in
+        ``failures``) when it is unusable. A snapshot of another swarm raises
+        ``IncompatibleSwarm``."""
         peer, size = candidate.key.publisher, candidate.offer.byte_length
         timeout = 60.0 + size / MIN_STATE_RATE
         logger.info(
@@ -271,7 +295,7 @@ class Node:
         except (FragmentError, CheckpointError, TimeoutError) as exc:
             failures.append(str(exc))
             logger.warning("state download failed: %s", exc)
-            return False
+            return None
         self._check_compatible(state.get("swarm", {}) if isinstance(state, dict) else {}, f"peer {peer}")
         try:
             versions, snapshot_round = state["outer"]["versions"], state["round"]
@@ -287,16 +311,9 @@ class Node:
             failures.append(f"snapshot of {peer} is unusable: {exc}")
             self.transport.stats.rejected["bad_state"] += 1
             logger.warning("the snapshot of %s is unusable: %s", peer, exc)
-            return False
+            return None
         self.transport.reserve_state(candidate, data)
-        moved = self._fast_forward(peer)
-        self.round = max(self.round, snapshot_round + moved)
-        self.started_from = f"peer {peer}"
-        logger.info(
-            "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
-            peer, self.loop.versions, moved,
-        )  # fmt: skip
-        return True
+        return snapshot_round
 
     def _fast_forward(self, peer: str) -> int:
         """Versions the source moved on while its state downloaded (from its latest progress
