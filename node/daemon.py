@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import re
 import signal
 import statistics
 import sys
@@ -100,8 +102,11 @@ class Node:
         params = list(self.model.parameters())
         numels = OuterLoop.layout_numels(params, c.fragments)
         # the transport and the outer loop read their own parts of the one configuration
+        # a snapshot holds φ and at most two more model-sized tensors of outer state, in fp32, and a
+        # little metadata: a record announcing more is refused before any byte moves
+        state_bound = 16 * sum(p.numel() for p in params) + (1 << 20)
         self.transport = NetworkTransport(
-            c,
+            c.model_copy(update={"max_state_bytes": min(c.max_state_bytes, state_bound)}),
             num_fragments=c.fragments,
             fragment_numel=dict(enumerate(numels)),
             identity=self.identity,
@@ -281,8 +286,7 @@ class Node:
 
     def _adopt(self, candidate: Any, failures: list[str]) -> int | None:
         """Download one snapshot, check it and adopt it: its round, or None (with why, in
-        ``failures``) when it is unusable. A snapshot of another swarm raises
-        ``IncompatibleSwarm``."""
+        ``failures``) when it is unusable, a snapshot of another swarm included."""
         peer, size = candidate.key.publisher, candidate.offer.byte_length
         timeout = 60.0 + size / MIN_STATE_RATE
         logger.info(
@@ -296,8 +300,10 @@ class Node:
             failures.append(str(exc))
             logger.warning("state download failed: %s", exc)
             return None
-        self._check_compatible(state.get("swarm", {}) if isinstance(state, dict) else {}, f"peer {peer}")
         try:
+            # the peers at --peers were checked already (Describe): a snapshot of another swarm
+            # is one bad offer among others, never a reason to stop
+            self._check_compatible(state.get("swarm", {}) if isinstance(state, dict) else {}, f"peer {peer}")
             versions, snapshot_round = state["outer"]["versions"], state["round"]
             if not isinstance(snapshot_round, int) or snapshot_round < 0:
                 raise ValueError(f"round {snapshot_round!r}")
@@ -307,7 +313,7 @@ class Node:
                 )
             with self._outer_lock:
                 self.loop.load_state_dict(state["outer"])  # checks the whole before adopting any
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # IncompatibleSwarm too
             failures.append(f"snapshot of {peer} is unusable: {exc}")
             self.transport.stats.rejected["bad_state"] += 1
             logger.warning("the snapshot of %s is unusable: %s", peer, exc)
@@ -479,6 +485,7 @@ class Node:
             "resumed": self.resumed,
             "device": str(self.device),
             "uptime": time.time() - self.started_at,
+            "cpu_seconds_by_thread": cpu_seconds_by_thread(),
         }
 
     def _show(self, status: dict[str, Any], final: bool = False) -> None:
@@ -489,6 +496,28 @@ class Node:
         else:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
+
+
+def cpu_seconds_by_thread() -> dict[str, float]:
+    """CPU seconds each thread of this process has used, by Python thread name (threads that
+    Python did not start, e.g. OpenMP's or gRPC's, summed as "native"); empty where /proc is not."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    totals: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return totals
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat_file:
+                stat = stat_file.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = re.sub(r"_\d+$", "", names.get(int(tid), "native"))  # pool workers under one name
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
 
 
 def _model_fingerprint(config: dict[str, Any]) -> str:

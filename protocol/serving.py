@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 Outgoing = AsyncIterator[pb.FetchResponse | bytes]
 MAX_STATE_STREAMS = 2
+MAX_GRPC_STREAMS = 64  # gRPC refuses further calls at once (RESOURCE_EXHAUSTED): they try elsewhere
 FRAGMENT_HOLD = 5.0  # seconds a fragment chunk waits at most while a snapshot streams
 
 
@@ -73,7 +74,15 @@ class FragmentServer:
         listen = self.options.grpc_listen
         if listen is None:
             return
-        self._grpc_server = grpc.aio.server()
+        # bounded: each stream holds a fragment's bytes; idle connections are probed and dropped
+        self._grpc_server = grpc.aio.server(
+            maximum_concurrent_rpcs=MAX_GRPC_STREAMS,
+            options=[
+                ("grpc.keepalive_time_ms", 60_000),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.max_connection_idle_ms", 300_000),
+            ],
+        )
         # no response serializers: the handlers yield messages already serialized
         fetch = grpc.unary_stream_rpc_method_handler(
             self._fetch_grpc, request_deserializer=pb.FetchRequest.FromString

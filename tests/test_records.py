@@ -21,6 +21,7 @@ from cgad.protocol.records import (
     Identity,
     Offer,
     Progress,
+    RememberingValidator,
     fragment_key,
     parse_holdings,
     parse_progress,
@@ -189,3 +190,21 @@ def test_a_record_may_not_outlive_its_writer_for_long(alice: Identity) -> None:
         timed = dataclasses.replace(record, expiration_time=expiration)
         signed = dataclasses.replace(timed, value=_validator(alice).sign_value(timed))
         assert _validator(alice).validate(signed) is ok
+
+
+def test_verdicts_are_remembered_per_exact_record(alice: Identity, bob: Identity) -> None:
+    validator = _validator(alice)
+    holdings = Holdings(peer_id=alice.peer_id, grpc=None, offers=[_offer(alice.peer_id)])
+    record = _record(fragment_key("run", 1), alice.owner_subkey, holdings.dict())
+    signed = dataclasses.replace(record, value=validator.sign_value(record))
+    assert validator.validate(signed) and validator.validate(signed)
+    assert len(validator._verdicts) == 1  # the second look cost nothing
+    # one byte different is another record, judged afresh (a bad signature stays refused)
+    tampered = dataclasses.replace(signed, value=signed.value[:-1] + bytes([signed.value[-1] ^ 1]))
+    assert not validator.validate(tampered) and not validator.validate(tampered)
+    assert len(validator._verdicts) == 2
+    small = RememberingValidator([schema_validator("run", 4)], size=2)
+    for base in range(3):
+        value = Holdings(peer_id=bob.peer_id, grpc=None, offers=[_offer(bob.peer_id, base)]).dict()
+        assert small.validate(_record(fragment_key("run", 0), bob.owner_subkey, value))
+    assert len(small._verdicts) == 2  # bounded
