@@ -51,6 +51,7 @@ OptimizerName = Literal[
 OPTIMIZERS: tuple[str, ...] = OptimizerName.__args__
 
 Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -141,6 +142,11 @@ class NodeOptions(_Part):
         allow_inf_nan=False,
         description="seconds a new node waits for the swarm to offer its state (a download under way"
         " has its own timeout, from its size)",
+    )
+    apply_delay: NonNegative | Literal["auto"] = Field(
+        "auto",
+        description="inner steps between publishing a fragment and its outer step, training on meanwhile,"
+        " so that peers' fragments of the same round arrive in time (auto: half a block; 0: at once)",
     )
     state_every: Positive = Field(
         1,

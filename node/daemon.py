@@ -118,6 +118,7 @@ class Node:
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
             self.block_start = 0  # the inner step at which the current block began
+            self._due: tuple[int, int] | None = None  # published fragment, inner step of its outer step
             self.started_at = time.time()
             self.losses: deque[float] = deque(maxlen=50)
             self.eval_history: list[tuple[int, float]] = []
@@ -366,28 +367,54 @@ class Node:
         self._round_mark = (time.monotonic(), self.trainer.tokens)
         while not self._leave.is_set():
             self.losses.append(self.trainer.step())
-            if self.trainer.steps - self.block_start < block:
-                continue
-            self._sync()
+            if self._due is not None and self.trainer.steps >= self._due[1]:
+                self._apply_turn()
             if c.max_rounds and self.round >= c.max_rounds:
                 break
+            if self.trainer.steps - self.block_start >= block:
+                self._sync()
         self._finish()
         return 0
 
+    @property
+    def apply_delay(self) -> int:
+        """Inner steps between publishing a fragment and its outer step (``--apply-delay``)."""
+        block = self.config.inner_steps // self.config.fragments
+        delay = block // 2 if self.config.apply_delay == "auto" else self.config.apply_delay
+        return min(delay, block - 1)
+
     def _sync(self) -> None:
-        """The turn of the fragment whose block just ended (whole, or cut short by leaving)."""
+        """The turn of the fragment whose block just ended (whole, or cut short by leaving):
+        publish its pseudo-gradient now, and take the outer step ``apply_delay`` inner steps
+        later, when the peers' fragments of the same version have had time to arrive (they
+        count at age 0 then, not 1); the steps in between are carried over the outer step."""
         c = self.config
+        if self._due is not None:
+            self._apply_turn()  # the previous turn's step, if it is still waiting
         fragment = self.blocks % c.fragments
         tokens = (self.trainer.steps - self.block_start) * c.batch_size * c.seq_len
         with self._outer_lock:
             bad_before = self.loop.counters.rejected["local_non_finite"]
-            self.loop.sync(fragment, tokens=tokens)
+            self.loop.publish(fragment, tokens=tokens)
             if self.loop.counters.rejected["local_non_finite"] > bad_before:
                 # the block diverged locally: θ_f was reset to φ_f; restart the inner moments too
                 logger.warning("non-finite pseudo-gradient on fragment %d: block discarded", fragment)
                 self.trainer.optimizer.state.clear()
         self.blocks += 1
         self.block_start = self.trainer.steps
+        delay = 0 if self._leave.is_set() else self.apply_delay
+        self._due = (fragment, self.trainer.steps + delay)
+        if delay == 0:
+            self._apply_turn()
+
+    def _apply_turn(self) -> None:
+        """The outer step of the fragment published last, then the round's bookkeeping."""
+        assert self._due is not None
+        fragment, _ = self._due
+        self._due = None
+        c = self.config
+        with self._outer_lock:
+            self.loop.apply(fragment, carry=True)
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
@@ -416,6 +443,8 @@ class Node:
         """Leaving: the fragment whose block is under way syncs now with the steps it has (one
         version step, as in a full block, so versions keep counting rounds), then checkpoint, and
         give peers a moment to fetch the last fragment."""
+        if self._due is not None:
+            self._apply_turn()
         pending = self.trainer.steps > self.block_start
         if pending:
             self._sync()

@@ -141,11 +141,23 @@ class OuterLoop:
             if self._mixing_due(f):  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
 
-    def apply(self, f: int) -> list[Delivery]:
-        """One outer step on fragment f with its own fresh Δ and everything delivered since."""
+    def apply(self, f: int, carry: bool = False) -> list[Delivery]:
+        """One outer step on fragment f with its own fresh Δ and everything delivered since.
+        θ_f then restarts from the new φ_f; with ``carry``, the inner steps taken since
+        ``publish(f)`` are kept on top of it (θ_f ← φ_f' + θ_f − θ_f at publish): the driver may
+        let training run on while the round's fragments arrive, and apply the step late."""
         if f not in self._turn:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
         own = self._turn.pop(f)
+        # θ_f − θ_f at publish = θ_f − (φ_f − Δ_own): the progress to carry over the step
+        progress = (
+            [
+                self.theta[i].float() - self.phi[i] + d
+                for i, d in zip(self.fragments[f], self.unflatten(f, own.tensor), strict=True)
+            ]
+            if carry and own is not None
+            else None
+        )
         base = self.versions[f]
         incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
         arrived = self.transport.receive(f)
@@ -175,8 +187,8 @@ class OuterLoop:
             if self._mixing_due(f):
                 self._gossip(f, peer_params)
             self.versions[f] += 1
-            for i in self.fragments[f]:
-                self.theta[i].copy_(self.phi[i])
+            for n, i in enumerate(self.fragments[f]):
+                self.theta[i].copy_(self.phi[i] if progress is None else self.phi[i] + progress[n])
         return deliveries
 
     def _take(

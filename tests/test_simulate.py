@@ -379,3 +379,27 @@ def test_a_straggler_far_behind_catches_up_instead_of_drifting_alone(corpus):
     record = run(corpus, optimizer="cga", stragglers=[1.0, 1.0, 4.0], rounds=8, cutoff=1.0)
     assert record["resyncs"] >= 1
     assert len(record["losses"]) == 8 and len(record["consensus"]) == 8
+
+
+def test_a_late_outer_step_carries_the_inner_steps_taken_meanwhile():
+    """apply(carry=True): θ ← φ' + (θ − θ at publish); a peer's fragment of the same version
+    that arrived meanwhile counts at age 0."""
+    network = VirtualNetwork()
+    a, b = network.join("a"), network.join("b")
+    params = [torch.zeros(4), torch.zeros(2)]
+    loop = OuterLoop([p.clone() for p in params], OuterOptions(optimizer="sgd", outer_lr=1.0), a, "run")
+    for th in loop.theta:
+        th.add_(1.0)  # the block: Δ = φ − θ = −1 everywhere
+    loop.publish(0, tokens=10)
+    b.publish(Fragment(FragmentKey("run", 0, 0, "b"), torch.full((6,), -3.0), tokens=10))
+    for th in loop.theta:
+        th.add_(0.5)  # inner steps after publishing, before the late step
+    [own, peer] = loop.apply(0, carry=True)
+    assert peer.age == 0 and not peer.own and own.own
+    # φ' = φ − mean(Δ) = 0 + 2; θ = φ' + 0.5
+    assert all(torch.allclose(p, torch.full_like(p, 2.0)) for p in loop.phi)
+    assert all(torch.allclose(th, torch.full_like(th, 2.5)) for th in loop.theta)
+    # the next block's Δ counts the carried steps: φ' − θ = −0.5 before any more steps
+    loop.publish(0, tokens=10)
+    [again] = loop.apply(0)
+    assert again.own and all(torch.allclose(p, torch.full_like(p, 2.5)) for p in loop.phi)

@@ -82,7 +82,9 @@ def main() -> None:
     floor_nodes = summarize(results[args.floor], t, None)["nodes"]
     floor_steps = statistics.fmean(n["inner_steps"] for n in floor_nodes if n["inner_steps"] is not None)
     summary = {name: summarize(r, t, floor_steps) for name, r in results.items()}
-    (RESULTS / "summary.json").write_text(json.dumps({"floor": args.floor, "scenarios": summary}, indent=1) + "\n")
+    (RESULTS / "summary.json").write_text(
+        json.dumps({"floor": args.floor, "scenarios": summary}, indent=1) + "\n"
+    )
     plot(results, RESULTS / "summary.png")
     print(f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | utilisation | applied | mean age |")
     print("|---|---|---|---|---|")
