@@ -52,7 +52,10 @@ logger = logging.getLogger(__name__)
 # bytes per second a state download may not fall below on average: its timeout is a minute
 # plus its size at this rate (100 kB/s, 0.8 Mbit/s: a slow volunteer's link)
 MIN_STATE_RATE = 100e3
-MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays far ahead
+MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays ahead
+# versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
+# for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
+ADOPTED_LAG = 1
 
 LINGER_SECONDS = 3.0  # after the last publish, so peers (polling every second) can fetch it
 
@@ -230,8 +233,8 @@ class Node:
     def sync_from_swarm(self, required: bool) -> bool:
         """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a
         fresh node, ``required``: any, within ``join_timeout``); True when one was adopted.
-        A snapshot that is still more than the cutoff behind the swarm once adopted (a slow
-        download, or an old snapshot) is followed by a newer one, up to ``MAX_ADOPTIONS``;
+        A snapshot that trails the swarm by more than ``ADOPTED_LAG`` versions once adopted (a
+        slow download, or an old snapshot) is followed by a newer one, up to ``MAX_ADOPTIONS``;
         then this peer's versions are counted on to the source's (``_fast_forward``)."""
         c = self.config
         give_up = time.monotonic() + (c.join_timeout if required else 10.0)
@@ -241,7 +244,7 @@ class Node:
         while not self._leave.is_set():
             offers = self._snapshots_worth_adopting(at_least_ours=required and adopted is None)
             if adopted is not None and (
-                not offers or adoptions >= MAX_ADOPTIONS or self.behind_swarm() <= c.cutoff
+                not offers or adoptions >= MAX_ADOPTIONS or self.behind_swarm() <= ADOPTED_LAG
             ):
                 break
             for candidate in offers:

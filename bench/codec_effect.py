@@ -1,0 +1,85 @@
+"""Does the wire encoding cost the outer step anything? The simulator with every pseudo-gradient
+passed through a codec (with error feedback, as the daemon sends it) against fp32.
+
+4 workers of the sweep model (bench/sweep_model.json, 1024-token BPE of the bundled corpus),
+H = 10, batch 4 × 64, inner lr 1e-3, 30 rounds; `local` (the floor) and `cga` at a fixed delay of
+0 and 1 round, fp32 and 4-bit. Writes bench/results/codec_effect.json.
+
+    python bench/codec_effect.py [--seeds 0] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "results" / "codec_effect.json"
+CELLS = [
+    ("fp32", "local", "0"),
+    ("fp32", "cga", "0"),
+    ("4bit", "cga", "0"),
+    ("fp32", "cga", "1"),
+    ("4bit", "cga", "1"),
+]
+
+
+def run_cell(cell: tuple[str, str, str, int]) -> dict:
+    codec, optimizer, delay, seed = cell
+    import torch
+
+    from cgad.node.config import SimConfig
+    from cgad.node.data import load_dataset
+    from cgad.node.simulate import simulate
+    from cgad.node.tokenizer import load_tokenizer
+    from cgad.protocol import memory
+    from cgad.protocol.codec import ErrorFeedback, decode
+    from cgad.protocol.transport import Fragment, Kind
+
+    torch.set_num_threads(1)
+    if codec != "fp32":  # this process runs one cell: patching its memory transport is contained
+        feedback: dict[tuple[str, int], ErrorFeedback] = {}
+        send = memory.MemoryTransport.publish
+
+        def publish(self: memory.MemoryTransport, fragment: Fragment) -> None:
+            if fragment.key.kind is Kind.DELTA:
+                coder = feedback.setdefault((self.peer_id, fragment.key.fragment), ErrorFeedback(codec))
+                fragment = Fragment(
+                    fragment.key, decode(coder.encode(fragment.tensor.float())).float(), fragment.tokens
+                )
+            send(self, fragment)
+
+        memory.MemoryTransport.publish = publish
+    tokenizer = load_tokenizer(None, vocab_size=1024)
+    config = SimConfig(
+        workers=4, inner_steps=10, rounds=30, batch_size=4, seq_len=64, eval_batches=4, inner_lr=1e-3,
+        delay=delay, optimizer=optimizer, seed=seed, model=str(ROOT / "bench" / "sweep_model.json"),
+    )  # fmt: skip
+    record = simulate(config, load_dataset(tokenizer), tokenizer.vocab_size)
+    return {
+        "codec": codec,
+        "optimizer": optimizer,
+        "delay": delay,
+        "seed": seed,
+        "final_loss": record["final_loss"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    cells = [(*cell, seed) for seed in args.seeds for cell in CELLS]
+    with ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool:
+        results = list(pool.map(run_cell, cells))
+    for r in results:
+        print(f"{r['optimizer']:6} delay {r['delay']} {r['codec']:5} seed {r['seed']}: {r['final_loss']:.3f}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"cells": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
