@@ -98,6 +98,12 @@ class OuterOptions(_Part):
         description="outer learning rate; auto: the method's own (1 for cga and local; 0.7 for sgd, "
         "the Nesterov family and noloco; for the Adam family 0.5 × H × inner lr)",
     )
+    aggregation: Literal["clip", "mean"] = Field(
+        "clip",
+        description="how peers' pseudo-gradients are taken: clip (each clipped to within --clip-radius x "
+        "the own update's norm of the own update, so no single peer moves the step far) or mean (as sent)",
+    )
+    clip_radius: PositiveFloat = Field(2.0, description="clip: the radius, in norms of the own update")
     alpha: float = Field(DEFAULT_ALPHA, ge=0, allow_inf_nan=False, description="CGAD: decay per round of age")
     cutoff: PositiveFloat = Field(
         DEFAULT_CUTOFF,

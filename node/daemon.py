@@ -508,6 +508,7 @@ class Node:
             "applied_by_peer": dict(counters.applied_by_peer.copy()),
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
+            "clipped": counters.clipped,
             "skipped": dict(self.transport.stats.skipped),
             "downlink_bytes_per_second": self.transport.downlink_rate,
             "fetches_waiting": self.transport.fetches_waiting,

@@ -5,7 +5,9 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
 1. Δ_f = φ_f − θ_f, the pseudo-gradient of the inner steps since f's last sync, is published,
    tagged with the version it started from (``versions[f]``) and the tokens behind it;
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
-   τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0;
+   τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0; with ``--aggregation clip``
+   (the default) each peer's Δ is first clipped around the own one (``cgad.optim.clip_around``),
+   and a peer's token claim weighs at most ``TOKEN_CAP`` times the own block;
 3. the outer method (``cgad.node.methods``) takes one step on f, whatever arrived: the age-aware
    family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
    Nesterov and SGD the token-weighted mean; Delayed Nesterov takes each delivery as one
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from cgad.node.config import OuterOptions
 from cgad.node.methods import Contribution, method
-from cgad.optim import staleness_weight
+from cgad.optim import clip_around, staleness_weight
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -65,6 +67,7 @@ class _Counters:
     published: int = 0
     applied: int = 0
     dropped_stale: int = 0
+    clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)
     from_future: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     applied_by_peer: Counter[str] = field(default_factory=Counter)
@@ -199,6 +202,7 @@ class OuterLoop:
         peer's own block. Counted, and kept in ``history``."""
         taken, deliveries = [], []
         cap = TOKEN_CAP * max(own.tokens, 1) if own is not None else None
+        clip = self.options.aggregation == "clip"
         for frag, age in incoming:
             scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
             if scale == 0.0:
@@ -206,7 +210,14 @@ class OuterLoop:
                 continue
             is_own = frag is own
             tokens = frag.tokens if cap is None or is_own else min(frag.tokens, cap)
-            taken.append(Contribution(frag.tensor, tokens, age, scale, frag.key.publisher, is_own))
+            delta = frag.tensor
+            if clip and not is_own:
+                if own is None:  # no trusted update of our own this round to judge peers' by
+                    self.counters.rejected["no_reference"] += 1
+                    continue
+                delta, clipped = clip_around(own.tensor, delta, self.options.clip_radius)
+                self.counters.clipped += clipped
+            taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own))
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
             if not is_own:
                 self.counters.applied += 1

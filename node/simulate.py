@@ -156,6 +156,7 @@ def simulate(
         "dropped_in_flight": sum(s.rejected["dropped_in_flight"] for s in stats),
         "resyncs": sum(wk.resyncs for wk in workers),
         "mixed": sum(wk.loop.counters.mixed for wk in workers),
+        "clipped": sum(wk.loop.counters.clipped for wk in workers),
         "mean_age": _mean([d.age for d in delivered if not d.own]),
         "age_counts": _age_counts([d for d in delivered if not d.own]),
         "wall_seconds": time.perf_counter() - started,
