@@ -253,7 +253,9 @@ class Node:
                     adopted, adoptions = (candidate.key.publisher, snapshot_round), adoptions + 1
                     break
             else:
-                if adopted is not None or time.monotonic() > give_up or (offers and not required):
+                # no newer snapshot could be had: a fresh node keeps trying while time allows
+                settle = adopted is not None and (adoptions >= MAX_ADOPTIONS or not required)
+                if settle or time.monotonic() > give_up or (offers and not required and adopted is None):
                     break
                 time.sleep(1.0)
         if adopted is not None:

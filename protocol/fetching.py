@@ -40,6 +40,8 @@ from cgad.protocol.wire import GRPC_FETCH, LIBP2P_DESCRIBE, LIBP2P_FETCH, ChunkA
 __all__ = ["MAX_DESCRIPTION", "Fetcher", "decode_and_check"]
 
 MAX_DESCRIPTION = 4096
+STATE_ATTEMPTS = 5  # passes over a snapshot's holders (each resuming where the last stopped)
+STATE_RETRY_SECONDS = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -107,15 +109,15 @@ class Fetcher:
         self.transfers[candidate.key] = assembler
         loop = asyncio.get_running_loop()
         started = loop.time()
-        tried = 0
         try:
             async with asyncio.timeout(timeout):
-                while tried < 2 * len(candidate.holders):  # each holder gets a second chance
-                    holder = candidate.holders[tried % len(candidate.holders)]
-                    tried += 1
-                    data = await self.fetch_from(holder, assembler)
-                    if data is not None:
-                        return data
+                for attempt in range(STATE_ATTEMPTS):  # a busy holder may have a slot a moment later
+                    for holder in candidate.holders:
+                        data = await self.fetch_from(holder, assembler)
+                        if data is not None:
+                            return data
+                    if attempt + 1 < STATE_ATTEMPTS:
+                        await asyncio.sleep(STATE_RETRY_SECONDS)
             ending = "every holder failed"
         except TimeoutError:
             ending = f"timed out after {timeout:.0f} s"

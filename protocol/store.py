@@ -48,7 +48,7 @@ def fragment_header(key: FragmentKey, offer: Offer) -> pb.FragmentHeader:
 class FragmentStore:
     """Encoded fragments by content hash, bounded per fragment: the newest ``keep_own`` own
     versions per fragment and kind, and the newest ``keep_reserved`` others'. Of state
-    snapshots, one own and one other (they are the size of the model)."""
+    snapshots (the size of the model), the two newest own ones and one other."""
 
     def __init__(self, keep_own: int, keep_reserved: int) -> None:
         self.keep_own = keep_own
@@ -70,7 +70,8 @@ class FragmentStore:
                 group = [
                     e for e in self._by_hash.values() if e.own == entry.own and e.header.kind == pb.STATE
                 ]
-                keep = 1
+                # own: the newest and the one before, which a joiner may have seen a poll ago
+                keep = 2 if entry.own else 1
             elif entry.own:
                 group = [
                     e

@@ -340,11 +340,11 @@ def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
     [two] = offered(p3, 7, holders=2)
     assert [h.peer_id for h in two.holders] == [p0.peer_id, p1.peer_id]
     assert bytes(p3.fetch_state(two, timeout=30)) == blob
-    # a newer snapshot replaces the publisher's older one, and is offered first
-    newer = os.urandom(1 << 20)
-    p1.publish_state(newer, [8] * NUM_FRAGMENTS)
-    wait_for(lambda: offered(p3, 8), what="the newer snapshot")
-    assert p3.state_offers()[0].key.base_version == 8
+    # newer snapshots are offered first; the publisher keeps its two newest
+    for version in (8, 9):
+        p1.publish_state(os.urandom(1 << 20), [version] * NUM_FRAGMENTS)
+    wait_for(lambda: offered(p3, 9), what="the newer snapshots")
+    assert [c.key.base_version for c in p3.state_offers() if c.key.publisher == p1.peer_id][:2] == [9, 8]
     assert p1.store.get(candidate.offer.content_hash) is None
     # nobody left who holds it: the error says how far the download got, and from how many
     gone = type(candidate)(candidate.key, candidate.offer, [candidate.holders[-1]])

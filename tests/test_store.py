@@ -109,13 +109,13 @@ def test_fragment_header_describes_the_offer() -> None:
     assert (header.content_hash, header.byte_length) == (entry.offer.content_hash, 64)
 
 
-def test_store_keeps_one_own_and_one_adopted_snapshot_apart_from_fragments() -> None:
+def test_store_keeps_two_own_and_one_adopted_snapshot_apart_from_fragments() -> None:
     store = FragmentStore(keep_own=2, keep_reserved=3)
     fragments = [_entry(0, 5, own=True), _entry(0, 5, own=False)]
-    own = [_entry(0, base, own=True, kind=Kind.STATE) for base in (1, 6)]
+    own = [_entry(0, base, own=True, kind=Kind.STATE) for base in (1, 6, 7)]
     adopted = [_entry(0, base, own=False, kind=Kind.STATE) for base in (2, 4)]
     for entry in [*fragments, *own, *adopted]:
         store.put(entry)
-    assert _held(store, [*fragments, *own, *adopted]) == [*fragments, own[1], adopted[1]]
-    assert store.offers(None) == [own[1].offer, adopted[1].offer]  # own first
+    assert _held(store, [*fragments, *own, *adopted]) == [*fragments, own[1], own[2], adopted[1]]
+    assert store.offers(None) == [own[2].offer, own[1].offer, adopted[1].offer]  # own first
     assert store.offers(0) == [fragments[0].offer, fragments[1].offer]  # no snapshot among them
