@@ -203,6 +203,15 @@ class OuterLoop:
         taken, deliveries = [], []
         cap = TOKEN_CAP * max(own.tokens, 1) if own is not None else None
         clip = self.options.aggregation == "clip"
+        reference = None
+        if clip:
+            # the own Δ, trusted; without one (the block diverged), the peers' coordinate-wise
+            # median, which no single peer moves far
+            peers = [frag.tensor for frag, _ in incoming if frag is not own]
+            if own is not None:
+                reference = own.tensor
+            elif peers:
+                reference = torch.stack(peers).median(dim=0).values
         for frag, age in incoming:
             scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
             if scale == 0.0:
@@ -211,11 +220,8 @@ class OuterLoop:
             is_own = frag is own
             tokens = frag.tokens if cap is None or is_own else min(frag.tokens, cap)
             delta = frag.tensor
-            if clip and not is_own:
-                if own is None:  # no trusted update of our own this round to judge peers' by
-                    self.counters.rejected["no_reference"] += 1
-                    continue
-                delta, clipped = clip_around(own.tensor, delta, self.options.clip_radius)
+            if reference is not None and not is_own:
+                delta, clipped = clip_around(reference, delta, self.options.clip_radius)
                 self.counters.clipped += clipped
             taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own))
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))

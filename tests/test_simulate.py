@@ -366,7 +366,8 @@ def test_far_future_and_non_finite_deliveries_are_counted_and_dropped():
 def test_a_peer_claiming_huge_token_counts_weighs_at_most_twice_the_own_block():
     network = VirtualNetwork()
     a, b = network.join("a"), network.join("b")
-    loop = OuterLoop([torch.zeros(1)], OuterOptions(optimizer="cga"), a, "run")
+    # the plain merge, so that only the token cap is at work (clipping would also hold 3.0 in)
+    loop = OuterLoop([torch.zeros(1)], OuterOptions(optimizer="cga", aggregation="mean"), a, "run")
     b.publish(Fragment(FragmentKey("run", 0, 0, "b"), torch.full((1,), 3.0), tokens=2**62))
     loop.theta[0].fill_(-0.5)  # own Δ = +0.5, 100 tokens
     loop.sync(0, tokens=100)
