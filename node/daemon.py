@@ -132,7 +132,9 @@ class Node:
             self._leave = threading.Event()
             self._outer_lock = threading.Lock()
             self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
-            self.admin = AdminServer(c.admin_host, c.admin_port, status=self.status, leave=self.request_leave)
+            self.admin = AdminServer(
+                c.admin_host, c.admin_port, status=self.admin_status, leave=self.request_leave
+            )
         except BaseException:
             self.transport.close()
             raise
@@ -418,8 +420,8 @@ class Node:
         fragment, _ = self._due
         self._due = None
         c = self.config
-        with self._outer_lock:
-            self.loop.apply(fragment, carry=True)
+        with self._outer_lock:  # carrying only when inner steps ran since the publish
+            self.loop.apply(fragment, carry=self.trainer.steps > self.block_start)
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
@@ -520,8 +522,12 @@ class Node:
             "resumed": self.resumed,
             "device": str(self.device),
             "uptime": time.time() - self.started_at,
-            "cpu_seconds_by_thread": cpu_seconds_by_thread(),
         }
+
+    def admin_status(self) -> dict[str, Any]:
+        """``status`` and where the CPU went, for the admin API: read from /proc on request,
+        not every round (the status line and metrics do not need it)."""
+        return {**self.status(), "cpu_seconds_by_thread": cpu_seconds_by_thread()}
 
     def _show(self, status: dict[str, Any], final: bool = False) -> None:
         """The live status line: redrawn in place on a terminal, one line per round otherwise."""

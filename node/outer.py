@@ -203,15 +203,11 @@ class OuterLoop:
         taken, deliveries = [], []
         cap = TOKEN_CAP * max(own.tokens, 1) if own is not None else None
         clip = self.options.aggregation == "clip"
-        reference = None
-        if clip:
-            # the own Δ, trusted; without one (the block diverged), the peers' coordinate-wise
-            # median, which no single peer moves far
-            peers = [frag.tensor for frag, _ in incoming if frag is not own]
-            if own is not None:
-                reference = own.tensor
-            elif peers:
-                reference = torch.stack(peers).median(dim=0).values
+        # the reference to clip around: the own Δ, trusted; without one (the block diverged),
+        # the peers' coordinate-wise median, which no single peer moves far
+        reference = own.tensor if clip and own is not None else None
+        if clip and own is None and incoming:
+            reference = torch.stack([frag.tensor for frag, _ in incoming]).median(dim=0).values
         for frag, age in incoming:
             scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
             if scale == 0.0:

@@ -199,15 +199,7 @@ def _catch_up(wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: l
     median = statistics.median_low(min(o.loop.versions) for o in live)
     if median - min(wk.loop.versions) <= c.cutoff:
         return False
-    leader = max(live, key=lambda o: min(o.loop.versions))
-    wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
-    if leader.round > wk.round:
-        loss = evaluate(wk.trainer.model, eval_batches)
-        skipped = min(leader.round, c.rounds) - wk.round
-        wk.losses.extend([loss] * skipped)
-        wk.round += skipped
-    wk.block = wk.round * c.fragments
-    wk.resyncs += 1
+    _adopt_leader(wk, max(live, key=lambda o: min(o.loop.versions)), c, eval_batches)
     return True
 
 
@@ -225,12 +217,20 @@ def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_
         return
     leader = max(live, key=lambda o: min(o.loop.versions))
     if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff and leader.round < c.rounds:
-        wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
+        _adopt_leader(wk, leader, c, eval_batches)
+
+
+def _adopt_leader(wk: _Worker, leader: _Worker, c: SimConfig, eval_batches: list) -> None:
+    """A re-sync: ``wk`` takes ``leader``'s outer state and its place in the fragment schedule;
+    the rounds it skips count at the loss of what it adopted."""
+    wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
+    skipped = min(leader.round, c.rounds) - wk.round
+    if skipped > 0:
         loss = evaluate(wk.trainer.model, eval_batches)
-        wk.losses.extend([loss] * (leader.round - wk.round))
-        wk.round = leader.round
+        wk.losses.extend([loss] * skipped)
+        wk.round += skipped
         wk.block = leader.block
-        wk.resyncs += 1
+    wk.resyncs += 1
 
 
 def _mean(values: list[float]) -> float:

@@ -40,8 +40,7 @@ from cgad.protocol.wire import GRPC_FETCH, LIBP2P_DESCRIBE, LIBP2P_FETCH, ChunkA
 __all__ = ["MAX_DESCRIPTION", "Fetcher", "decode_and_check"]
 
 MAX_DESCRIPTION = 4096
-STATE_ATTEMPTS = 5  # passes over a snapshot's holders (each resuming where the last stopped)
-STATE_RETRY_SECONDS = 2.0
+RETRY_SECONDS = 2.0  # between passes over a candidate's holders
 
 logger = logging.getLogger(__name__)
 
@@ -66,23 +65,37 @@ class Fetcher:
         for channel in self._channels.values():
             await channel.close()
 
-    async def fetch(self, candidate: Candidate) -> bytearray | None:
-        """The candidate's bytes from the first of its holders that delivers them verified,
-        within ``fetch_timeout``; None when none does."""
+    async def fetch(self, candidate: Candidate, timeout: float | None = None, passes: int = 1) -> bytearray:
+        """The candidate's bytes from the first of its holders that delivers them verified, each
+        holder resuming where the last stopped; ``passes`` times over the holders (a busy one may
+        have a slot a moment later), within ``timeout`` (default ``fetch_timeout``).
+        ``FragmentError("unavailable")`` says how far it got otherwise."""
+        timeout = self.options.fetch_timeout if timeout is None else timeout
         offer = candidate.offer
         assembler = ChunkAssembler(offer.content_hash, offer.byte_length)
         self.transfers[candidate.key] = assembler
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            async with asyncio.timeout(self.options.fetch_timeout):
-                for holder in candidate.holders:
-                    data = await self.fetch_from(holder, assembler)
-                    if data is not None:
-                        return data
+            async with asyncio.timeout(timeout):
+                for attempt in range(passes):
+                    for holder in candidate.holders:
+                        data = await self.fetch_from(holder, assembler)
+                        if data is not None:
+                            return data
+                    if attempt + 1 < passes:
+                        await asyncio.sleep(RETRY_SECONDS)
+            ending = "every holder failed"
         except TimeoutError:
-            logger.debug("fetching %s took longer than %.0f s", candidate.key, self.options.fetch_timeout)
+            ending = f"timed out after {timeout:.0f} s"
         finally:
             del self.transfers[candidate.key]
-        return None
+        seconds = max(loop.time() - started, 1e-9)
+        raise FragmentError(
+            "unavailable",
+            f"{candidate.key}: {ending} at {assembler.received / 1e6:.1f} of {offer.byte_length / 1e6:.1f} MB"
+            f" ({assembler.received / seconds / 1e3:.0f} kB/s, {len(candidate.holders)} holder(s))",
+        )
 
     async def describe(self, peer_id: str) -> tuple[str, str]:
         """A peer's run id and swarm identity (JSON), as it states them; at most
@@ -100,36 +113,6 @@ class Fetcher:
         if len(response.run_id) > 64 or len(response.swarm_json) > MAX_DESCRIPTION:
             raise FragmentError("oversized", f"{peer_id} describes itself at length")
         return response.run_id, response.swarm_json
-
-    async def fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
-        """A state snapshot from its holders in turn, each resuming where the last stopped,
-        within ``timeout``; ``FragmentError("unavailable")`` saying how far it got otherwise."""
-        offer = candidate.offer
-        assembler = ChunkAssembler(offer.content_hash, offer.byte_length)
-        self.transfers[candidate.key] = assembler
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            async with asyncio.timeout(timeout):
-                for attempt in range(STATE_ATTEMPTS):  # a busy holder may have a slot a moment later
-                    for holder in candidate.holders:
-                        data = await self.fetch_from(holder, assembler)
-                        if data is not None:
-                            return data
-                    if attempt + 1 < STATE_ATTEMPTS:
-                        await asyncio.sleep(STATE_RETRY_SECONDS)
-            ending = "every holder failed"
-        except TimeoutError:
-            ending = f"timed out after {timeout:.0f} s"
-        finally:
-            del self.transfers[candidate.key]
-        seconds = max(loop.time() - started, 1e-9)
-        raise FragmentError(
-            "unavailable",
-            f"state snapshot of {candidate.key.publisher}: {ending} at {assembler.received / 1e6:.1f} of"
-            f" {offer.byte_length / 1e6:.1f} MB ({assembler.received / seconds / 1e3:.0f} kB/s,"
-            f" {len(candidate.holders)} holder(s))",
-        )
 
     async def fetch_from(
         self, holder: Holdings, assembler: ChunkAssembler, paths: Sequence[str] | None = None

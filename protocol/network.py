@@ -72,6 +72,7 @@ __all__ = ["NetworkTransport"]
 
 logger = logging.getLogger(__name__)
 
+STATE_PASSES = 5  # a snapshot's holders are tried this many times over (busy ones free up)
 CLOCK_SKEW = 60.0  # seconds a peer's clock may run ahead of ours (DHT time is each peer's own)
 
 
@@ -280,7 +281,20 @@ class NetworkTransport(Transport):
         or fall behind, in place of the previous one; its record says the oldest of ``versions``
         (the rest is in the bytes, checked by whoever adopts them)."""
         key = FragmentKey(self.options.run_id, 0, min(versions, default=0), self.peer_id, Kind.STATE)
-        offer = self._state_offer(key, data)
+        # hashing a model-sized blob is the codec worker's job, not the trainer's
+        self._codec_worker.submit(self._offer_state, key, data)
+
+    def _offer_state(self, key: FragmentKey, data: bytes) -> None:
+        offer = Offer(
+            publisher=self.peer_id,
+            base_version=key.base_version,
+            kind=str(Kind.STATE),
+            tokens=0,
+            codec=STATE_CODEC,
+            numel=0,
+            content_hash=content_hash(data),
+            byte_length=len(data),
+        )
         entry = StoredFragment(fragment_header(key, offer), data, offer, own=True)
         self._runner.submit(self._keep_state(entry))
 
@@ -291,7 +305,7 @@ class NetworkTransport(Transport):
     def fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
         """A snapshot's bytes, verified against its publisher's record; blocks the caller.
         ``FragmentError("unavailable")`` says what failed and how far it got."""
-        return self._runner.call(self._fetcher.fetch_state(candidate, timeout), timeout + 30)
+        return self._runner.call(self._fetcher.fetch(candidate, timeout, STATE_PASSES), timeout + 30)
 
     def reserve_state(self, candidate: Candidate, data: bytes | bytearray) -> None:
         """Serve a snapshot fetched from others onward (the next joiner finds one more holder)."""
@@ -299,18 +313,6 @@ class NetworkTransport(Transport):
             fragment_header(candidate.key, candidate.offer), data, candidate.offer, own=False
         )
         self._runner.submit(self._keep_state(entry))
-
-    def _state_offer(self, key: FragmentKey, data: bytes) -> Offer:
-        return Offer(
-            publisher=self.peer_id,
-            base_version=key.base_version,
-            kind=str(Kind.STATE),
-            tokens=0,
-            codec=STATE_CODEC,
-            numel=0,
-            content_hash=content_hash(data),
-            byte_length=len(data),
-        )
 
     def close(self) -> None:
         if self._closed:
@@ -472,15 +474,9 @@ class NetworkTransport(Transport):
 
         versions = self._progress.versions
         for fragment, numel in interest.items():
-            entry = found.get(fragment_key(run_id, fragment))
-            if entry is None or not isinstance(entry.value, dict):
+            holdings = self._holdings(found.get(fragment_key(run_id, fragment)), fragment, now)
+            if not holdings:
                 continue
-            holdings: list[Holdings] = []
-            for owner, item in entry.value.items():
-                try:
-                    holdings.append(parse_holdings(owner, item.value))
-                except FragmentError as error:
-                    self._reject_record(error, (fragment, owner, item.expiration_time), now)
             selection = self._selector.choose(fragment, numel, holdings, own_version(versions, fragment), now)
             for rejection in selection.rejections:
                 self._reject(rejection.reason, rejection.detail)
@@ -532,7 +528,9 @@ class NetworkTransport(Transport):
     def fetches_waiting(self) -> int:
         return len(self._queue)
 
-    def _parse_states(self, entry: object, now: float) -> list[Candidate]:
+    def _holdings(self, entry: object, record: int | str, now: float) -> list[Holdings]:
+        """The well-formed, rightly signed holdings records under one key (``record`` names the
+        key in the ledger of faulty records); the others are counted once each."""
         value = getattr(entry, "value", None)
         if not isinstance(value, dict):
             return []
@@ -541,8 +539,13 @@ class NetworkTransport(Transport):
             try:
                 holdings.append(parse_holdings(owner, item.value))
             except FragmentError as error:
-                self._reject_record(error, ("state", owner, item.expiration_time), now)
-        selection = self._selector.choose_states(holdings, self.options.max_state_bytes, now)
+                self._reject_record(error, (record, owner, item.expiration_time), now)
+        return holdings
+
+    def _parse_states(self, entry: object, now: float) -> list[Candidate]:
+        selection = self._selector.choose_states(
+            self._holdings(entry, "state", now), self.options.max_state_bytes, now
+        )
         for rejection in selection.rejections:
             self._reject(rejection.reason, rejection.detail)
         return selection.candidates
@@ -554,12 +557,12 @@ class NetworkTransport(Transport):
     async def _fetch(self, candidate: Candidate) -> None:
         try:
             data = await self._fetcher.fetch(candidate)
+        except FragmentError as error:
+            self._reject(error.reason, f"from {candidate.key.publisher}: {error.detail}")
+            return
         finally:
             self._in_flight.pop(candidate.key, None)
             self._dispatch()
-        if data is None:
-            self._reject("unavailable", f"no holder delivered {candidate.key}")
-            return
         await self._accept(candidate, data)
 
     async def _accept(self, candidate: Candidate, data: bytearray) -> None:

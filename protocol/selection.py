@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cgad.protocol.codec import encoded_size
@@ -73,6 +73,14 @@ def check_offer(offer: Offer, numel: int) -> Rejection | None:
     if offer.byte_length != expected:
         return Rejection("bad_length", f"{offer.byte_length} bytes, expected {expected}")
     return None
+
+
+def _holders_by_hash(holdings: Sequence[Holdings]) -> dict[bytes, list[Holdings]]:
+    by_hash: dict[bytes, list[Holdings]] = defaultdict(list)
+    for holder in holdings:
+        for offer in holder.offers:
+            by_hash[offer.content_hash].append(holder)
+    return by_hash
 
 
 def own_version(versions: Sequence[int], fragment: int) -> int:
@@ -137,37 +145,30 @@ class OfferSelector:
         the fan-in cap, with their holders; ``own`` is this peer's version of the fragment and
         ``now`` the DHT time. Candidates returned count as attempted from here on."""
         selection = Selection()
-        by_hash: dict[bytes, list[Holdings]] = defaultdict(list)
-        for holder in holdings:
-            for offer in holder.offers:
-                by_hash[offer.content_hash].append(holder)
+        by_hash = _holders_by_hash(holdings)
         fresh: dict[tuple[int, Kind, int], list[Candidate]] = defaultdict(list)
-        for holder in holdings:
-            for offer in holder.offers:
-                if offer.publisher != holder.peer_id or offer.publisher == self.peer_id:
-                    continue  # only a publisher's own record vouches for content
-                if offer.kind == Kind.STATE:
-                    continue  # a snapshot in a fragment's record: only choose_states takes those
-                if self.too_old(offer.base_version, own):
-                    continue  # far too old to matter to any outer step
-                kind = Kind(offer.kind)
-                key = FragmentKey(self.run_id, fragment, offer.base_version, offer.publisher, kind)
-                delivered = self.delivered.get(key)
-                if delivered is not None:
-                    replayed = delivered != offer.content_hash and kind is Kind.DELTA
-                    if replayed and self.judge(("replay", offer.content_hash), now):
-                        selection.rejections.append(Rejection("replay", f"{key} again with other bytes"))
-                    continue
-                if offer.content_hash in self.attempted:
-                    continue
-                problem = check_offer(offer, numel)
-                if problem is not None:
-                    self.mark_attempted(offer.content_hash, fragment, offer.base_version)
-                    selection.rejections.append(Rejection(problem.reason, f"{key}: {problem.detail}"))
-                    continue
-                others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
-                self.rng.shuffle(others)
-                fresh[(fragment, kind, offer.base_version)].append(Candidate(key, offer, [*others, holder]))
+        for holder, offer in self._vouched(holdings):
+            if offer.kind == Kind.STATE:
+                continue  # a snapshot in a fragment's record: only choose_states takes those
+            if self.too_old(offer.base_version, own):
+                continue  # far too old to matter to any outer step
+            kind = Kind(offer.kind)
+            key = FragmentKey(self.run_id, fragment, offer.base_version, offer.publisher, kind)
+            delivered = self.delivered.get(key)
+            if delivered is not None:
+                replayed = delivered != offer.content_hash and kind is Kind.DELTA
+                if replayed and self.judge(("replay", offer.content_hash), now):
+                    selection.rejections.append(Rejection("replay", f"{key} again with other bytes"))
+                continue
+            if offer.content_hash in self.attempted:
+                continue
+            problem = check_offer(offer, numel)
+            if problem is not None:
+                self.mark_attempted(offer.content_hash, fragment, offer.base_version)
+                selection.rejections.append(Rejection(problem.reason, f"{key}: {problem.detail}"))
+                continue
+            holders = self._holders(offer, holder, by_hash)
+            fresh[(fragment, kind, offer.base_version)].append(Candidate(key, offer, holders))
         for round_key, candidates in fresh.items():
             taken = self.chosen[round_key]
             self.rng.shuffle(candidates)
@@ -187,33 +188,38 @@ class OfferSelector:
         publisher's record, with its holders (re-servers first, the publisher last), newest
         first. A snapshot larger than ``max_bytes`` or in another encoding is refused unseen."""
         selection = Selection()
-        by_hash: dict[bytes, list[Holdings]] = defaultdict(list)
-        for holder in holdings:
-            for offer in holder.offers:
-                by_hash[offer.content_hash].append(holder)
-        for holder in holdings:
-            for offer in holder.offers:
-                if (
-                    offer.kind != Kind.STATE
-                    or offer.publisher != holder.peer_id
-                    or offer.publisher == self.peer_id
-                ):
-                    continue
-                key = FragmentKey(self.run_id, 0, offer.base_version, offer.publisher, Kind.STATE)
-                problem = None
-                if offer.codec != STATE_CODEC:
-                    problem = Rejection("unknown_codec", f"{key}: {offer.codec}")
-                elif offer.byte_length > max_bytes:
-                    problem = Rejection("oversized", f"{key}: {offer.byte_length} bytes > {max_bytes}")
-                if problem is not None:
-                    if self.judge(("state", offer.content_hash), now):
-                        selection.rejections.append(problem)
-                    continue
-                others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
-                self.rng.shuffle(others)
-                selection.candidates.append(Candidate(key, offer, [*others, holder]))
+        by_hash = _holders_by_hash(holdings)
+        for holder, offer in self._vouched(holdings):
+            if offer.kind != Kind.STATE:
+                continue
+            key = FragmentKey(self.run_id, 0, offer.base_version, offer.publisher, Kind.STATE)
+            problem = None
+            if offer.codec != STATE_CODEC:
+                problem = Rejection("unknown_codec", f"{key}: {offer.codec}")
+            elif offer.byte_length > max_bytes:
+                problem = Rejection("oversized", f"{key}: {offer.byte_length} bytes > {max_bytes}")
+            if problem is not None:
+                if self.judge(("state", offer.content_hash), now):
+                    selection.rejections.append(problem)
+                continue
+            selection.candidates.append(Candidate(key, offer, self._holders(offer, holder, by_hash)))
         selection.candidates.sort(key=lambda c: -c.key.base_version)
         return selection
+
+    def _vouched(self, holdings: Sequence[Holdings]) -> Iterator[tuple[Holdings, Offer]]:
+        """Offers that their publisher's own record vouches for (not this peer's own)."""
+        for holder in holdings:
+            for offer in holder.offers:
+                if offer.publisher == holder.peer_id and offer.publisher != self.peer_id:
+                    yield holder, offer
+
+    def _holders(
+        self, offer: Offer, publisher: Holdings, by_hash: dict[bytes, list[Holdings]]
+    ) -> list[Holdings]:
+        """Where to fetch an offer's bytes: re-servers in random order, the publisher last."""
+        others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
+        self.rng.shuffle(others)
+        return [*others, publisher]
 
     def forget(self, versions: Sequence[int], now: float) -> None:
         """Bound the ledgers: versions beyond the horizon of this peer's own ``versions`` are

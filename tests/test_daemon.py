@@ -24,7 +24,8 @@ HOSTILE = {
 }  # fmt: skip
 STATUS_KEYS = {
     "peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
-    "published", "applied", "rejected", "dropped_stale", "mean_age",
+    "published", "applied", "rejected", "dropped_stale", "mean_age", "clipped", "skipped",
+    "cpu_seconds_by_thread",
 }  # fmt: skip
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
 SETTINGS = [
