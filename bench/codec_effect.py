@@ -1,9 +1,11 @@
-"""Does the wire encoding cost the outer step anything? The simulator with every pseudo-gradient
-passed through a codec (with error feedback, as the daemon sends it) against fp32.
+"""Does what the exchange does to a pseudo-gradient cost the outer step anything? The simulator
+with every pseudo-gradient passed through a codec (with error feedback, as the daemon sends it)
+against fp32, and with peers' deltas clipped around the own one (``--aggregation clip``, the
+default) against the plain mean, all beside `local` (each worker alone) in the same run.
 
 4 workers of the sweep model (bench/sweep_model.json, 1024-token BPE of the bundled corpus),
-H = 10, batch 4 × 64, inner lr 1e-3, 30 rounds; `local` (the floor) and `cga` at a fixed delay of
-0 and 1 round, fp32 and 4-bit. Writes bench/results/codec_effect.json.
+H = 10, batch 4 × 64, inner lr 1e-3, 30 rounds; `cga` at a fixed delay of 0 and 1 round. Writes
+bench/results/codec_effect.json.
 
     python bench/codec_effect.py [--seeds 0] [--jobs 2]
 """
@@ -17,17 +19,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "codec_effect.json"
-CELLS = [
-    ("fp32", "local", "0"),
-    ("fp32", "cga", "0"),
-    ("4bit", "cga", "0"),
-    ("fp32", "cga", "1"),
-    ("4bit", "cga", "1"),
+CELLS = [  # (codec, optimizer, delay, aggregation)
+    ("fp32", "local", "0", "mean"),
+    ("fp32", "cga", "0", "mean"),
+    ("4bit", "cga", "0", "mean"),
+    ("fp32", "cga", "1", "mean"),
+    ("4bit", "cga", "1", "mean"),
+    ("fp32", "cga", "0", "clip"),
+    ("fp32", "cga", "1", "clip"),
+    ("4bit", "cga", "1", "clip"),  # the daemon's defaults
 ]
 
 
-def run_cell(cell: tuple[str, str, str, int]) -> dict:
-    codec, optimizer, delay, seed = cell
+def run_cell(cell: tuple[str, str, str, str, int]) -> dict:
+    codec, optimizer, delay, aggregation, seed = cell
     import torch
 
     from cgad.node.config import SimConfig
@@ -55,15 +60,18 @@ def run_cell(cell: tuple[str, str, str, int]) -> dict:
     tokenizer = load_tokenizer(None, vocab_size=1024)
     config = SimConfig(
         workers=4, inner_steps=10, rounds=30, batch_size=4, seq_len=64, eval_batches=4, inner_lr=1e-3,
-        delay=delay, optimizer=optimizer, seed=seed, model=str(ROOT / "bench" / "sweep_model.json"),
+        delay=delay, optimizer=optimizer, aggregation=aggregation, seed=seed,
+        model=str(ROOT / "bench" / "sweep_model.json"),
     )  # fmt: skip
     record = simulate(config, load_dataset(tokenizer), tokenizer.vocab_size)
     return {
         "codec": codec,
         "optimizer": optimizer,
         "delay": delay,
+        "aggregation": aggregation,
         "seed": seed,
         "final_loss": record["final_loss"],
+        "clipped": record["clipped"],
     }
 
 
@@ -76,7 +84,10 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool:
         results = list(pool.map(run_cell, cells))
     for r in results:
-        print(f"{r['optimizer']:6} delay {r['delay']} {r['codec']:5} seed {r['seed']}: {r['final_loss']:.3f}")
+        print(
+            f"{r['optimizer']:6} delay {r['delay']} {r['codec']:5} {r['aggregation']:5} seed {r['seed']}:"
+            f" {r['final_loss']:.3f}"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"cells": results}, indent=1) + "\n")
 
