@@ -15,10 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import re
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -29,39 +26,27 @@ from typing import Any
 import torch
 
 from cgad.node.admin import AdminServer
-from cgad.node.checkpoint import CheckpointError, load_checkpoint, pack, save_checkpoint, unpack
+from cgad.node.checkpoint import load_checkpoint, pack, save_checkpoint
 from cgad.node.config import JoinConfig
 from cgad.node.data import load_dataset
 from cgad.node.export import TOKENIZER_DIR
+from cgad.node.joining import StateSync, check_compatible
 from cgad.node.methods import method
 from cgad.node.metrics import Metrics
 from cgad.node.model import build_model
 from cgad.node.outer import OuterLoop
-from cgad.node.status import status_line
+from cgad.node.status import cpu_seconds_by_thread, status_line
 from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
-from cgad.protocol.errors import FragmentError
 from cgad.protocol.files import atomic_write
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import Identity
 
-__all__ = ["IncompatibleSwarm", "Node"]
+__all__ = ["Node"]
 
 logger = logging.getLogger(__name__)
 
-# bytes per second a state download may not fall below on average: its timeout is a minute
-# plus its size at this rate (100 kB/s, 0.8 Mbit/s: a slow volunteer's link)
-MIN_STATE_RATE = 100e3
-MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays ahead
-# versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
-# for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
-ADOPTED_LAG = 1
-
 LINGER_SECONDS = 3.0  # after the last publish, so peers (polling every second) can fetch it
-
-
-class IncompatibleSwarm(ValueError):
-    """The swarm (or a checkpoint) trains something else: another run, model or tokenizer."""
 
 
 def _device(name: str) -> torch.device:
@@ -132,6 +117,9 @@ class Node:
             self._leave = threading.Event()
             self._outer_lock = threading.Lock()
             self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
+            self.state_sync = StateSync(
+                c, self.transport, self.loop, self.swarm, self._outer_lock, self._leave
+            )
             self.admin = AdminServer(
                 c.admin_host, c.admin_port, status=self.admin_status, leave=self.request_leave
             )
@@ -175,26 +163,11 @@ class Node:
             atomic_write(tokenizer_dir, lambda tmp: self.tokenizer.save_pretrained(tmp))
         save_checkpoint(directory, self._checkpoint_state())
 
-    def _check_compatible(self, theirs: dict[str, Any], where: str) -> None:
-        checks = (
-            ("run_id", "run id"),
-            ("model", "model config"),
-            ("tokenizer", "tokenizer"),
-            ("optimizer", "outer optimizer"),
-            ("fragments", "number of fragments"),
-        )
-        for key, what in checks:
-            if theirs.get(key) != self.swarm[key]:
-                raise IncompatibleSwarm(
-                    f"{where} has a different {what} ({theirs.get(key)!r}, this node: {self.swarm[key]!r});"
-                    f" refusing to join"
-                )
-
     def resume_or_join(self) -> None:
         c = self.config
         state = load_checkpoint(c.checkpoint_dir) if c.checkpoint_dir else None
         if state is not None:
-            self._check_compatible(state["swarm"], f"checkpoint in {c.checkpoint_dir}")
+            check_compatible(self.swarm, state["swarm"], f"checkpoint in {c.checkpoint_dir}")
             with self._outer_lock:
                 self.loop.load_state_dict(state["outer"])  # φ and versions; it sets θ = φ
             self.model.load_state_dict(state["model"])  # then θ as it was, mid-round
@@ -212,151 +185,18 @@ class Node:
             self.resumed = True
             logger.info("resumed from %s at round %d", c.checkpoint_dir, self.round)
         if c.peers:
-            self._check_bootstrap_peers()
+            self.state_sync.check_bootstrap_peers()
             # a fresh node starts from the swarm's model; a resumed one catches up if it lags
             self.sync_from_swarm(required=state is None)
 
-    def _check_bootstrap_peers(self) -> None:
-        """Ask the peers named by --peers who they are: a node of another run, model or method
-        is refused at once (``IncompatibleSwarm``), before it waits for what it would never see."""
-        for peer in self._bootstrap_peer_ids():
-            try:
-                run_id, swarm_json = self.transport.describe(peer)
-            except FragmentError as exc:
-                logger.warning("the peer at --peers did not say who it is: %s", exc)
-                continue
-            try:
-                theirs = json.loads(swarm_json)
-            except ValueError:
-                theirs = None
-            theirs = theirs if isinstance(theirs, dict) else {}
-            self._check_compatible({**theirs, "run_id": run_id}, f"the peer at --peers ({peer})")
-
     def sync_from_swarm(self, required: bool) -> bool:
-        """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a
-        fresh node, ``required``: any, within ``join_timeout``); True when one was adopted.
-        A snapshot that trails the swarm by more than ``ADOPTED_LAG`` versions once adopted (a
-        slow download, or an old snapshot) is followed by a newer one, up to ``MAX_ADOPTIONS``;
-        then this peer's versions are counted on to the source's (``_fast_forward``)."""
-        c = self.config
-        give_up = time.monotonic() + (c.join_timeout if required else 10.0)
-        failures: list[str] = []
-        adopted: tuple[str, int] | None = None  # the last snapshot adopted: publisher, round
-        adoptions = 0
-        while not self._leave.is_set():
-            offers = self._snapshots_worth_adopting(at_least_ours=required and adopted is None)
-            if adopted is not None and (
-                not offers or adoptions >= MAX_ADOPTIONS or self.behind_swarm() <= ADOPTED_LAG
-            ):
-                break
-            for candidate in offers:
-                snapshot_round = self._adopt(candidate, failures)
-                if snapshot_round is not None:
-                    adopted, adoptions = (candidate.key.publisher, snapshot_round), adoptions + 1
-                    break
-            else:
-                # no newer snapshot could be had: a fresh node keeps trying while time allows
-                settle = adopted is not None and (adoptions >= MAX_ADOPTIONS or not required)
-                if settle or time.monotonic() > give_up or (offers and not required and adopted is None):
-                    break
-                time.sleep(1.0)
-        if adopted is not None:
-            peer, snapshot_round = adopted
-            moved = self._fast_forward(peer)
-            self.round = max(self.round, snapshot_round + moved)
-            self.started_from = f"peer {peer}"
-            logger.info(
-                "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
-                peer, self.loop.versions, moved,
-            )  # fmt: skip
-            return True
-        if required and not self._leave.is_set():
-            why = "; ".join(failures[-3:]) or (
-                f"no peer of run {c.run_id!r} offered a snapshot within {c.join_timeout:.0f} s"
-                " (is --peers right, and does that swarm train this run id?)"
-            )
-            raise ConnectionError(f"could not download the swarm's state: {why}")
-        return False
-
-    def _snapshots_worth_adopting(self, at_least_ours: bool) -> list:
-        """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest
-        first; none claiming to be more than the cutoff past the median of live peers' reports
-        (a claim, until the bytes are checked, and no single peer moves the median)."""
-        mine = min(self.loop.versions)
-        reports = [min(p.versions) for p in self.transport.swarm_progress().values() if p.versions]
-        ceiling = statistics.median_high(reports) + self.config.cutoff if reports else float("inf")
-        return [
-            c
-            for c in self.transport.state_offers()
-            if (c.key.base_version >= mine if at_least_ours else c.key.base_version > mine)
-            and c.key.base_version <= ceiling
-        ]
-
-    def _adopt(self, candidate: Any, failures: list[str]) -> int | None:
-        """Download one snapshot, check it and adopt it: its round, or None (with why, in
-        ``failures``) when it is unusable, a snapshot of another swarm included."""
-        peer, size = candidate.key.publisher, candidate.offer.byte_length
-        timeout = 60.0 + size / MIN_STATE_RATE
-        logger.info(
-            "downloading the state of %s (version %d, %.1f MB) from %d holder(s)",
-            peer, candidate.key.base_version, size / 1e6, len(candidate.holders),
-        )  # fmt: skip
-        try:
-            data = self.transport.fetch_state(candidate, timeout)
-            state = unpack(data)
-        except (FragmentError, CheckpointError, TimeoutError) as exc:
-            failures.append(str(exc))
-            logger.warning("state download failed: %s", exc)
-            return None
-        try:
-            # the peers at --peers were checked already (Describe): a snapshot of another swarm
-            # is one bad offer among others, never a reason to stop
-            self._check_compatible(state.get("swarm", {}) if isinstance(state, dict) else {}, f"peer {peer}")
-            versions, snapshot_round = state["outer"]["versions"], state["round"]
-            if not isinstance(snapshot_round, int) or snapshot_round < 0:
-                raise ValueError(f"round {snapshot_round!r}")
-            if min(versions) != candidate.key.base_version:
-                raise ValueError(
-                    f"its record says version {candidate.key.base_version}, its bytes {min(versions)}"
-                )
-            with self._outer_lock:
-                self.loop.load_state_dict(state["outer"])  # checks the whole before adopting any
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # IncompatibleSwarm too
-            failures.append(f"snapshot of {peer} is unusable: {exc}")
-            self.transport.stats.rejected["bad_state"] += 1
-            logger.warning("the snapshot of %s is unusable: %s", peer, exc)
-            return None
-        self.transport.reserve_state(candidate, data)
-        return snapshot_round
-
-    def _fast_forward(self, peer: str) -> int:
-        """Versions the source moved on while its state downloaded (from its latest progress
-        record), counted on here so that this peer's versions and ages agree with the swarm's
-        instead of trailing it for good; bounded by the history horizon (the record is the
-        peer's own claim)."""
-        latest = self.transport.swarm_progress().get(peer)
-        if latest is None or len(latest.versions) != len(self.loop.versions):
-            return 0
-        moved = max(b - a for a, b in zip(self.loop.versions, latest.versions, strict=True))
-        if not 0 < moved <= self.config.history_versions:
-            return 0
-        with self._outer_lock:
-            self.loop.fast_forward(latest.versions)
-        return moved
-
-    def behind_swarm(self) -> int:
-        """How far this peer's slowest fragment trails the swarm: the median over live peers of
-        their reported versions (so no single peer's claim moves it), fragment by fragment."""
-        live = set(self.transport.live_peers())
-        reports = [p.versions for pid, p in self.transport.swarm_progress().items() if pid in live]
-        reports = [v for v in reports if len(v) == len(self.loop.versions)]
-        if not reports:
-            return 0
-        swarm = [statistics.median_low(column) for column in zip(*reports, strict=True)]
-        return max(s - v for s, v in zip(swarm, self.loop.versions, strict=True))
-
-    def _bootstrap_peer_ids(self) -> list[str]:
-        return [addr.rsplit("/p2p/", 1)[1] for addr in self.config.peers if "/p2p/" in addr]
+        """Adopt a peer's snapshot ahead of this node (``StateSync.sync``); True when one was."""
+        adopted = self.state_sync.sync(required)
+        if adopted is None:
+            return False
+        peer, self.round = adopted[0], max(self.round, adopted[1])
+        self.started_from = f"peer {peer}"
+        return True
 
     # ------------------------------------------------------------------ the loop
 
@@ -436,7 +276,7 @@ class Node:
                 self.save()
             if self.round % c.state_every == 0:
                 self.publish_state()
-            behind = self.behind_swarm()
+            behind = self.state_sync.behind()
             if behind > c.cutoff:
                 logger.warning("%d versions behind the swarm: re-syncing", behind)
                 if self.sync_from_swarm(required=False):
@@ -537,28 +377,6 @@ class Node:
         else:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
-
-
-def cpu_seconds_by_thread() -> dict[str, float]:
-    """CPU seconds each thread of this process has used, by Python thread name (threads that
-    Python did not start, e.g. OpenMP's or gRPC's, summed as "native"); empty where /proc is not."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    totals: dict[str, float] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return totals
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as stat_file:
-                stat = stat_file.read()
-        except OSError:
-            continue  # the thread ended meanwhile
-        fields = stat[stat.rindex(")") + 2 :].split()
-        name = re.sub(r"_\d+$", "", names.get(int(tid), "native"))  # pool workers under one name
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return totals
 
 
 def _model_fingerprint(config: dict[str, Any]) -> str:

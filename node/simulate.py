@@ -189,7 +189,7 @@ class _SwarmView:
 
 def _catch_up(wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: list) -> bool:
     """A daemon re-syncs when its versions trail the median of its live peers' by more than the
-    cutoff (``Node.behind_swarm``): a straggler adopts the most advanced live peer's outer state,
+    cutoff (``StateSync.behind``): a straggler adopts the most advanced live peer's outer state,
     and the rounds it skips count at the loss of the state it adopted."""
     if not wk.loop.method.shares or wk.round >= c.rounds:
         return False

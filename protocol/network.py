@@ -1,13 +1,13 @@
 """The network transport: hivemind's DHT says who holds what; gRPC or libp2p streams move bytes.
 
-Publishing encodes the tensor off the trainer's thread (``publish`` copies it first, so the
-trainer may reuse its tensor at once), keeps the bytes in a bounded local store (``store``) and
-announces them under the fragment's DHT key, signed. Everything else runs on an event loop in a
-background thread (``loop``): polling the DHT, choosing which offers to fetch (``selection``),
-pulling the bytes from any holder that announced the same content hash and checking them against
-the hash in the publisher's own signed record (``fetching``), decoding, validating, and announcing
-this peer as one more holder; and serving what it holds (``serving``). ``receive`` only hands over
-what that pipeline has already accepted.
+Publishing (``publishing``) encodes the tensor off the trainer's thread, keeps the bytes in a
+bounded local store (``store``) and announces them under the fragment's DHT key, signed.
+Everything else runs on an event loop in a background thread (``loop``): polling the DHT,
+choosing which offers to fetch (``selection``) and when (``scheduling``), pulling the bytes from
+any holder that announced the same content hash and checking them against the hash in the
+publisher's own signed record (``fetching``), decoding, validating, and announcing this peer as
+one more holder; and serving what it holds (``serving``). ``receive`` only hands over what that
+pipeline has already accepted.
 
 Threads, and who owns what:
 
@@ -19,7 +19,7 @@ Threads, and who owns what:
   ``_live`` (replaced whole, read by the trainer as a snapshot). It appends to ``_inbox``, which
   the trainer pops: ``_inbox_lock`` guards it.
 - the codec worker thread "cgad-codec" (one torch thread): encoding for ``publish``, with the
-  error-feedback residuals in ``_feedback`` (touched nowhere else), and decoding fetched bytes.
+  publisher's error-feedback residuals (touched nowhere else), and decoding fetched bytes.
 - ``store`` is shared by all three and guarded by its own lock. ``stats`` counters are bumped from
   the loop thread, and ``published`` from whichever thread publishes; they are counts to read,
   not to synchronise on.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import tempfile
 import threading
@@ -44,29 +43,30 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from cgad.protocol.codec import Codec, ErrorFeedback, encode
+from cgad.protocol.codec import Codec
 from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher, decode_and_check
 from cgad.protocol.loop import EventLoopThread
+from cgad.protocol.publishing import Publisher
 from cgad.protocol.records import (
     Holdings,
     Identity,
-    Offer,
     Progress,
     fragment_key,
     parse_holdings,
-    parse_progress,
+    parse_live_progress,
     progress_key,
+    read_records,
     run_validator,
     state_key,
 )
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
-from cgad.protocol.selection import STATE_CODEC, Candidate, OfferSelector, own_version
+from cgad.protocol.selection import Candidate, OfferSelector, own_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
-from cgad.protocol.wire import ChunkAssembler, content_hash
+from cgad.protocol.wire import ChunkAssembler
 
 __all__ = ["NetworkTransport"]
 
@@ -127,7 +127,6 @@ class NetworkTransport(Transport):
         self._inbox: dict[tuple[int, Kind], list[Fragment]] = defaultdict(list)
         self._inbox_lock = threading.Lock()
         self._logged_reasons: set[str] = set()
-        self._feedback: dict[int, ErrorFeedback] = {}
         self._live: dict[str, Progress] = {}
         self._progress = Progress(
             peer_id=self.peer_id,
@@ -145,6 +144,18 @@ class NetworkTransport(Transport):
         )
         self._runner = EventLoopThread(f"cgad-net-{self.peer_id[-6:]}")
         self.loop = self._runner.loop
+        self._publisher = Publisher(
+            self.options,
+            identity,
+            self.store,
+            self.stats,
+            self._runner,
+            self._codec_worker,
+            grpc_endpoint=lambda: self.grpc_endpoint,
+            on_own=self._own_stored,
+            on_progress=self._progress_stored,
+            progress=self._progress,
+        )
         try:
             self._runner.call(self._start(), timeout=self.options.startup_timeout)
         except BaseException:
@@ -166,45 +177,13 @@ class NetworkTransport(Transport):
     def publish(self, fragment: Fragment, codec: Codec | str | None = None) -> None:
         """Snapshot the tensor and return: encoding, hashing and announcing happen on the
         transport's threads. Raises ``FragmentError("non_finite")`` at once for NaN or Inf."""
-        key = fragment.key
-        codec = Codec(codec or (self.options.codec if key.kind is Kind.DELTA else self.options.params_codec))
-        snapshot = fragment.tensor.detach().reshape(-1).to(device="cpu", copy=True)
-        if snapshot.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(snapshot.float())):
-            raise FragmentError("non_finite", f"{key} holds NaN or Inf")
-        self._codec_worker.submit(self._encode_and_publish, key, snapshot, codec, fragment.tokens)
-
-    def _encode_and_publish(self, key: FragmentKey, tensor: torch.Tensor, codec: Codec, tokens: int) -> None:
-        try:
-            if key.kind is Kind.DELTA and self.options.error_feedback and codec in (Codec.INT8, Codec.FP4):
-                feedback = self._feedback.get(key.fragment)
-                if feedback is None or feedback.codec is not codec:
-                    feedback = self._feedback[key.fragment] = ErrorFeedback(codec)
-                data = feedback.encode(tensor)
-            else:
-                data = encode(tensor, codec)
-            self.publish_encoded(key, data, codec=codec, numel=tensor.numel(), tokens=tokens)
-        except Exception:
-            logger.exception("publishing %s failed", key)
+        self._publisher.publish(fragment, codec)
 
     def publish_encoded(
         self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
     ) -> None:
         """Offer bytes that are already encoded (by ``publish``, or re-sent state)."""
-        if key.publisher != self.peer_id:
-            raise ValueError(f"this peer is {self.peer_id}; it cannot publish as {key.publisher}")
-        offer = Offer(
-            publisher=self.peer_id,
-            base_version=key.base_version,
-            kind=str(key.kind),
-            tokens=tokens,
-            codec=str(codec),
-            numel=numel,
-            content_hash=content_hash(data),
-            byte_length=len(data),
-        )
-        entry = StoredFragment(fragment_header(key, offer), data, offer, own=True)
-        self.stats.published += 1
-        self._runner.submit(self._add_and_announce(entry))
+        self._publisher.publish_encoded(key, data, codec=codec, numel=numel, tokens=tokens)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         with self._inbox_lock:
@@ -236,8 +215,9 @@ class NetworkTransport(Transport):
             tokens_per_second=float(tokens_per_second),
             time=get_dht_time(),
         )
+        self._publisher.progress = self._progress
         self.loop.call_soon_threadsafe(self._version_clock.update, time.monotonic(), list(versions))
-        self._runner.submit(self._store_progress())
+        self._runner.submit(self._publisher.store_progress())
 
     def expect(self, fragment: int, numel: int) -> None:
         """Start receiving a fragment (with this many values) that ``fragment_numel`` did not list."""
@@ -280,23 +260,7 @@ class NetworkTransport(Transport):
         """Offer a snapshot of this peer's outer state (packed by the caller) to peers that join
         or fall behind, in place of the previous one; its record says the oldest of ``versions``
         (the rest is in the bytes, checked by whoever adopts them)."""
-        key = FragmentKey(self.options.run_id, 0, min(versions, default=0), self.peer_id, Kind.STATE)
-        # hashing a model-sized blob is the codec worker's job, not the trainer's
-        self._codec_worker.submit(self._offer_state, key, data)
-
-    def _offer_state(self, key: FragmentKey, data: bytes) -> None:
-        offer = Offer(
-            publisher=self.peer_id,
-            base_version=key.base_version,
-            kind=str(Kind.STATE),
-            tokens=0,
-            codec=STATE_CODEC,
-            numel=0,
-            content_hash=content_hash(data),
-            byte_length=len(data),
-        )
-        entry = StoredFragment(fragment_header(key, offer), data, offer, own=True)
-        self._runner.submit(self._keep_state(entry))
+        self._publisher.publish_state(data, versions)
 
     def state_offers(self) -> list[Candidate]:
         """Other peers' snapshots seen at the last look at the DHT, newest first."""
@@ -309,10 +273,7 @@ class NetworkTransport(Transport):
 
     def reserve_state(self, candidate: Candidate, data: bytes | bytearray) -> None:
         """Serve a snapshot fetched from others onward (the next joiner finds one more holder)."""
-        entry = StoredFragment(
-            fragment_header(candidate.key, candidate.offer), data, candidate.offer, own=False
-        )
-        self._runner.submit(self._keep_state(entry))
+        self._publisher.reserve_state(candidate, data)
 
     def close(self) -> None:
         if self._closed:
@@ -323,12 +284,6 @@ class NetworkTransport(Transport):
             with contextlib.suppress(Exception):
                 self._runner.call(self._stop(), timeout=30)
         self._runner.stop(timeout=30)
-
-    def __enter__(self) -> NetworkTransport:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def _reject(self, reason: str, detail: str) -> None:
         self.stats.rejected[reason] += 1
@@ -370,7 +325,8 @@ class NetworkTransport(Transport):
         )
         await self._server.start(self.p2p)
         self._runner.spawn(self._poll_forever())
-        self._runner.spawn(self._refresh_forever())
+        self._publisher.dht_node = self.dht_node
+        self._runner.spawn(self._publisher.refresh_forever(self.num_fragments))
 
     async def _stop(self) -> None:
         await self._runner.cancel_tasks()
@@ -386,56 +342,14 @@ class NetworkTransport(Transport):
             task.cancel()
         await asyncio.gather(*leftovers, return_exceptions=True)
 
-    # ---------------------------------------------------------------- announcing
-
-    async def _add_and_announce(self, entry: StoredFragment) -> None:
-        self.store.put(entry)
-        header = entry.header
-        self._selector.mark_attempted(header.content_hash, header.fragment, header.base_version)
-        await self._announce(header.fragment)
-
-    async def _keep_state(self, entry: StoredFragment) -> None:
-        self.store.put(entry)
-        await self._announce(None)
-
-    async def _announce(self, fragment: int | None) -> None:
-        """This peer's holdings of a fragment (None: of state snapshots), signed."""
-        offers = self.store.offers(fragment)
-        if not offers or self.dht_node is None:
-            return
-        holdings = Holdings(peer_id=self.peer_id, grpc=self.grpc_endpoint, offers=offers)
-        run_id = self.options.run_id
-        stored = await self.dht_node.store(
-            state_key(run_id) if fragment is None else fragment_key(run_id, fragment),
-            holdings.dict(),
-            get_dht_time() + self.options.record_ttl,
-            subkey=self.identity.owner_subkey,
-        )
-        if not stored:
-            logger.debug("announcing fragment %d reached no DHT peer", fragment)
-
-    async def _store_progress(self) -> None:
-        if self.dht_node is None:
-            return
-        progress = self._progress.copy(update={"time": get_dht_time(), "grpc": self.grpc_endpoint})
-        self._live[self.peer_id] = progress
-        await self.dht_node.store(
-            progress_key(self.options.run_id),
-            progress.dict(),
-            get_dht_time() + self.options.liveness_ttl,
-            subkey=self.identity.owner_subkey,
-        )
-
-    async def _refresh_forever(self) -> None:
-        """Keep this peer's records alive: progress (its heartbeat) and its holdings."""
-        period = min(self.options.liveness_ttl, self.options.record_ttl) / 3
-        while True:
-            await self._store_progress()
-            for fragment in [*range(self.num_fragments), None]:
-                await self._announce(fragment)
-            await asyncio.sleep(period)
-
     # ---------------------------------------------------------------- finding, fetching, accepting
+
+    def _own_stored(self, entry: StoredFragment) -> None:
+        header = entry.header  # this peer's own content is never fetched back from a peer
+        self._selector.mark_attempted(header.content_hash, header.fragment, header.base_version)
+
+    def _progress_stored(self, progress: Progress) -> None:
+        self._live[self.peer_id] = progress
 
     async def _poll_forever(self) -> None:
         while True:
@@ -457,24 +371,13 @@ class NetworkTransport(Transport):
         now = get_dht_time()
         self._state_candidates = self._parse_states(found.get(state_key(run_id)), now)
 
-        progress_entry = found.get(progress_key(run_id))
-        if progress_entry is not None and isinstance(progress_entry.value, dict):
-            live: dict[str, Progress] = {}
-            for owner, item in progress_entry.value.items():
-                try:
-                    progress = parse_progress(owner, item.value)
-                    if progress.time > now + CLOCK_SKEW:  # would count as live long after it left
-                        raise FragmentError("future_time", f"progress of {progress.peer_id} from the future")
-                except FragmentError as error:
-                    self._reject_record(error, ("progress", owner, item.expiration_time), now)
-                    continue
-                live[progress.peer_id] = progress
-            live.setdefault(self.peer_id, self._progress)
-            self._live = live
+        live = {p.peer_id: p for p in self._records(found.get(progress_key(run_id)), "progress", now)}
+        live.setdefault(self.peer_id, self._progress)
+        self._live = live
 
         versions = self._progress.versions
         for fragment, numel in interest.items():
-            holdings = self._holdings(found.get(fragment_key(run_id, fragment)), fragment, now)
+            holdings = self._records(found.get(fragment_key(run_id, fragment)), fragment, now)
             if not holdings:
                 continue
             selection = self._selector.choose(fragment, numel, holdings, own_version(versions, fragment), now)
@@ -528,31 +431,29 @@ class NetworkTransport(Transport):
     def fetches_waiting(self) -> int:
         return len(self._queue)
 
-    def _holdings(self, entry: object, record: int | str, now: float) -> list[Holdings]:
-        """The well-formed, rightly signed holdings records under one key (``record`` names the
-        key in the ledger of faulty records); the others are counted once each."""
-        value = getattr(entry, "value", None)
-        if not isinstance(value, dict):
-            return []
-        holdings = []
-        for owner, item in value.items():
-            try:
-                holdings.append(parse_holdings(owner, item.value))
-            except FragmentError as error:
-                self._reject_record(error, (record, owner, item.expiration_time), now)
-        return holdings
+    def _records(self, entry: object, record: int | str, now: float) -> list:
+        """The sound records under one key: progress records for ``record`` "progress", else
+        holdings (``record`` names the key in the ledger of faulty records, which counts each
+        faulty record once)."""
+
+        def parse(owner: bytes, value: object) -> Progress | Holdings:
+            if record == "progress":
+                return parse_live_progress(owner, value, now, CLOCK_SKEW)
+            return parse_holdings(owner, value)
+
+        def faulty(error: FragmentError, owner: bytes, expiration: float) -> None:
+            if self._selector.judge((record, owner, expiration), now):
+                self._reject(error.reason, error.detail)
+
+        return read_records(entry, parse, faulty)
 
     def _parse_states(self, entry: object, now: float) -> list[Candidate]:
         selection = self._selector.choose_states(
-            self._holdings(entry, "state", now), self.options.max_state_bytes, now
+            self._records(entry, "state", now), self.options.max_state_bytes, now
         )
         for rejection in selection.rejections:
             self._reject(rejection.reason, rejection.detail)
         return selection.candidates
-
-    def _reject_record(self, error: FragmentError, record: tuple, now: float) -> None:
-        if self._selector.judge(record, now):
-            self._reject(error.reason, error.detail)
 
     async def _fetch(self, candidate: Candidate) -> None:
         try:
@@ -590,4 +491,4 @@ class NetworkTransport(Transport):
         self.stats.received += 1
         self.stats.bytes_received += len(data)
         self.store.put(StoredFragment(fragment_header(key, offer), data, offer, own=False))
-        await self._announce(key.fragment)
+        await self._publisher.announce(key.fragment)

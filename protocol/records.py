@@ -22,7 +22,8 @@ import hashlib
 import os
 import struct
 from collections import OrderedDict
-from typing import Optional
+from collections.abc import Callable
+from typing import Optional, TypeVar
 
 import pydantic.v1 as pydantic
 from cryptography.hazmat.primitives import serialization
@@ -256,3 +257,35 @@ def parse_progress(owner: bytes, value: object) -> Progress:
     if peer_id_of_owner(owner) != progress.peer_id:
         raise FragmentError("forged", f"progress of {progress.peer_id} signed by another key")
     return progress
+
+
+def parse_live_progress(owner: bytes, value: object, now: float, clock_skew: float) -> Progress:
+    """``parse_progress``, refusing a record dated more than ``clock_skew`` seconds ahead of
+    ``now`` (it would count as live long after its peer left)."""
+    progress = parse_progress(owner, value)
+    if progress.time > now + clock_skew:
+        raise FragmentError("future_time", f"progress of {progress.peer_id} from the future")
+    return progress
+
+
+T = TypeVar("T")
+
+
+def read_records(
+    entry: object,
+    parse: Callable[[bytes, object], T],
+    on_error: Callable[[FragmentError, bytes, float], None],
+) -> list[T]:
+    """The well-formed, rightly signed records under one DHT key (a dictionary of owner
+    subkeys), each through ``parse``; a faulty one goes to ``on_error(error, owner, its
+    expiration)`` instead."""
+    value = getattr(entry, "value", None)
+    if not isinstance(value, dict):
+        return []
+    records = []
+    for owner, item in value.items():
+        try:
+            records.append(parse(owner, item.value))
+        except FragmentError as error:
+            on_error(error, owner, item.expiration_time)
+    return records

@@ -15,6 +15,7 @@ import abc
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Self
 
 from torch import Tensor
 
@@ -81,3 +82,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release sockets, threads and child processes."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

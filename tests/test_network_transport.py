@@ -1,106 +1,51 @@
-"""NetworkTransport with real hivemind peers on 127.0.0.1 (one of them in another process).
-
-The module's swarm: p0 fetches over either path, p1 over gRPC only, p2 over libp2p only, and p3
-starts with no fragments to receive and a fan-in of 2, so tests can decide when it starts looking.
-Each test uses its own fragment indices, so the tests do not see each other's fragments.
+"""NetworkTransport with real hivemind peers on 127.0.0.1 (one of them in another process):
+every codec and path, big fragments, snapshots, killed publishers, fetch scheduling.
+The shared swarm is described in tests/_netswarm.py; hostile peers are in test_network_hostile.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import multiprocessing
 import os
 import signal
 import socket
-import struct
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from hivemind.utils import get_dht_time
+from _netswarm import (  # tests/ is on sys.path under pytest
+    BIG,
+    HUGE,
+    KILLED,
+    NUM_FRAGMENTS,
+    RUN,
+    SMALL,
+    collect,
+    key,
+    make_transport,
+    running_swarm,
+    settle,
+    wait_for,
+)
 
 from cgad.protocol import FragmentError
 from cgad.protocol.codec import Codec, decode, encode, encoded_size
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.network import NetworkTransport
-from cgad.protocol.records import Holdings, Offer, fragment_key
+from cgad.protocol.records import Holdings
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 from cgad.protocol.wire import content_hash
 
 pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
-RUN = "net-test"
-NUM_FRAGMENTS = 16
-BIG = 1 << 21  # 8 MiB of fp32: several chunks on every path
-SMALL = 4096
-KILLED = 5 << 20  # 20 MiB of fp32, served at 10 MB/s: long enough to kill its publisher mid-way
-HUGE = 1 << 25  # 128 MiB of fp32: a fragment of 100 MB+ must flow on both paths
-NUMEL = {0: BIG, 1: KILLED, 2: 1 << 20, 3: 1 << 20, 14: HUGE} | {
-    f: SMALL for f in range(4, NUM_FRAGMENTS) if f != 14
-}
-MAX_NORM = 1e5
-
-
-def _transport(fragment_numel: dict[int, int] = NUMEL, **overrides: object) -> NetworkTransport:
-    settings: dict = dict(
-        run_id=RUN,
-        poll_interval=0.2,
-        connect_timeout=1.0,
-        chunk_timeout=3.0,
-        max_norm=MAX_NORM,
-    )
-    settings.update(overrides)
-    return NetworkTransport(
-        NetworkOptions(**settings), num_fragments=NUM_FRAGMENTS, fragment_numel=fragment_numel
-    )
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def settle(transport: NetworkTransport) -> None:
-    """Until two more DHT polls have gone through and no fetch is in flight: whatever the records
-    seen so far would bring has arrived (or been refused) by then."""
-    polls = transport.polls
-    wait_for(lambda: transport.polls >= polls + 2 and not transport.transfers(), what="two quiet polls")
-
-
-def collect(transport: NetworkTransport, fragment: int, count: int, timeout: float = 20.0) -> list[Fragment]:
-    got: list[Fragment] = []
-
-    def enough() -> bool:
-        got.extend(transport.receive(fragment))
-        return len(got) >= count
-
-    wait_for(enough, timeout, f"{count} fragment(s) {fragment} at {transport.peer_id[-6:]}")
-    return got
-
-
-def key(transport: NetworkTransport, fragment: int, base: int, kind: Kind = Kind.DELTA) -> FragmentKey:
-    return FragmentKey(RUN, fragment, base, transport.peer_id, kind)
-
 
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[list[NetworkTransport]]:
-    peers = [_transport()]
-    initial = peers[0].maddrs()
-    try:
-        peers.append(_transport(peers=initial, paths=["grpc"]))
-        peers.append(_transport(peers=initial, paths=["libp2p"]))
-        peers.append(_transport({}, peers=initial, fan_in=2))
+    with running_swarm() as peers:
         yield peers
-    finally:
-        for peer in peers:
-            peer.close()
 
 
 @pytest.mark.timeout(90)
@@ -132,142 +77,6 @@ def test_a_fragment_of_over_100_mb_flows_on_both_paths(swarm: list[NetworkTransp
         [got] = collect(fetcher, 14, 1, timeout=90)
         assert torch.equal(got.tensor, x)
     del x, got
-
-
-@pytest.mark.timeout(90)
-def test_reserved_bytes_verify_by_hash_and_tampered_ones_are_refused(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, p3 = swarm
-    x2, x3 = torch.randn(1 << 20), torch.randn(1 << 20)
-    p0.publish(Fragment(key(p0, 2, 1), x2), codec="fp32")
-    p0.publish(Fragment(key(p0, 3, 1), x3), codec="fp32")
-    for fetcher in (p1, p2):
-        collect(fetcher, 2, 1)
-        collect(fetcher, 3, 1)
-    digest2 = content_hash(encode(x2, "fp32"))
-    digest3 = content_hash(encode(x3, "fp32"))
-    wait_for(
-        lambda: all(p.store.get(d) for p in (p1, p2) for d in (digest2, digest3)), what="re-served copies"
-    )
-
-    # The publisher no longer holds fragment 2: the bytes can only come from the re-servers.
-    p0.store.discard(digest2)
-    p3.expect(2, 1 << 20)
-    [got] = collect(p3, 2, 1)
-    assert torch.equal(got.tensor, x2)
-
-    # Both re-servers' copies of fragment 3 are tampered with: p3 tries them first (re-servers
-    # before the publisher), refuses both by hash, and gets the true bytes from the publisher.
-    for peer in (p1, p2):
-        entry = peer.store.get(digest3)
-        assert entry is not None
-        entry.data[5000] ^= 0xFF
-    before = p3.stats.rejected["bad_hash"]
-    p3.expect(3, 1 << 20)
-    [got] = collect(p3, 3, 1)
-    assert torch.equal(got.tensor, x3)
-    assert p3.stats.rejected["bad_hash"] - before == 2
-
-
-def _store_as(transport: NetworkTransport, fragment: int, value: dict, owner: bytes) -> bool:
-    assert transport.dht_node is not None
-    store = transport.dht_node.store(fragment_key(RUN, fragment), value, get_dht_time() + 60, subkey=owner)
-    return asyncio.run_coroutine_threadsafe(store, transport.loop).result(10)
-
-
-@pytest.mark.timeout(60)
-def test_forged_records_are_refused(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, _ = swarm
-    data = encode(torch.randn(SMALL), "fp32")
-    offer = Offer(
-        publisher=p0.peer_id,
-        base_version=4,
-        kind="delta",
-        tokens=1,
-        codec="fp32",
-        numel=SMALL,
-        content_hash=content_hash(data),
-        byte_length=len(data),
-    )
-    forged = Holdings(peer_id=p0.peer_id, grpc=p2.grpc_endpoint, offers=[offer]).dict()
-    # p2 cannot write under p0's subkey: no DHT node accepts the unsigned record
-    assert not _store_as(p2, 4, forged, p0.identity.owner_subkey)
-    # p2 can write its own subkey, but a record that claims to be p0's is refused as forged
-    before = p1.stats.rejected["forged"]
-    assert _store_as(p2, 4, forged, p2.identity.owner_subkey)
-    wait_for(lambda: p1.stats.rejected["forged"] > before, what="forged record counted")
-    settle(p1)  # several more polls see the same record: it is counted once
-    assert p1.stats.rejected["forged"] == before + 1
-    # and an offer naming p0 as publisher in p2's own, honest record vouches for nothing
-    honest_but_hearsay = Holdings(peer_id=p2.peer_id, grpc=p2.grpc_endpoint, offers=[offer]).dict()
-    assert _store_as(p2, 5, honest_but_hearsay, p2.identity.owner_subkey)
-    settle(p1)
-    assert p1.receive(4) == [] and p1.receive(5) == []
-
-
-@pytest.mark.timeout(60)
-def test_fan_in_cap_is_honoured(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, p3 = swarm
-    publishers = (p0, p1, p2)
-    for peer in publishers:
-        peer.publish(Fragment(key(peer, 6, 9), torch.randn(SMALL)))
-    p3.expect(6, SMALL)
-    got = collect(p3, 6, 2)
-    wait_for(lambda: p3.stats.skipped["fan_in"] >= 1, what="the third publisher to be passed over")
-    settle(p3)
-    got += p3.receive(6)
-    assert len(got) == 2
-    assert {g.key.publisher for g in got} < {p.peer_id for p in publishers}
-
-
-@pytest.mark.timeout(60)
-def test_hostile_fragments_are_rejected_and_counted(swarm: list[NetworkTransport]) -> None:
-    _, p1, p2, _ = swarm
-    before = p1.stats.rejected.copy()
-
-    def rejected(reason: str) -> int:
-        return p1.stats.rejected[reason] - before[reason]
-
-    # wrong length for the fragment: refused from the record, before any byte moves
-    p2.publish(Fragment(key(p2, 7, 1), torch.randn(SMALL + 1)), codec="fp32")
-    # a norm beyond the bound
-    p2.publish(Fragment(key(p2, 8, 1), torch.full((SMALL,), 1e4)), codec="fp32")
-    # garbage whose hash the record does match
-    garbage = os.urandom(encoded_size(SMALL, "fp32"))
-    p2.publish_encoded(key(p2, 9, 1), garbage, codec=Codec.FP32, numel=SMALL, tokens=1)
-    # NaN in a well-formed, correctly checksummed payload
-    nan = bytearray(encode(torch.ones(SMALL), "fp32"))
-    nan[-4:] = struct.pack("<f", float("nan"))
-    payload_offset = len(nan) - SMALL * 4
-    crc = zlib.crc32(bytes(nan[payload_offset:]), zlib.crc32(bytes(nan[: payload_offset - 4])))
-    nan[payload_offset - 4 : payload_offset] = struct.pack("<I", crc)
-    p2.publish_encoded(key(p2, 10, 1), bytes(nan), codec=Codec.FP32, numel=SMALL, tokens=1)
-    # more bytes than the codec needs for this many values
-    padded = encode(torch.ones(SMALL), "fp32") + b"\0" * 64
-    p2.publish_encoded(key(p2, 11, 1), padded, codec=Codec.FP32, numel=SMALL, tokens=1)
-    # a replay: the same (peer, fragment, base) delta again, with other bytes
-    first = torch.randn(SMALL)
-    p2.publish(Fragment(key(p2, 12, 1), first), codec="fp32")
-    [got] = collect(p1, 12, 1)
-    assert torch.equal(got.tensor, first)
-    p2.publish(Fragment(key(p2, 12, 1), torch.randn(SMALL)), codec="fp32")
-
-    expected = {
-        "bad_shape": 1,
-        "norm_too_large": 1,
-        "garbage": 1,
-        "non_finite": 1,
-        "oversized": 1,
-        "replay": 1,
-    }
-    wait_for(lambda: all(rejected(r) >= n for r, n in expected.items()), what=f"rejections {expected}")
-    settle(p1)
-    assert {r: rejected(r) for r in expected} == expected
-    assert all(p1.receive(f) == [] for f in (7, 8, 9, 10, 11, 12))
-    # and the peer keeps working
-    fine = torch.randn(SMALL)
-    p2.publish(Fragment(key(p2, 7, 2), fine), codec="fp32")
-    [got] = collect(p1, 7, 1)
-    assert torch.equal(got.tensor, fine)
 
 
 @pytest.mark.timeout(60)
@@ -375,7 +184,7 @@ def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
 
 
 def _publisher_process(initial_peers: list[str], report: multiprocessing.Queue) -> None:
-    transport = _transport(peers=initial_peers, upload_limit=10e6)
+    transport = make_transport(peers=initial_peers, upload_limit=10e6)
     assert transport.p2p is not None
     report.put((transport.peer_id, transport.p2p._child.pid))
     transport.publish(Fragment(key(transport, 1, 1), torch.randn(KILLED)), codec="fp32")
@@ -425,7 +234,7 @@ def _alive(pid: int) -> bool:
 def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(swarm: list[NetworkTransport]) -> None:
     p0 = swarm[0]
     libp2p_before = sum(p.bytes_by_path["libp2p"] for p in swarm)
-    with _transport({5: SMALL}, peers=p0.maddrs(), client_mode=True, grpc_host="none") as natted:
+    with make_transport({5: SMALL}, peers=p0.maddrs(), client_mode=True, grpc_host="none") as natted:
         assert natted.grpc_endpoint is None
         theirs, ours = torch.randn(SMALL), torch.randn(SMALL)
         p0.publish(Fragment(key(p0, 5, 500), theirs), codec="fp32")
@@ -445,9 +254,9 @@ def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(swarm: list[Network
 @pytest.mark.timeout(60)
 def test_identity_file_gives_a_stable_peer_id(tmp_path: Path) -> None:
     path = str(tmp_path / "peer.key")
-    with _transport({}, identity=path) as first:
+    with make_transport({}, identity=path) as first:
         peer_id = first.peer_id
-    with _transport({}, identity=path) as second:
+    with make_transport({}, identity=path) as second:
         assert second.peer_id == peer_id
         assert second.p2p is not None and second.p2p.peer_id.to_base58() == peer_id
 
@@ -468,7 +277,7 @@ def test_any_subclass_of_the_options_serves_and_only_its_network_fields_are_kept
 
 @pytest.mark.timeout(60)
 def test_close_leaves_no_daemon_thread_or_port() -> None:
-    transport = _transport({})
+    transport = make_transport({})
     assert transport.p2p is not None and transport.grpc_endpoint is not None
     daemon_pid = transport.p2p._child.pid
     host, port = transport.grpc_endpoint.rsplit(":", 1)
@@ -485,7 +294,7 @@ def test_fetches_wait_their_turn_youngest_first_and_stop_when_too_old() -> None:
     and a fetch in flight is cancelled, not finished, once its fragment is too old to count."""
     run = "net-test-sched"
     sizes = {0: 1 << 18, 1: 1 << 18, 2: 1 << 18, 3: 1 << 20}  # 1 MiB each, 4 MiB for fragment 3
-    publisher = _transport(run_id=run, upload_limit=2e6)
+    publisher = make_transport(run_id=run, upload_limit=2e6)
     receiver = NetworkTransport(
         NetworkOptions(run_id=run, poll_interval=0.2, connect_timeout=1.0, max_fetches=1,
                        peers=publisher.maddrs()),
@@ -532,17 +341,3 @@ def test_fetches_wait_their_turn_youngest_first_and_stop_when_too_old() -> None:
     finally:
         receiver.close()
         publisher.close()
-
-
-@pytest.mark.timeout(60)
-def test_a_bare_value_cannot_wipe_the_records_of_a_fragment(swarm: list[NetworkTransport]) -> None:
-    p0, p1, _, p3 = swarm
-    x = torch.randn(SMALL)
-    p1.publish(Fragment(key(p1, 6, 1), x), codec="fp32")
-    wait_for(lambda: p1.store.offers(6), what="p1's announcement")
-    assert p0.dht_node is not None
-    wiped = p0._runner.call(p0.dht_node.store(fragment_key(RUN, 6), None, get_dht_time() + 60), timeout=20)
-    assert not wiped  # every DHT node refuses an ownerless value at a run's key
-    p3.expect(6, SMALL)
-    [got] = collect(p3, 6, 1)
-    assert got.key == key(p1, 6, 1) and torch.equal(got.tensor, x)

@@ -1,0 +1,222 @@
+"""How a node gets the swarm's outer state: at joining, and again when it has fallen behind.
+
+Peers offer signed snapshots of their outer state (``NetworkTransport.publish_state``). A joining
+node first asks the peers named by ``--peers`` who they are (another run, model or method is
+refused at once), then adopts the newest snapshot ahead of it; a snapshot that trails the swarm
+once adopted (a slow download) is followed by a newer one, and finally the node counts its
+versions on to where the source has moved meanwhile. Every claim in a snapshot's record is a
+claim until its bytes are checked; no single peer's report moves the ceiling or the lag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import threading
+import time
+from typing import Any
+
+from cgad.node.checkpoint import CheckpointError, unpack
+from cgad.node.config import JoinConfig
+from cgad.node.outer import OuterLoop
+from cgad.protocol.errors import FragmentError
+from cgad.protocol.network import NetworkTransport
+from cgad.protocol.selection import Candidate
+
+__all__ = ["IncompatibleSwarm", "StateSync", "check_compatible"]
+
+logger = logging.getLogger(__name__)
+
+# bytes per second a state download may not fall below on average: its timeout is a minute
+# plus its size at this rate (100 kB/s, 0.8 Mbit/s: a slow volunteer's link)
+MIN_STATE_RATE = 100e3
+MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays ahead
+# versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
+# for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
+ADOPTED_LAG = 1
+# what makes two nodes members of one swarm, with the words an error uses for each
+SWARM_IDENTITY = (
+    ("run_id", "run id"),
+    ("model", "model config"),
+    ("tokenizer", "tokenizer"),
+    ("optimizer", "outer optimizer"),
+    ("fragments", "number of fragments"),
+)
+
+
+class IncompatibleSwarm(ValueError):
+    """A checkpoint, peer or snapshot belongs to another run, model, tokenizer or method."""
+
+
+def check_compatible(ours: dict[str, Any], theirs: dict[str, Any], where: str) -> None:
+    """Raise ``IncompatibleSwarm`` naming the first part of the swarm's identity that differs."""
+    for key, what in SWARM_IDENTITY:
+        if theirs.get(key) != ours[key]:
+            raise IncompatibleSwarm(
+                f"{where} has a different {what} ({theirs.get(key)!r}, this node: {ours[key]!r});"
+                " refusing to join"
+            )
+
+
+class StateSync:
+    """Adopts peers' snapshots into ``loop`` (under ``outer_lock``, never half an outer step);
+    ``swarm`` is this node's identity of the swarm; ``leave`` ends any wait."""
+
+    def __init__(
+        self,
+        config: JoinConfig,
+        transport: NetworkTransport,
+        loop: OuterLoop,
+        swarm: dict[str, Any],
+        outer_lock: threading.Lock,
+        leave: threading.Event,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.loop = loop
+        self.swarm = swarm
+        self.outer_lock = outer_lock
+        self.leave = leave
+
+    def check_bootstrap_peers(self) -> None:
+        """Ask the peers named by --peers who they are: a node of another run, model or method
+        is refused at once (``IncompatibleSwarm``), before it waits for what it would never see."""
+        for addr in self.config.peers:
+            if "/p2p/" not in addr:
+                continue
+            peer = addr.rsplit("/p2p/", 1)[1]
+            try:
+                run_id, swarm_json = self.transport.describe(peer)
+            except FragmentError as exc:
+                logger.warning("the peer at --peers did not say who it is: %s", exc)
+                continue
+            try:
+                theirs = json.loads(swarm_json)
+            except ValueError:
+                theirs = None
+            theirs = theirs if isinstance(theirs, dict) else {}
+            check_compatible(self.swarm, {**theirs, "run_id": run_id}, f"the peer at --peers ({peer})")
+
+    def sync(self, required: bool) -> tuple[str, int] | None:
+        """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a
+        fresh node, ``required``: any, within ``join_timeout``); the source and the round this
+        node is at now, or None when nothing was adopted.
+        A snapshot that trails the swarm by more than ``ADOPTED_LAG`` versions once adopted (a
+        slow download, or an old snapshot) is followed by a newer one, up to ``MAX_ADOPTIONS``;
+        then this peer's versions are counted on to the source's (``_fast_forward``)."""
+        c = self.config
+        give_up = time.monotonic() + (c.join_timeout if required else 10.0)
+        failures: list[str] = []
+        adopted: tuple[str, int] | None = None  # the last snapshot adopted: publisher, round
+        adoptions = 0
+        while not self.leave.is_set():
+            offers = self._worth_adopting(at_least_ours=required and adopted is None)
+            if adopted is not None and (
+                not offers or adoptions >= MAX_ADOPTIONS or self.behind() <= ADOPTED_LAG
+            ):
+                break
+            for candidate in offers:
+                snapshot_round = self._adopt(candidate, failures)
+                if snapshot_round is not None:
+                    adopted, adoptions = (candidate.key.publisher, snapshot_round), adoptions + 1
+                    break
+            else:
+                # no newer snapshot could be had: a fresh node keeps trying while time allows
+                settle = adopted is not None and (adoptions >= MAX_ADOPTIONS or not required)
+                if settle or time.monotonic() > give_up or (offers and not required and adopted is None):
+                    break
+                time.sleep(1.0)
+        if adopted is not None:
+            peer, snapshot_round = adopted
+            moved = self._fast_forward(peer)
+            logger.info(
+                "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
+                peer, self.loop.versions, moved,
+            )  # fmt: skip
+            return peer, snapshot_round + moved
+        if required and not self.leave.is_set():
+            why = "; ".join(failures[-3:]) or (
+                f"no peer of run {c.run_id!r} offered a snapshot within {c.join_timeout:.0f} s"
+                " (is --peers right, and does that swarm train this run id?)"
+            )
+            raise ConnectionError(f"could not download the swarm's state: {why}")
+        return None
+
+    def behind(self) -> int:
+        """How far this peer's slowest fragment trails the swarm: the median over live peers of
+        their reported versions (so no single peer's claim moves it), fragment by fragment."""
+        live = set(self.transport.live_peers())
+        reports = [p.versions for pid, p in self.transport.swarm_progress().items() if pid in live]
+        reports = [v for v in reports if len(v) == len(self.loop.versions)]
+        if not reports:
+            return 0
+        swarm = [statistics.median_low(column) for column in zip(*reports, strict=True)]
+        return max(s - v for s, v in zip(swarm, self.loop.versions, strict=True))
+
+    def _worth_adopting(self, at_least_ours: bool) -> list[Candidate]:
+        """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest
+        first; none claiming to be more than the cutoff past the median of live peers' reports
+        (a claim, until the bytes are checked, and no single peer moves the median)."""
+        mine = min(self.loop.versions)
+        reports = [min(p.versions) for p in self.transport.swarm_progress().values() if p.versions]
+        ceiling = statistics.median_high(reports) + self.config.cutoff if reports else float("inf")
+        return [
+            c
+            for c in self.transport.state_offers()
+            if (c.key.base_version >= mine if at_least_ours else c.key.base_version > mine)
+            and c.key.base_version <= ceiling
+        ]
+
+    def _adopt(self, candidate: Candidate, failures: list[str]) -> int | None:
+        """Download one snapshot, check it and adopt it: its round, or None (with why, in
+        ``failures``) when it is unusable, a snapshot of another swarm included."""
+        peer, size = candidate.key.publisher, candidate.offer.byte_length
+        timeout = 60.0 + size / MIN_STATE_RATE
+        logger.info(
+            "downloading the state of %s (version %d, %.1f MB) from %d holder(s)",
+            peer, candidate.key.base_version, size / 1e6, len(candidate.holders),
+        )  # fmt: skip
+        try:
+            data = self.transport.fetch_state(candidate, timeout)
+            state = unpack(data)
+        except (FragmentError, CheckpointError, TimeoutError) as exc:
+            failures.append(str(exc))
+            logger.warning("state download failed: %s", exc)
+            return None
+        try:
+            # the peers at --peers were checked already (Describe): a snapshot of another swarm
+            # is one bad offer among others, never a reason to stop
+            theirs = state.get("swarm", {}) if isinstance(state, dict) else {}
+            check_compatible(self.swarm, theirs if isinstance(theirs, dict) else {}, f"peer {peer}")
+            versions, snapshot_round = state["outer"]["versions"], state["round"]
+            if not isinstance(snapshot_round, int) or snapshot_round < 0:
+                raise ValueError(f"round {snapshot_round!r}")
+            if min(versions) != candidate.key.base_version:
+                raise ValueError(
+                    f"its record says version {candidate.key.base_version}, its bytes {min(versions)}"
+                )
+            with self.outer_lock:
+                self.loop.load_state_dict(state["outer"])  # checks the whole before adopting any
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # IncompatibleSwarm too
+            failures.append(f"snapshot of {peer} is unusable: {exc}")
+            self.transport.stats.rejected["bad_state"] += 1
+            logger.warning("the snapshot of %s is unusable: %s", peer, exc)
+            return None
+        self.transport.reserve_state(candidate, data)
+        return snapshot_round
+
+    def _fast_forward(self, peer: str) -> int:
+        """Versions the source moved on while its state downloaded (from its latest progress
+        record), counted on here so that this peer's versions and ages agree with the swarm's
+        instead of trailing it for good; bounded by the history horizon (the record is the
+        peer's own claim)."""
+        latest = self.transport.swarm_progress().get(peer)
+        if latest is None or len(latest.versions) != len(self.loop.versions):
+            return 0
+        moved = max(b - a for a, b in zip(self.loop.versions, latest.versions, strict=True))
+        if not 0 < moved <= self.config.history_versions:
+            return 0
+        with self.outer_lock:
+            self.loop.fast_forward(latest.versions)
+        return moved

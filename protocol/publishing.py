@@ -1,0 +1,181 @@
+"""Publishing: encode a fragment (or take a packed snapshot), keep its bytes, announce them signed.
+
+``publish`` copies the tensor on the caller's thread and returns; encoding (with the error
+feedback of the lossy codecs) and hashing run on the codec worker; storing and announcing run on
+the event loop. The announcements are this peer's signed holdings records under the fragment's
+DHT key (or the run's state key), plus its progress record, its heartbeat; ``refresh_forever``
+keeps them alive.
+
+Threads: ``_feedback`` belongs to the codec worker; ``progress`` is replaced whole by the
+trainer's thread and read by the loop; ``dht_node`` is set once the loop has started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.utils import get_dht_time
+
+from cgad.protocol.codec import Codec, ErrorFeedback, encode
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.errors import FragmentError
+from cgad.protocol.loop import EventLoopThread
+from cgad.protocol.records import Holdings, Identity, Offer, Progress, fragment_key, progress_key, state_key
+from cgad.protocol.selection import STATE_CODEC, Candidate
+from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
+from cgad.protocol.transport import Fragment, FragmentKey, Kind, TransportStats
+from cgad.protocol.wire import content_hash
+
+__all__ = ["Publisher"]
+
+logger = logging.getLogger(__name__)
+
+
+class Publisher:
+    """This peer's side of the records: what it holds and how far it is. ``on_own`` is told of
+    each own fragment as it is stored (its content must never be fetched back from a peer), and
+    ``on_progress`` of each progress record as it goes out."""
+
+    def __init__(
+        self,
+        options: NetworkOptions,
+        identity: Identity,
+        store: FragmentStore,
+        stats: TransportStats,
+        runner: EventLoopThread,
+        codec_worker: Executor,
+        grpc_endpoint: Callable[[], str | None],
+        on_own: Callable[[StoredFragment], None],
+        on_progress: Callable[[Progress], None],
+        progress: Progress,
+    ) -> None:
+        self.options = options
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.store = store
+        self.stats = stats
+        self.progress = progress
+        self.dht_node: DHTNode | None = None
+        self._runner = runner
+        self._codec_worker = codec_worker
+        self._grpc_endpoint = grpc_endpoint
+        self._on_own = on_own
+        self._on_progress = on_progress
+        self._feedback: dict[int, ErrorFeedback] = {}
+
+    # ---------------------------------------------------------------- any thread
+
+    def publish(self, fragment: Fragment, codec: Codec | str | None = None) -> None:
+        key = fragment.key
+        codec = Codec(codec or (self.options.codec if key.kind is Kind.DELTA else self.options.params_codec))
+        snapshot = fragment.tensor.detach().reshape(-1).to(device="cpu", copy=True)
+        if snapshot.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(snapshot.float())):
+            raise FragmentError("non_finite", f"{key} holds NaN or Inf")
+        self._codec_worker.submit(self._encode_and_publish, key, snapshot, codec, fragment.tokens)
+
+    def publish_encoded(
+        self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
+    ) -> None:
+        if key.publisher != self.peer_id:
+            raise ValueError(f"this peer is {self.peer_id}; it cannot publish as {key.publisher}")
+        entry = self._entry(key, data, codec=str(codec), numel=numel, tokens=tokens)
+        self.stats.published += 1
+        self._runner.submit(self._add_and_announce(entry))
+
+    def publish_state(self, data: bytes, versions: Sequence[int]) -> None:
+        key = FragmentKey(self.options.run_id, 0, min(versions, default=0), self.peer_id, Kind.STATE)
+        # hashing a model-sized blob is the codec worker's job, not the trainer's
+        self._codec_worker.submit(self._offer_state, key, data)
+
+    def reserve_state(self, candidate: Candidate, data: bytes | bytearray) -> None:
+        entry = StoredFragment(
+            fragment_header(candidate.key, candidate.offer), data, candidate.offer, own=False
+        )
+        self._runner.submit(self._keep_state(entry))
+
+    # ---------------------------------------------------------------- the codec worker
+
+    def _encode_and_publish(self, key: FragmentKey, tensor: torch.Tensor, codec: Codec, tokens: int) -> None:
+        try:
+            if key.kind is Kind.DELTA and self.options.error_feedback and codec in (Codec.INT8, Codec.FP4):
+                feedback = self._feedback.get(key.fragment)
+                if feedback is None or feedback.codec is not codec:
+                    feedback = self._feedback[key.fragment] = ErrorFeedback(codec)
+                data = feedback.encode(tensor)
+            else:
+                data = encode(tensor, codec)
+            self.publish_encoded(key, data, codec=codec, numel=tensor.numel(), tokens=tokens)
+        except Exception:
+            logger.exception("publishing %s failed", key)
+
+    def _offer_state(self, key: FragmentKey, data: bytes) -> None:
+        entry = self._entry(key, data, codec=STATE_CODEC, numel=0, tokens=0)
+        self._runner.submit(self._keep_state(entry))
+
+    def _entry(self, key: FragmentKey, data: bytes, *, codec: str, numel: int, tokens: int) -> StoredFragment:
+        offer = Offer(
+            publisher=self.peer_id,
+            base_version=key.base_version,
+            kind=str(key.kind),
+            tokens=tokens,
+            codec=codec,
+            numel=numel,
+            content_hash=content_hash(data),
+            byte_length=len(data),
+        )
+        return StoredFragment(fragment_header(key, offer), data, offer, own=True)
+
+    # ---------------------------------------------------------------- the event loop
+
+    async def _add_and_announce(self, entry: StoredFragment) -> None:
+        self.store.put(entry)
+        self._on_own(entry)
+        await self.announce(entry.header.fragment)
+
+    async def _keep_state(self, entry: StoredFragment) -> None:
+        self.store.put(entry)
+        await self.announce(None)
+
+    async def announce(self, fragment: int | None) -> None:
+        """This peer's holdings of a fragment (None: of state snapshots), signed."""
+        offers = self.store.offers(fragment)
+        if not offers or self.dht_node is None:
+            return
+        holdings = Holdings(peer_id=self.peer_id, grpc=self._grpc_endpoint(), offers=offers)
+        run_id = self.options.run_id
+        stored = await self.dht_node.store(
+            state_key(run_id) if fragment is None else fragment_key(run_id, fragment),
+            holdings.dict(),
+            get_dht_time() + self.options.record_ttl,
+            subkey=self.identity.owner_subkey,
+        )
+        if not stored:
+            logger.debug("announcing fragment %s reached no DHT peer", fragment)
+
+    async def store_progress(self) -> None:
+        """Refresh this peer's progress record (``on_progress`` sees it first)."""
+        if self.dht_node is None:
+            return
+        progress = self.progress.copy(update={"time": get_dht_time(), "grpc": self._grpc_endpoint()})
+        self._on_progress(progress)
+        await self.dht_node.store(
+            progress_key(self.options.run_id),
+            progress.dict(),
+            get_dht_time() + self.options.liveness_ttl,
+            subkey=self.identity.owner_subkey,
+        )
+
+    async def refresh_forever(self, num_fragments: int) -> None:
+        """Keep this peer's records alive: progress (its heartbeat) and its holdings."""
+        period = min(self.options.liveness_ttl, self.options.record_ttl) / 3
+        while True:
+            await self.store_progress()
+            for fragment in [*range(num_fragments), None]:
+                await self.announce(fragment)
+            await asyncio.sleep(period)

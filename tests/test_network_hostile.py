@@ -1,0 +1,189 @@
+"""NetworkTransport against hostile peers, with real hivemind peers on 127.0.0.1: tampered
+bytes, forged records, the fan-in cap, fragments that decode to garbage, bare DHT values.
+The shared swarm is described in tests/_netswarm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from _netswarm import (  # tests/ is on sys.path under pytest
+    RUN,
+    SMALL,
+    collect,
+    key,
+    running_swarm,
+    settle,
+    wait_for,
+)
+from hivemind.utils import get_dht_time
+
+from cgad.protocol.codec import Codec, encode, encoded_size
+from cgad.protocol.network import NetworkTransport
+from cgad.protocol.records import Holdings, Offer, fragment_key
+from cgad.protocol.transport import Fragment
+from cgad.protocol.wire import content_hash
+
+pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[NetworkTransport]]:
+    with running_swarm() as peers:
+        yield peers
+
+
+@pytest.mark.timeout(90)
+def test_reserved_bytes_verify_by_hash_and_tampered_ones_are_refused(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = swarm
+    x2, x3 = torch.randn(1 << 20), torch.randn(1 << 20)
+    p0.publish(Fragment(key(p0, 2, 1), x2), codec="fp32")
+    p0.publish(Fragment(key(p0, 3, 1), x3), codec="fp32")
+    for fetcher in (p1, p2):
+        collect(fetcher, 2, 1)
+        collect(fetcher, 3, 1)
+    digest2 = content_hash(encode(x2, "fp32"))
+    digest3 = content_hash(encode(x3, "fp32"))
+    wait_for(
+        lambda: all(p.store.get(d) for p in (p1, p2) for d in (digest2, digest3)), what="re-served copies"
+    )
+
+    # The publisher no longer holds fragment 2: the bytes can only come from the re-servers.
+    p0.store.discard(digest2)
+    p3.expect(2, 1 << 20)
+    [got] = collect(p3, 2, 1)
+    assert torch.equal(got.tensor, x2)
+
+    # Both re-servers' copies of fragment 3 are tampered with: p3 tries them first (re-servers
+    # before the publisher), refuses both by hash, and gets the true bytes from the publisher.
+    for peer in (p1, p2):
+        entry = peer.store.get(digest3)
+        assert entry is not None
+        entry.data[5000] ^= 0xFF
+    before = p3.stats.rejected["bad_hash"]
+    p3.expect(3, 1 << 20)
+    [got] = collect(p3, 3, 1)
+    assert torch.equal(got.tensor, x3)
+    assert p3.stats.rejected["bad_hash"] - before == 2
+
+
+def _store_as(transport: NetworkTransport, fragment: int, value: dict, owner: bytes) -> bool:
+    assert transport.dht_node is not None
+    store = transport.dht_node.store(fragment_key(RUN, fragment), value, get_dht_time() + 60, subkey=owner)
+    return asyncio.run_coroutine_threadsafe(store, transport.loop).result(10)
+
+
+@pytest.mark.timeout(60)
+def test_forged_records_are_refused(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, _ = swarm
+    data = encode(torch.randn(SMALL), "fp32")
+    offer = Offer(
+        publisher=p0.peer_id,
+        base_version=4,
+        kind="delta",
+        tokens=1,
+        codec="fp32",
+        numel=SMALL,
+        content_hash=content_hash(data),
+        byte_length=len(data),
+    )
+    forged = Holdings(peer_id=p0.peer_id, grpc=p2.grpc_endpoint, offers=[offer]).dict()
+    # p2 cannot write under p0's subkey: no DHT node accepts the unsigned record
+    assert not _store_as(p2, 4, forged, p0.identity.owner_subkey)
+    # p2 can write its own subkey, but a record that claims to be p0's is refused as forged
+    before = p1.stats.rejected["forged"]
+    assert _store_as(p2, 4, forged, p2.identity.owner_subkey)
+    wait_for(lambda: p1.stats.rejected["forged"] > before, what="forged record counted")
+    settle(p1)  # several more polls see the same record: it is counted once
+    assert p1.stats.rejected["forged"] == before + 1
+    # and an offer naming p0 as publisher in p2's own, honest record vouches for nothing
+    honest_but_hearsay = Holdings(peer_id=p2.peer_id, grpc=p2.grpc_endpoint, offers=[offer]).dict()
+    assert _store_as(p2, 5, honest_but_hearsay, p2.identity.owner_subkey)
+    settle(p1)
+    assert p1.receive(4) == [] and p1.receive(5) == []
+
+
+@pytest.mark.timeout(60)
+def test_fan_in_cap_is_honoured(swarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = swarm
+    publishers = (p0, p1, p2)
+    for peer in publishers:
+        peer.publish(Fragment(key(peer, 6, 9), torch.randn(SMALL)))
+    p3.expect(6, SMALL)
+    got = collect(p3, 6, 2)
+    wait_for(lambda: p3.stats.skipped["fan_in"] >= 1, what="the third publisher to be passed over")
+    settle(p3)
+    got += p3.receive(6)
+    assert len(got) == 2
+    assert {g.key.publisher for g in got} < {p.peer_id for p in publishers}
+
+
+@pytest.mark.timeout(60)
+def test_hostile_fragments_are_rejected_and_counted(swarm: list[NetworkTransport]) -> None:
+    _, p1, p2, _ = swarm
+    before = p1.stats.rejected.copy()
+
+    def rejected(reason: str) -> int:
+        return p1.stats.rejected[reason] - before[reason]
+
+    # wrong length for the fragment: refused from the record, before any byte moves
+    p2.publish(Fragment(key(p2, 7, 1), torch.randn(SMALL + 1)), codec="fp32")
+    # a norm beyond the bound
+    p2.publish(Fragment(key(p2, 8, 1), torch.full((SMALL,), 1e4)), codec="fp32")
+    # garbage whose hash the record does match
+    garbage = os.urandom(encoded_size(SMALL, "fp32"))
+    p2.publish_encoded(key(p2, 9, 1), garbage, codec=Codec.FP32, numel=SMALL, tokens=1)
+    # NaN in a well-formed, correctly checksummed payload
+    nan = bytearray(encode(torch.ones(SMALL), "fp32"))
+    nan[-4:] = struct.pack("<f", float("nan"))
+    payload_offset = len(nan) - SMALL * 4
+    crc = zlib.crc32(bytes(nan[payload_offset:]), zlib.crc32(bytes(nan[: payload_offset - 4])))
+    nan[payload_offset - 4 : payload_offset] = struct.pack("<I", crc)
+    p2.publish_encoded(key(p2, 10, 1), bytes(nan), codec=Codec.FP32, numel=SMALL, tokens=1)
+    # more bytes than the codec needs for this many values
+    padded = encode(torch.ones(SMALL), "fp32") + b"\0" * 64
+    p2.publish_encoded(key(p2, 11, 1), padded, codec=Codec.FP32, numel=SMALL, tokens=1)
+    # a replay: the same (peer, fragment, base) delta again, with other bytes
+    first = torch.randn(SMALL)
+    p2.publish(Fragment(key(p2, 12, 1), first), codec="fp32")
+    [got] = collect(p1, 12, 1)
+    assert torch.equal(got.tensor, first)
+    p2.publish(Fragment(key(p2, 12, 1), torch.randn(SMALL)), codec="fp32")
+
+    expected = {
+        "bad_shape": 1,
+        "norm_too_large": 1,
+        "garbage": 1,
+        "non_finite": 1,
+        "oversized": 1,
+        "replay": 1,
+    }
+    wait_for(lambda: all(rejected(r) >= n for r, n in expected.items()), what=f"rejections {expected}")
+    settle(p1)
+    assert {r: rejected(r) for r in expected} == expected
+    assert all(p1.receive(f) == [] for f in (7, 8, 9, 10, 11, 12))
+    # and the peer keeps working
+    fine = torch.randn(SMALL)
+    p2.publish(Fragment(key(p2, 7, 2), fine), codec="fp32")
+    [got] = collect(p1, 7, 1)
+    assert torch.equal(got.tensor, fine)
+
+
+@pytest.mark.timeout(60)
+def test_a_bare_value_cannot_wipe_the_records_of_a_fragment(swarm: list[NetworkTransport]) -> None:
+    p0, p1, _, p3 = swarm
+    x = torch.randn(SMALL)
+    p1.publish(Fragment(key(p1, 6, 1), x), codec="fp32")
+    wait_for(lambda: p1.store.offers(6), what="p1's announcement")
+    assert p0.dht_node is not None
+    wiped = p0._runner.call(p0.dht_node.store(fragment_key(RUN, 6), None, get_dht_time() + 60), timeout=20)
+    assert not wiped  # every DHT node refuses an ownerless value at a run's key
+    p3.expect(6, SMALL)
+    [got] = collect(p3, 6, 1)
+    assert got.key == key(p1, 6, 1) and torch.equal(got.tensor, x)
