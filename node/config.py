@@ -199,6 +199,11 @@ class SimOptions(_Part):
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
     churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
     step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
+    attackers: int = Field(0, ge=0, description="workers (the last ones) that forge what they publish")
+    attack: str | None = Field(
+        None,
+        description="what attackers send: scale:F, signflip, noise:F, nan, inf, tokens:N, future:N",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -220,6 +225,13 @@ class SimOptions(_Part):
 
         Delay.parse(value)
         return value
+
+    @field_validator("attack")
+    @classmethod
+    def _attack(cls, value: str | None) -> str | None:
+        from cgad.node.attacks import Attack  # imports torch
+
+        return None if value is None else str(Attack.parse(value))
 
     @field_validator("stragglers")
     @classmethod
@@ -253,6 +265,12 @@ class SimConfig(_Schedule, TrainingOptions, OuterOptions, SimOptions):
     def _one_factor_per_worker(self) -> SimConfig:
         if self.stragglers and len(self.stragglers) != self.workers:
             raise ValueError(f"{len(self.stragglers)} straggler factors for {self.workers} workers")
+        if self.attackers >= self.workers:
+            raise ValueError(
+                f"{self.attackers} attackers among {self.workers} workers: at least one must be honest"
+            )
+        if self.attackers and self.attack is None:
+            raise ValueError("--attackers needs --attack (what they send)")
         return self
 
 

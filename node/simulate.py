@@ -2,7 +2,9 @@
 
 Each worker is what a daemon is: a model replica, an inner AdamW trainer on its own data shard, an
 ``OuterLoop`` and a transport, here a ``MemoryTransport`` with injected delay, loss, bandwidth,
-stragglers and churn. Time is virtual: an inner step costs ``step_time × speed factor`` seconds.
+stragglers and churn; the last ``attackers`` workers forge what they publish
+(``node/attacks.py``), and the swarm is judged by the others. Time is virtual: an inner step
+costs ``step_time × speed factor`` seconds.
 
 Workers advance in sync events ordered by virtual time. At each sync time, every worker due then
 first runs its inner steps and publishes, and only then do they all apply what arrived, so with
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cgad.node.attacks import Attack, ForgingTransport
 from cgad.node.config import SimConfig
 from cgad.node.data import TokenDataset
 from cgad.node.model import build_model
@@ -49,6 +52,7 @@ class _Worker:
     losses: list[float] = field(default_factory=list)
     resyncs: int = 0
     away_since: float | None = None  # virtual time it left, while away (churn)
+    hostile: bool = False  # forges what it publishes (--attackers); never judged, never adopted
 
 
 def simulate(
@@ -69,13 +73,19 @@ def simulate(
     initial_loss = evaluate(base_model, eval_batches)
     speeds = c.stragglers or [1.0] * c.workers
     transports = [network.join(f"worker-{w}") for w in range(c.workers)]
+    attack = Attack.parse(c.attack) if c.attackers else None
     workers = []
     for w in range(c.workers):
         model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
         batches = dataset.shard(w, c.workers).batches(c.batch_size, c.seq_len, seed=c.seed)
         trainer = InnerTrainer(model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps)
-        loop = OuterLoop(list(model.parameters()), c, transports[w], run_id="sim", seed=c.seed * 31 + w)
-        workers.append(_Worker(w, trainer, transports[w], loop, speeds[w]))
+        hostile = attack is not None and w >= c.workers - c.attackers  # the last K workers
+        transport = (
+            ForgingTransport(transports[w], attack, seed=c.seed * 17 + w) if hostile else transports[w]
+        )
+        loop = OuterLoop(list(model.parameters()), c, transport, run_id="sim", seed=c.seed * 31 + w)
+        workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
+    honest = [wk for wk in workers if not wk.hostile]
 
     block_steps = c.inner_steps // c.fragments
     blocks_per_round = c.fragments
@@ -109,7 +119,9 @@ def simulate(
         for wk in due:
             f = wk.block % blocks_per_round
             wk.transport.advance(wk.clock, wk.round)
-            delivered.extend(wk.loop.apply(f))
+            deliveries = wk.loop.apply(f)
+            if not wk.hostile:
+                delivered.extend(deliveries)
             wk.block += 1
             if f == blocks_per_round - 1:
                 wk.round += 1
@@ -124,15 +136,17 @@ def simulate(
                     continue
             if wk.round < c.rounds:
                 heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
-        while len(swarm.consensus) < min(wk.round for wk in workers):
-            swarm.snapshot(workers)  # the slowest worker has finished another round
+        while len(swarm.consensus) < min(wk.round for wk in honest):
+            swarm.snapshot(honest)  # the slowest honest worker has finished another round
 
-    rounds_losses = [sum(wk.losses[r] for wk in workers) / c.workers for r in range(c.rounds)]
+    # the swarm is judged by its honest workers (all of them when nobody attacks)
+    rounds_losses = [sum(wk.losses[r] for wk in honest) / len(honest) for r in range(c.rounds)]
     final_loss = rounds_losses[-1]
     virtual_seconds = max(wk.clock for wk in workers)
     busy = sum(wk.compute_seconds for wk in workers)
     present = sum(wk.clock - wk.down_seconds for wk in workers)
     stats = [wk.transport.stats for wk in workers]
+    rejected = sum((wk.loop.counters.rejected for wk in honest), Counter())
     return {
         "optimizer": c.optimizer,
         "delay": c.delay,
@@ -141,7 +155,11 @@ def simulate(
         "initial_loss": initial_loss,
         "final_loss": final_loss,
         "losses": rounds_losses,
-        "worker_final_losses": [wk.losses[-1] for wk in workers],
+        "worker_final_losses": [wk.losses[-1] for wk in honest],
+        "attack": str(attack) if attack else None,
+        "attackers": c.attackers,
+        "aggregation": c.aggregation,
+        "rejected": dict(rejected),
         # the swarm as a whole, each time its slowest worker finished a round: how far the
         # workers' outer parameters are apart, and how good their average would be
         "consensus": swarm.consensus,
@@ -156,7 +174,7 @@ def simulate(
         "dropped_in_flight": sum(s.rejected["dropped_in_flight"] for s in stats),
         "resyncs": sum(wk.resyncs for wk in workers),
         "mixed": sum(wk.loop.counters.mixed for wk in workers),
-        "clipped": sum(wk.loop.counters.clipped for wk in workers),
+        "clipped": sum(wk.loop.counters.clipped for wk in honest),
         "mean_age": _mean([d.age for d in delivered if not d.own]),
         "age_counts": _age_counts([d for d in delivered if not d.own]),
         "wall_seconds": time.perf_counter() - started,
@@ -193,7 +211,9 @@ def _catch_up(wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: l
     and the rounds it skips count at the loss of the state it adopted."""
     if not wk.loop.method.shares or wk.round >= c.rounds:
         return False
-    live = [o for o in workers if o is not wk and o.transport.alive and o.away_since is None]
+    live = [
+        o for o in workers if o is not wk and o.transport.alive and o.away_since is None and not o.hostile
+    ]
     if not live:
         return False
     median = statistics.median_low(min(o.loop.versions) for o in live)
@@ -212,12 +232,21 @@ def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_
     wk.away_since = None
     wk.clock = now
     wk.transport.set_alive(True)
-    live = [o for o in workers if o is not wk and o.transport.alive and o.away_since is None]
+    live = [
+        o for o in workers if o is not wk and o.transport.alive and o.away_since is None and not o.hostile
+    ]
     if not live or not wk.loop.method.shares:  # a worker training alone adopts nobody's state
         return
     leader = max(live, key=lambda o: min(o.loop.versions))
     if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff and leader.round < c.rounds:
         _adopt_leader(wk, leader, c, eval_batches)
+
+
+def _trusted_live(wk: _Worker, workers: list[_Worker]) -> list[_Worker]:
+    """The other workers up now whose state ``wk`` may adopt (an attacker's never)."""
+    return [
+        o for o in workers if o is not wk and o.transport.alive and o.away_since is None and not o.hostile
+    ]
 
 
 def _adopt_leader(wk: _Worker, leader: _Worker, c: SimConfig, eval_batches: list) -> None:

@@ -1,0 +1,121 @@
+"""The simulator's attacker: parsing an attack, what each kind forges, and what one hostile worker
+does to the honest ones with and without the robust aggregation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from cgad.node.attacks import Attack, ForgingTransport
+from cgad.node.config import SimConfig
+from cgad.node.data import load_dataset
+from cgad.node.simulate import simulate
+from cgad.node.tokenizer import load_tokenizer
+from cgad.protocol.memory import VirtualNetwork
+from cgad.protocol.transport import Fragment, FragmentKey, Kind
+
+
+@pytest.mark.parametrize(
+    "text", ["scale:1e6", "signflip", "noise:3", "nan", "inf", "tokens:1000", "future:5"]
+)
+def test_every_kind_parses_and_prints_back(text: str) -> None:
+    attack = Attack.parse(text)
+    assert Attack.parse(str(attack)) == attack
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("scal:2", "unknown attack 'scal:2'; one of scale:N, signflip"),
+        ("scale", "scale needs an amount"),
+        ("nan:2", "nan takes no amount"),
+        ("tokens:1.5", "tokens takes a whole amount"),
+        ("future:-3", "future takes a whole amount"),
+        ("scale:inf", "scale takes a finite amount"),
+        ("noise:lots", "'lots' is not a number"),
+    ],
+)
+def test_a_bad_attack_says_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        Attack.parse(text)
+
+
+def test_the_configuration_names_attack_errors() -> None:
+    with pytest.raises(ValidationError, match="attack"):
+        SimConfig(workers=3, attackers=1, attack="scal:2")
+    with pytest.raises(ValidationError, match="one must be honest"):
+        SimConfig(workers=2, attackers=2, attack="nan")
+    with pytest.raises(ValidationError, match="--attackers needs --attack"):
+        SimConfig(workers=3, attackers=1)
+
+
+def _fragment(kind: Kind = Kind.DELTA) -> Fragment:
+    return Fragment(FragmentKey("run", 0, 7, "evil", kind), torch.tensor([3.0, -4.0]), tokens=100)
+
+
+def test_what_each_kind_forges() -> None:
+    honest = _fragment()
+    assert torch.equal(Attack.parse("scale:10").forge(honest).tensor, torch.tensor([30.0, -40.0]))
+    assert torch.equal(Attack.parse("signflip").forge(honest).tensor, torch.tensor([-3.0, 4.0]))
+    assert torch.isnan(Attack.parse("nan").forge(honest).tensor).all()
+    assert torch.isinf(Attack.parse("inf").forge(honest).tensor).all()
+    assert Attack.parse("tokens:99999").forge(honest).tokens == 99999
+    assert Attack.parse("future:3").forge(honest).key.base_version == 10
+    big = Fragment(honest.key, torch.randn(100_000), 100)
+    noise = Attack.parse("noise:10").forge(big, torch.Generator().manual_seed(0)).tensor
+    assert noise.norm() / big.tensor.norm() == pytest.approx(10.0, rel=0.02)
+    assert abs(float(torch.nn.functional.cosine_similarity(noise, big.tensor, dim=0))) < 0.02
+    # outer parameters (NoLoCo, gossip) go out as they are: the attack is on pseudo-gradients
+    params = _fragment(Kind.PARAMS)
+    assert Attack.parse("scale:10").forge(params) is params
+    # the forged copy is new: the attacker's own Δ, kept for its own step, is untouched
+    assert torch.equal(honest.tensor, torch.tensor([3.0, -4.0]))
+
+
+def test_the_forging_transport_forges_only_what_it_sends() -> None:
+    network = VirtualNetwork()
+    evil = ForgingTransport(network.join("evil"), Attack.parse("scale:2"))
+    victim = network.join("victim")
+    evil.publish(_fragment())
+    got = victim.receive(0)
+    assert [f.tensor.tolist() for f in got] == [[6.0, -8.0]]
+    victim.publish(Fragment(FragmentKey("run", 0, 7, "victim", Kind.DELTA), torch.ones(2), 1))
+    assert [f.tensor.tolist() for f in evil.receive(0)] == [[1.0, 1.0]]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    tokenizer = load_tokenizer(None)
+    return tokenizer, load_dataset(tokenizer)
+
+
+def _swarm(corpus, **overrides) -> dict:
+    tokenizer, dataset = corpus
+    config = dict(workers=4, inner_steps=4, rounds=6, batch_size=2, seq_len=32, eval_batches=2, inner_lr=1e-3)
+    return simulate(SimConfig(**{**config, **overrides}), dataset, tokenizer.vocab_size)
+
+
+@pytest.mark.slow
+def test_one_attacker_hurts_the_plain_mean_and_not_the_robust_default(corpus) -> None:
+    clean = _swarm(corpus)
+    assert clean["attackers"] == 0 and clean["attack"] is None and clean["aggregation"] == "clip"
+    robust = _swarm(corpus, attackers=1, attack="scale:1e6")
+    plain = _swarm(corpus, attackers=1, attack="scale:1e6", aggregation="mean")
+    assert robust["attack"] == "scale:1e+06" and robust["attackers"] == 1
+    assert len(robust["worker_final_losses"]) == 3  # judged by the honest workers only
+    assert robust["clipped"] > 0
+    assert robust["final_loss"] == pytest.approx(clean["final_loss"], rel=0.05)
+    # the plain mean takes the scaled Δ whole: the honest workers' model blows up (their own
+    # next pseudo-gradients come out non-finite) or their loss climbs far above the clean run's
+    assert (
+        plain["rejected"].get("local_non_finite", 0) > 0
+        or not plain["final_loss"] < clean["final_loss"] * 1.2
+    )
+
+    poisoned = _swarm(corpus, attackers=1, attack="inf", aggregation="mean")
+    assert poisoned["rejected"]["non_finite"] > 0  # refused, counted, never applied
+    assert math.isfinite(poisoned["final_loss"])
+    assert poisoned["final_loss"] == pytest.approx(clean["final_loss"], rel=0.05)
