@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -41,6 +42,12 @@ __all__ = ["MAX_DESCRIPTION", "Fetcher", "decode_and_check"]
 
 MAX_DESCRIPTION = 4096
 RETRY_SECONDS = 2.0  # between passes over a candidate's holders
+# A holder that trickles bytes (a chunk just within the chunk timeout, again and again) would hold
+# a fetch slot for ever: after a grace period, a stream slower than this on average is dropped
+# and the transfer resumes elsewhere. 4 kB/s is far below an honest volunteer's share of a slow
+# uplink (1 Mbit/s split over three fetchers: ~40 kB/s).
+MIN_TRANSFER_RATE = 4_000.0
+MIN_RATE_GRACE = 15.0  # seconds
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +143,9 @@ class Fetcher:
                         self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
                         assembler.restart()
                         return None  # the holder is lying or broken: no other path to it helps
+                    if error.reason == "too_slow":  # what it sent stays: the next holder resumes it
+                        self.reject("too_slow", f"from {holder.peer_id} over {path}: {error.detail}")
+                        return None
                     logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
                     break
                 except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
@@ -188,8 +198,16 @@ class Fetcher:
         record names."""
         iterator = aiter(stream)
         first = True
+        started, start_bytes = time.monotonic(), assembler.received
         try:
             while True:
+                elapsed = time.monotonic() - started
+                if (
+                    elapsed > MIN_RATE_GRACE
+                    and assembler.received - start_bytes < MIN_TRANSFER_RATE * elapsed
+                ):
+                    rate = (assembler.received - start_bytes) / elapsed
+                    raise FragmentError("too_slow", f"{rate:.0f} B/s over {elapsed:.0f} s")
                 try:
                     item = await asyncio.wait_for(anext(iterator), self.options.chunk_timeout)
                 except StopAsyncIteration:

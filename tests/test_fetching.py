@@ -1,0 +1,54 @@
+"""Reading a holder's stream: a holder that trickles bytes is dropped, and what it sent is kept for
+the next holder to resume from."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from cgad.protocol import FragmentError, fetching
+from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.fetching import Fetcher
+from cgad.protocol.transport import TransportStats
+from cgad.protocol.wire import ChunkAssembler
+
+DATA = bytes(range(256)) * 64  # 16 KiB
+
+
+async def _stream(pieces: int, pause: float) -> AsyncIterator[pb.FetchResponse]:
+    header = pb.FragmentHeader(content_hash=hashlib.sha256(DATA).digest(), byte_length=len(DATA))
+    yield pb.FetchResponse(header=header)
+    step = len(DATA) // pieces
+    for offset in range(0, len(DATA), step):
+        await asyncio.sleep(pause)
+        yield pb.FetchResponse(chunk=pb.Chunk(offset=offset, data=DATA[offset : offset + step]))
+
+
+def _drain(pieces: int, pause: float) -> ChunkAssembler:
+    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
+    assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
+    asyncio.run(fetcher._drain(_stream(pieces, pause), assembler))
+    return assembler
+
+
+def test_a_stream_at_a_fair_rate_is_read_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fetching, "MIN_RATE_GRACE", 0.2)
+    monkeypatch.setattr(fetching, "MIN_TRANSFER_RATE", 1_000.0)
+    assembler = _drain(pieces=16, pause=0.05)  # ~20 kB/s
+    assert bytes(assembler.finish()) == DATA
+
+
+def test_a_trickling_holder_is_dropped_after_the_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fetching, "MIN_RATE_GRACE", 0.3)
+    monkeypatch.setattr(fetching, "MIN_TRANSFER_RATE", 1_000.0)
+    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
+    assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
+    with pytest.raises(FragmentError, match="B/s over") as caught:
+        asyncio.run(fetcher._drain(_stream(pieces=len(DATA) // 16, pause=0.05), assembler))  # 320 B/s
+    assert caught.value.reason == "too_slow"
+    # what arrived is kept: the next holder resumes from there, not from zero
+    assert 0 < assembler.received < len(DATA)
