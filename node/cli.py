@@ -205,9 +205,12 @@ def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
     leave.add_argument("--admin", default=f"127.0.0.1:{ADMIN_PORT}", help="the node's admin API (HOST:PORT)")
     leave.set_defaults(handler=_cmd_leave)
     keygen = subparsers.add_parser(
-        "keygen", help="create (or read) an identity key file and print its peer id"
+        "keygen", help="create (or read) an identity key file and print its peer id; create a swarm key"
     )
-    keygen.add_argument("--out", required=True, help="key file; an existing one is read, not replaced")
+    keygen.add_argument("--out", help="identity key file; an existing one is read, not replaced")
+    keygen.add_argument(
+        "--swarm-key", help="create a private swarm's shared secret in this file (never overwritten)"
+    )
     keygen.set_defaults(handler=_cmd_keygen)
     export = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("--checkpoint-dir", required=True)
@@ -216,10 +219,17 @@ def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from cgad.protocol.records import Identity
+    if not args.out and not args.swarm_key:
+        raise ValueError("give --out (an identity key file), --swarm-key (a new swarm key file), or both")
+    if args.out:
+        from cgad.protocol.records import Identity
 
-    identity = Identity.load_or_create(args.out)
-    print(identity.peer_id)
+        print(Identity.load_or_create(args.out).peer_id)
+    if args.swarm_key:
+        from cgad.protocol.auth import SwarmKey
+
+        key = SwarmKey.create(args.swarm_key)
+        print(f"swarm key {key.fingerprint} written to {args.swarm_key}: give it to every member, privately")
     return 0
 
 

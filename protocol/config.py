@@ -85,6 +85,11 @@ class NetworkOptions(BaseModel):
     identity: str | None = Field(
         None, description="key file for a stable peer id across restarts (created if missing)"
     )
+    swarm_key: str | None = Field(
+        None,
+        description="a private swarm's shared secret (a file from `cgad-node keygen --swarm-key`): peers"
+        " without it can neither read nor write its records, fetch, nor ask who a member is",
+    )
     client_mode: bool = Field(False, description="behind NAT: only dial out; be reached through relays")
     use_relay: bool = Field(True, description="use libp2p relays to reach and be reached by NATed peers")
     grpc_host: str = Field(

@@ -30,6 +30,7 @@ from google.protobuf.message import Message
 from hivemind.p2p import P2P, PeerID
 
 from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, SwarmKey
 from cgad.protocol.codec import decode
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
@@ -57,9 +58,14 @@ class Fetcher:
     that say something about a holder are passed to ``reject(reason, detail)``."""
 
     def __init__(
-        self, options: NetworkOptions, stats: TransportStats, reject: Callable[[str, str], None]
+        self,
+        options: NetworkOptions,
+        stats: TransportStats,
+        reject: Callable[[str, str], None],
+        swarm_key: SwarmKey | None = None,
     ) -> None:
         self.options = options
+        self.swarm_key = swarm_key  # a private swarm: every request proves it
         self.stats = stats
         self.reject = reject
         self.p2p: P2P | None = None
@@ -108,10 +114,13 @@ class Fetcher:
         """A peer's run id and swarm identity (JSON), as it states them; at most
         ``MAX_DESCRIPTION`` characters are believed to be a description."""
         assert self.p2p is not None
+        request = pb.DescribeRequest()
+        if self.swarm_key is not None:
+            self.swarm_key.stamp(request, request.ticket, DESCRIBE_PURPOSE)
         try:
             response = await asyncio.wait_for(
                 self.p2p.call_protobuf_handler(
-                    PeerID.from_base58(peer_id), LIBP2P_DESCRIBE, pb.DescribeRequest(), pb.DescribeResponse
+                    PeerID.from_base58(peer_id), LIBP2P_DESCRIBE, request, pb.DescribeResponse
                 ),
                 self.options.connect_timeout * 5,
             )
@@ -119,6 +128,11 @@ class Fetcher:
             raise FragmentError("unavailable", f"{peer_id} did not say who it is: {error!r}") from None
         if len(response.run_id) > 64 or len(response.swarm_json) > MAX_DESCRIPTION:
             raise FragmentError("oversized", f"{peer_id} describes itself at length")
+        if not response.run_id:
+            raise FragmentError(
+                "unauthorized",
+                f"{peer_id} did not say who it is: its swarm is private (does --swarm-key hold its key?)",
+            )
         return response.run_id, response.swarm_json
 
     async def fetch_from(
@@ -188,6 +202,8 @@ class Fetcher:
         self, path: str, holder: Holdings, assembler: ChunkAssembler
     ) -> AsyncIterator[Message | bytes]:
         request = pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received)
+        if self.swarm_key is not None:
+            self.swarm_key.stamp(request, request.ticket, FETCH_PURPOSE)
         if path == "grpc":
             assert holder.grpc is not None
             return self._open_grpc(holder.grpc, GRPC_FETCH, request)

@@ -43,6 +43,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from cgad.protocol.auth import SwarmAuthorizer, SwarmKey
 from cgad.protocol.codec import Codec
 from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.errors import FragmentError
@@ -108,8 +109,9 @@ class NetworkTransport(Transport):
         self.store = FragmentStore(self.options.keep_versions, self.options.keep_reserved)
         self.dht_node: DHTNode | None = None
         self.p2p: P2P | None = None
-        self._fetcher = Fetcher(self.options, self.stats, self._reject)
-        self._server = FragmentServer(self.options, self.store, self.stats, self.peer_id)
+        self.swarm_key = SwarmKey.load(self.options.swarm_key) if self.options.swarm_key else None
+        self._fetcher = Fetcher(self.options, self.stats, self._reject, self.swarm_key)
+        self._server = FragmentServer(self.options, self.store, self.stats, self.peer_id, self.swarm_key)
         self._selector = OfferSelector(
             self.options.run_id,
             self.peer_id,
@@ -317,12 +319,20 @@ class NetworkTransport(Transport):
             raise RuntimeError("libp2p identity and signing key disagree")
         self._fetcher.p2p = self.p2p
         validator = run_validator(options.run_id, self.num_fragments, self.identity)
-        self.dht_node = await DHTNode.create(
-            p2p=self.p2p,
-            initial_peers=options.peers or None,
-            record_validator=validator,
-            client_mode=options.client_mode,
-        )
+        try:
+            self.dht_node = await DHTNode.create(
+                p2p=self.p2p,
+                initial_peers=options.peers or None,
+                record_validator=validator,
+                client_mode=options.client_mode,
+                authorizer=SwarmAuthorizer(self.swarm_key) if self.swarm_key else None,
+            )
+        except RuntimeError as error:  # hivemind's "none of the initial_peers responded"
+            private = "its swarm key" if self.swarm_key else "no --swarm-key"
+            raise ConnectionError(
+                f"no peer at --peers answered ({error}); is the address right, and if the swarm is"
+                f" private, is this node's key its key? (this node has {private})"
+            ) from None
         await self._server.start(self.p2p)
         self._runner.spawn(self._poll_forever())
         self._publisher.dht_node = self.dht_node

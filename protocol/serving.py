@@ -27,6 +27,7 @@ import grpc
 from hivemind.p2p import P2P, P2PContext
 
 from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, NonceLedger, SwarmKey
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.store import FragmentStore
 from cgad.protocol.transport import TransportStats
@@ -53,9 +54,16 @@ class FragmentServer:
     """Serves what ``store`` holds."""
 
     def __init__(
-        self, options: NetworkOptions, store: FragmentStore, stats: TransportStats, peer_id: str
+        self,
+        options: NetworkOptions,
+        store: FragmentStore,
+        stats: TransportStats,
+        peer_id: str,
+        swarm_key: SwarmKey | None = None,
     ) -> None:
         self.options = options
+        self.swarm_key = swarm_key  # a private swarm: every request must prove it
+        self._nonces = NonceLedger()
         self.store = store
         self.stats = stats
         self.peer_id = peer_id
@@ -129,7 +137,16 @@ class FragmentServer:
         message = pb.FetchResponse(error=reason)
         return message.SerializeToString() if serialized else message
 
+    def _authorized(self, request: pb.FetchRequest | pb.DescribeRequest, purpose: bytes) -> bool:
+        if self.swarm_key is None or self.swarm_key.check(request, request.ticket, purpose, self._nonces):
+            return True
+        self.stats.rejected["unauthorized"] += 1
+        return False
+
     async def _fetch(self, request: pb.FetchRequest, serialized: bool) -> Outgoing:
+        if not self._authorized(request, FETCH_PURPOSE):
+            yield self._refusal("unauthorized: this swarm is private", serialized)
+            return
         entry = self.store.get(request.content_hash)
         if entry is None:
             yield self._refusal("not held here", serialized)
@@ -155,6 +172,8 @@ class FragmentServer:
                 self._no_state.set()
 
     async def _describe(self, request: pb.DescribeRequest, context: P2PContext) -> pb.DescribeResponse:
+        if not self._authorized(request, DESCRIBE_PURPOSE):
+            return pb.DescribeResponse()  # an outsider learns nothing, not even the run id
         return pb.DescribeResponse(run_id=self.options.run_id, swarm_json=self.description)
 
     async def _fetch_grpc(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Outgoing:

@@ -1,0 +1,120 @@
+"""Private swarms, with real hivemind peers on 127.0.0.1: members who hold the swarm key trade
+fragments; a peer without it (or with another key) can neither read nor write the swarm's DHT
+records, nor fetch, nor learn who a member is. And the key file itself."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from _netswarm import RUN, SMALL, collect, key, make_transport
+from hivemind.utils.multiaddr import Multiaddr
+
+from cgad.protocol import FragmentError
+from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.auth import CLOCK_SKEW, FETCH_PURPOSE, NonceLedger, SwarmKey, SwarmKeyError
+from cgad.protocol.records import Holdings, fragment_key
+from cgad.protocol.transport import Fragment
+
+FRAGMENTS = {4: SMALL}
+
+
+def test_a_swarm_key_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "swarm.key"
+    created = SwarmKey.create(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert SwarmKey.load(path).fingerprint == created.fingerprint
+    with pytest.raises(SwarmKeyError, match="exists already"):
+        SwarmKey.create(path)
+    assert SwarmKey.load(path).fingerprint == created.fingerprint  # untouched
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"\x89PNG\x00\xff", "not text"),
+        (b"hello\n" + b"00" * 32 + b"\n", "first line should be"),
+        (b"cgad swarm key v1\nzz" + b"00" * 31 + b"\n", "not hexadecimal"),
+        (b"cgad swarm key v1\n" + b"00" * 16 + b"\n", "16 bytes of key, not 32"),
+    ],
+)
+def test_a_corrupt_key_file_says_what_is_wrong(tmp_path: Path, content: bytes, says: str) -> None:
+    path = tmp_path / "swarm.key"
+    path.write_bytes(content)
+    with pytest.raises(SwarmKeyError, match=says):
+        SwarmKey.load(path)
+    with pytest.raises(SwarmKeyError, match="keygen --swarm-key"):
+        SwarmKey.load(tmp_path / "missing.key")
+
+
+def test_a_key_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "swarm.key"
+    SwarmKey.create(path)
+    os.chmod(path, 0o644)
+    with caplog.at_level(logging.WARNING):
+        SwarmKey.load(path)
+    assert "can be read by other users" in caplog.text
+
+
+def test_tickets_prove_the_key_for_one_message_once() -> None:
+    ours, theirs = SwarmKey.generate(), SwarmKey.generate()
+    request = pb.FetchRequest(content_hash=b"h" * 32, offset=5)
+    ours.stamp(request, request.ticket, FETCH_PURPOSE)
+    nonces = NonceLedger()
+    assert not theirs.check(request, request.ticket, FETCH_PURPOSE)  # another swarm's key
+    assert not ours.check(request, request.ticket, b"describe")  # a ticket for another request kind
+    tampered = pb.FetchRequest.FromString(request.SerializeToString())
+    tampered.offset = 0
+    assert not ours.check(tampered, tampered.ticket, FETCH_PURPOSE)  # bound to the whole request
+    assert ours.check(request, request.ticket, FETCH_PURPOSE, nonces)
+    assert not ours.check(request, request.ticket, FETCH_PURPOSE, nonces)  # a replay
+    stale = pb.FetchRequest(content_hash=b"h" * 32)
+    ours.stamp(stale, stale.ticket, FETCH_PURPOSE)
+    stale.ticket.time -= CLOCK_SKEW + 1
+    stale.ticket.signature = ours.sign(stale, stale.ticket, FETCH_PURPOSE)
+    assert not ours.check(stale, stale.ticket, FETCH_PURPOSE)  # too old, even rightly signed
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_members_trade_and_an_outsider_gets_nothing(tmp_path: Path) -> None:
+    secret, other = tmp_path / "swarm.key", tmp_path / "other.key"
+    SwarmKey.create(secret)
+    SwarmKey.create(other)
+    with make_transport(FRAGMENTS, swarm_key=str(secret)) as alice:
+        with make_transport(FRAGMENTS, swarm_key=str(secret), peers=alice.maddrs()) as bob:
+            alice.publish(Fragment(key(alice, 4, 0), torch.randn(SMALL), 10))
+            [got] = collect(bob, 4, 1)
+            assert got.key.publisher == alice.peer_id
+            assert bob.describe(alice.peer_id)[0] == RUN
+            [offer] = alice.store.offers(4)
+            holder = Holdings(peer_id=alice.peer_id, grpc=alice.grpc_endpoint, offers=[offer])
+
+            for outsider_key in (None, str(other)):  # no key; another swarm's key
+                # it cannot join the swarm's DHT: no member answers its requests
+                with pytest.raises(ConnectionError, match="is this node's key its key"):
+                    make_transport(FRAGMENTS, swarm_key=outsider_key, peers=alice.maddrs())
+                # on its own, dialling alice directly over libp2p
+                with make_transport(FRAGMENTS, swarm_key=outsider_key) as eve:
+                    assert eve.p2p is not None and alice.p2p is not None
+                    addrs = [Multiaddr(a.split("/p2p/")[0]) for a in alice.maddrs()]
+                    eve._runner.call(eve.p2p._client.connect(alice.p2p.peer_id, addrs), 10)
+                    # it cannot read the swarm's records
+                    assert eve.dht_node is not None
+                    assert eve._runner.call(eve.dht_node.get(fragment_key(RUN, 4), latest=True), 20) is None
+                    # nor learn who a member is, nor fetch what it holds, even knowing the hash
+                    with pytest.raises(FragmentError, match="private"):
+                        eve.describe(alice.peer_id)
+                    refused = alice.stats.rejected["unauthorized"]
+                    for path in ("grpc", "libp2p"):
+                        with pytest.raises(FragmentError, match="did not deliver"):
+                            eve.download(holder, offer.content_hash, offer.byte_length, path, timeout=20)
+                    assert alice.stats.rejected["unauthorized"] >= refused + 2  # one per path
+            # the members carry on
+            alice.publish(Fragment(key(alice, 4, 1), torch.randn(SMALL), 10))
+            [got] = collect(bob, 4, 1)
+            assert got.key.base_version == 1
