@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import struct
 from collections import OrderedDict
@@ -39,6 +40,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.files import atomic_write
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_OFFERS",
@@ -217,12 +220,18 @@ class Identity:
         key file is readable by its owner only from the moment it appears."""
         if os.path.exists(path):
             with open(path, "rb") as key_file:
-                stored = crypto_pb2.PrivateKey.FromString(key_file.read())
-            if stored.key_type != crypto_pb2.KeyType.RSA:
-                raise ValueError(f"{path} holds no RSA key: hivemind's signatures need one")
-            private_key = RSAPrivateKey.__new__(RSAPrivateKey)
-            private_key.__setstate__({"_private_key": stored.data})  # hivemind's unpickling path
-            return cls(private_key)
+                if os.fstat(key_file.fileno()).st_mode & 0o077:
+                    logger.warning("the identity key %s can be read by other users (chmod 600 it)", path)
+                data = key_file.read(1 << 16)
+            try:
+                stored = crypto_pb2.PrivateKey.FromString(data)
+                if stored.key_type != crypto_pb2.KeyType.RSA:
+                    raise ValueError("it holds no RSA key, and hivemind's signatures need one")
+                private_key = RSAPrivateKey.__new__(RSAPrivateKey)
+                private_key.__setstate__({"_private_key": stored.data})  # hivemind's unpickling path
+                return cls(private_key)
+            except Exception as error:  # protobuf's DecodeError, cryptography's ValueError
+                raise ValueError(f"{path} is not a usable identity key file: {error}") from None
         identity = cls()
         atomic_write(path, identity.libp2p_identity, mode=0o600)
         return identity

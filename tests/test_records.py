@@ -208,3 +208,12 @@ def test_verdicts_are_remembered_per_exact_record(alice: Identity, bob: Identity
         value = Holdings(peer_id=bob.peer_id, grpc=None, offers=[_offer(bob.peer_id, base)]).dict()
         assert small.validate(_record(fragment_key("run", 0), bob.owner_subkey, value))
     assert len(small._verdicts) == 2  # bounded
+
+
+@pytest.mark.parametrize("content", [b"", b"\x0a\xff\xff", b"not a key at all" * 10])
+def test_a_corrupt_identity_file_is_a_clear_error_and_stays_as_it_was(tmp_path, content: bytes) -> None:
+    path = tmp_path / "peer.key"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="is not a usable identity key file"):
+        Identity.load_or_create(str(path))
+    assert path.read_bytes() == content  # never replaced: it may be someone's only copy
