@@ -99,6 +99,7 @@ class Node:
             fragment_numel=dict(enumerate(numels)),
             identity=self.identity,
             stale_after=method(c.optimizer).stale_after(c),
+            max_ahead=c.cutoff,
         )
         self.transport.describe_as(json.dumps(self.swarm))
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind

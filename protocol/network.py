@@ -30,13 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from hivemind.dht.node import DHTNode
@@ -63,7 +62,7 @@ from cgad.protocol.records import (
     state_key,
 )
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
-from cgad.protocol.selection import Candidate, OfferSelector, own_version
+from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
@@ -86,7 +85,9 @@ class NetworkTransport(Transport):
     ``options.identity`` (created if missing), or a fresh key. ``stale_after`` is the age (in
     versions of this peer's own fragment) from which a delivery no longer counts in the outer
     step: such offers are not fetched, and fetches in flight are cancelled once they reach it
-    (``scheduling``); None when every age counts."""
+    (``scheduling``); None when every age counts. ``max_ahead`` is how many versions ahead of
+    this peer's own an offer may claim to be and still be fetched (the outer step's cutoff);
+    None: the history horizon."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class NetworkTransport(Transport):
         fragment_numel: Mapping[int, int],
         identity: Identity | None = None,
         stale_after: int | None = None,
+        max_ahead: int | None = None,
     ) -> None:
         fields = set(NetworkOptions.model_fields)
         self.options = NetworkOptions.model_validate(options.model_dump(include=fields))
@@ -118,6 +120,7 @@ class NetworkTransport(Transport):
             fan_in=self.options.fan_in,
             history_versions=self.options.history_versions,
             record_ttl=self.options.record_ttl,
+            max_ahead=max_ahead,
         )
         self._queue = FetchQueue(stale_after)
         self._downlink = LinkMeter()
@@ -147,17 +150,10 @@ class NetworkTransport(Transport):
         self._runner = EventLoopThread(f"cgad-net-{self.peer_id[-6:]}")
         self.loop = self._runner.loop
         self._publisher = Publisher(
-            self.options,
-            identity,
-            self.store,
-            self.stats,
-            self._runner,
-            self._codec_worker,
-            grpc_endpoint=lambda: self.grpc_endpoint,
-            on_own=self._own_stored,
-            on_progress=self._progress_stored,
-            progress=self._progress,
-        )
+            self.options, identity, self.store, self.stats, self._runner, self._codec_worker,
+            grpc_endpoint=lambda: self.grpc_endpoint, on_own=self._own_stored,
+            on_progress=self._progress_stored, progress=self._progress,
+        )  # fmt: skip
         try:
             self._runner.call(self._start(), timeout=self.options.startup_timeout)
         except BaseException:
@@ -287,6 +283,10 @@ class NetworkTransport(Transport):
                 self._runner.call(self._stop(), timeout=30)
         self._runner.stop(timeout=30)
 
+    def _reject_all(self, rejections: Sequence[Rejection]) -> None:
+        for rejection in rejections:
+            self._reject(rejection.reason, rejection.detail)
+
     def _reject(self, reason: str, detail: str) -> None:
         self.stats.rejected[reason] += 1
         if reason not in self._logged_reasons:
@@ -299,12 +299,7 @@ class NetworkTransport(Transport):
 
     async def _start(self) -> None:
         options = self.options
-        with tempfile.TemporaryDirectory() as key_dir:
-            identity_path = options.identity
-            if identity_path is None:  # p2pd reads its key from a file: one in a private folder
-                identity_path = os.path.join(key_dir, "identity.key")
-                with open(identity_path, "wb") as key_file:
-                    key_file.write(self.identity.libp2p_identity)
+        with self.identity.key_file(options.identity) as identity_path:
             self.p2p = await P2P.create(
                 initial_peers=options.peers or None,
                 host_maddrs=options.host_maddrs,
@@ -328,10 +323,10 @@ class NetworkTransport(Transport):
                 authorizer=SwarmAuthorizer(self.swarm_key) if self.swarm_key else None,
             )
         except RuntimeError as error:  # hivemind's "none of the initial_peers responded"
-            private = "its swarm key" if self.swarm_key else "no --swarm-key"
+            has = "its swarm key" if self.swarm_key else "no --swarm-key"
             raise ConnectionError(
-                f"no peer at --peers answered ({error}); is the address right, and if the swarm is"
-                f" private, is this node's key its key? (this node has {private})"
+                f"no peer at --peers answered ({error}); is the address right, and if"
+                f" the swarm is private, is this node's key its key? (it has {has})"
             ) from None
         await self._server.start(self.p2p)
         self._runner.spawn(self._poll_forever())
@@ -391,8 +386,7 @@ class NetworkTransport(Transport):
             if not holdings:
                 continue
             selection = self._selector.choose(fragment, numel, holdings, own_version(versions, fragment), now)
-            for rejection in selection.rejections:
-                self._reject(rejection.reason, rejection.detail)
+            self._reject_all(selection.rejections)
             self.stats.skipped["fan_in"] += selection.fan_in_skipped
             for candidate in selection.candidates:
                 if self._queue.push(candidate) is not None:
@@ -446,23 +440,19 @@ class NetworkTransport(Transport):
         holdings (``record`` names the key in the ledger of faulty records, which counts each
         faulty record once)."""
 
-        def parse(owner: bytes, value: object) -> Progress | Holdings:
-            if record == "progress":
-                return parse_live_progress(owner, value, now, CLOCK_SKEW)
-            return parse_holdings(owner, value)
-
         def faulty(error: FragmentError, owner: bytes, expiration: float) -> None:
             if self._selector.judge((record, owner, expiration), now):
                 self._reject(error.reason, error.detail)
 
-        return read_records(entry, parse, faulty)
+        if record == "progress":
+            return read_records(entry, partial(parse_live_progress, now=now, clock_skew=CLOCK_SKEW), faulty)
+        return read_records(entry, parse_holdings, faulty)
 
     def _parse_states(self, entry: object, now: float) -> list[Candidate]:
         selection = self._selector.choose_states(
             self._records(entry, "state", now), self.options.max_state_bytes, now
         )
-        for rejection in selection.rejections:
-            self._reject(rejection.reason, rejection.detail)
+        self._reject_all(selection.rejections)
         return selection.candidates
 
     async def _fetch(self, candidate: Candidate) -> None:

@@ -17,13 +17,15 @@ metadata and hashes, never tensors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import struct
+import tempfile
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Optional, TypeVar
 
 import pydantic.v1 as pydantic
@@ -235,6 +237,19 @@ class Identity:
         identity = cls()
         atomic_write(path, identity.libp2p_identity, mode=0o600)
         return identity
+
+    @contextlib.contextmanager
+    def key_file(self, path: str | None) -> Iterator[str]:
+        """A file p2pd can read this identity from: ``path`` if given, else a file in a private
+        temporary folder that lives as long as the context."""
+        if path is not None:
+            yield path
+            return
+        with tempfile.TemporaryDirectory() as folder:  # mode 0o700: nobody else can look in
+            path = os.path.join(folder, "identity.key")
+            with open(path, "wb") as key_file:
+                key_file.write(self.libp2p_identity)
+            yield path
 
     def __init__(self, private_key: RSAPrivateKey | None = None) -> None:
         self.private_key = private_key or RSAPrivateKey()

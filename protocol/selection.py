@@ -12,6 +12,9 @@ The rules:
 - an offer far behind this peer's OWN version of the fragment (``history_versions``) is ignored
   unseen; never measured against what others claim, so a record announcing a far-future version
   cannot make honest offers look stale;
+- an offer more than ``max_ahead`` versions AHEAD of this peer's own is refused unfetched and
+  counted once (``future``), but not remembered as attempted: once this peer has caught up (a
+  re-sync), it counts; so no ledger holds versions an attacker picks far ahead;
 - at most ``fan_in`` publishers per (fragment, kind, base version), drawn at random;
 - a DELTA key (publisher, fragment, base version) is delivered at most once: the same key
   announced again with other bytes is a replay, re-announcing the same bytes is nothing;
@@ -102,12 +105,14 @@ class OfferSelector:
         fan_in: int,
         history_versions: int,
         record_ttl: float,
+        max_ahead: int | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.run_id = run_id
         self.peer_id = peer_id
         self.fan_in = fan_in
         self.history_versions = history_versions
+        self.max_ahead = history_versions if max_ahead is None else max_ahead
         self.record_ttl = record_ttl
         self.rng = rng or random.Random()
         self.delivered: dict[FragmentKey, bytes] = {}
@@ -154,6 +159,10 @@ class OfferSelector:
                 continue  # far too old to matter to any outer step
             kind = Kind(offer.kind)
             key = FragmentKey(self.run_id, fragment, offer.base_version, offer.publisher, kind)
+            if offer.base_version > own + self.max_ahead:
+                if self.judge(("ahead", key), now):
+                    selection.rejections.append(Rejection("future", f"{key}: this peer is at version {own}"))
+                continue
             delivered = self.delivered.get(key)
             if delivered is not None:
                 replayed = delivered != offer.content_hash and kind is Kind.DELTA

@@ -3,21 +3,16 @@ joiner from its own state, and lets a node leave cleanly."""
 
 import json
 import os
-import re
-import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from _daemons import CLI, FRESH_LOSS, SETTINGS, NodeProcess  # tests/ is on sys.path under pytest
 
 from cgad.node.admin import call_admin, check_health
 from cgad.node.export import export_checkpoint
 
 pytestmark = pytest.mark.integration
 
-CLI = str(Path(sys.executable).with_name("cgad-node"))
 HOSTILE = {
     "bad_shape", "bad_dtype", "bad_length", "bad_header", "bad_chunk", "non_finite", "norm_too_large",
     "bad_checksum", "bad_hash", "forged", "garbage", "oversized", "replay", "truncated",
@@ -27,64 +22,6 @@ STATUS_KEYS = {
     "published", "applied", "rejected", "dropped_stale", "mean_age", "clipped", "skipped",
     "cpu_seconds_by_thread",
 }  # fmt: skip
-FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
-SETTINGS = [
-    "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
-    "--eval-batches", "4", "--inner-lr", "2e-3", "--codec", "fp16",
-    "--checkpoint-every", "1", "--admin-port", "0",
-]  # fmt: skip
-
-
-class NodeProcess:
-    def __init__(self, name: str, workdir: Path, peers: list[str], extra: list[str] = ()) -> None:
-        self.name = name
-        self.dir = workdir / name
-        self.dir.mkdir(exist_ok=True)
-        self.log = self.dir / "log.txt"
-        cmd = [CLI, "join", *SETTINGS, "--checkpoint-dir", str(self.dir / "ckpt"), "--identity",
-               str(self.dir / "id.key"), "--maddrs-file", str(self.dir / "maddrs"), *extra]  # fmt: skip
-        if peers:
-            cmd += ["--peers", *peers]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CGAD_CACHE_DIR": os.environ["CGAD_CACHE_DIR"]}
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # fmt: skip
-        self.admin = self._wait_for_admin()
-
-    def _wait_for_admin(self) -> str:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            found = re.search(r"^admin\s+(\S+)", self.log.read_text(), re.M)
-            if found:
-                return found.group(1)
-            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log.read_text()[-3000:]}"
-            time.sleep(0.5)
-        raise AssertionError(f"{self.name} did not start:\n{self.log.read_text()[-3000:]}")
-
-    def maddrs(self) -> list[str]:
-        return (self.dir / "maddrs").read_text().split()
-
-    def status(self) -> dict:
-        return call_admin(self.admin, "Status", timeout=20)
-
-    def wait(self, predicate, what: str, timeout: float = 240) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                status = self.status()
-            except ConnectionError:
-                status = None
-            if status is not None and predicate(status):
-                return status
-            time.sleep(1.0)
-        raise AssertionError(
-            f"{self.name}: timed out waiting for {what}; last {status}\n{self.log.read_text()[-3000:]}"
-        )
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 @pytest.fixture

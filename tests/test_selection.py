@@ -51,10 +51,13 @@ def _own(offer: Offer) -> Holdings:
     return Holdings(peer_id=offer.publisher, grpc=None, offers=[offer])
 
 
-def _selector(fan_in: int = 4, history: int = 64, seed: int = 0) -> OfferSelector:
+def _selector(
+    fan_in: int = 4, history: int = 64, seed: int = 0, max_ahead: int | None = None
+) -> OfferSelector:
     return OfferSelector(
-        RUN, ME, fan_in=fan_in, history_versions=history, record_ttl=RECORD_TTL, rng=random.Random(seed)
-    )
+        RUN, ME, fan_in=fan_in, history_versions=history, record_ttl=RECORD_TTL, max_ahead=max_ahead,
+        rng=random.Random(seed),
+    )  # fmt: skip
 
 
 def _choose(selector: OfferSelector, holdings: list[Holdings], own: int = 0, now: float = 0.0) -> Selection:
@@ -129,9 +132,11 @@ def test_a_far_future_claim_does_not_make_honest_offers_look_stale() -> None:
     selector = _selector(history=64)
     boast = _own(_offer(ALICE, base=10**9))
     honest = _own(_offer(BOB, base=0))
-    assert _publishers(_choose(selector, [boast, honest], own=0)) == {ALICE, BOB}
+    selection = _choose(selector, [boast, honest], own=0)
+    assert _publishers(selection) == {BOB}
+    assert [r.reason for r in selection.rejections] == ["future"]  # past the horizon ahead: refused
     selector.forget([0], now=0.0)  # the horizon is this peer's own version, 0
-    assert {k[2] for k in selector.chosen} == {0, 10**9}
+    assert {k[2] for k in selector.chosen} == {0}
     assert honest.offers[0].content_hash in selector.attempted
 
 
@@ -194,7 +199,7 @@ def test_holders_are_re_servers_in_random_order_then_the_publisher() -> None:
 
 
 def test_forgetting_bounds_every_ledger() -> None:
-    selector = _selector(fan_in=1, history=10)
+    selector = _selector(fan_in=1, history=10, max_ahead=100)
     for base in range(40):
         selection = _choose(selector, [_own(_offer(p, base=base)) for p in (ALICE, BOB)], own=0)
         for candidate in selection.candidates:
@@ -253,3 +258,15 @@ def test_state_snapshots_too_large_or_foreign_are_refused_unseen_and_counted_onc
     assert first.candidates == []
     assert sorted(r.reason for r in first.rejections) == ["oversized", "unknown_codec"]
     assert selector.choose_states(records, max_bytes=10_000, now=1.0).rejections == []
+
+
+def test_an_offer_far_ahead_is_refused_once_and_taken_once_this_peer_catches_up() -> None:
+    selector = OfferSelector(RUN, ME, fan_in=4, history_versions=64, record_ttl=RECORD_TTL, max_ahead=4)
+    holdings = [_own(_offer(ALICE, base=1000))]
+    first = _choose(selector, holdings, own=10)
+    assert not first.candidates and [r.reason for r in first.rejections] == ["future"]
+    again = _choose(selector, holdings, own=10, now=1.0)
+    assert not again.candidates and not again.rejections  # counted once
+    assert not selector.attempted and not selector.delivered  # nothing the attacker picked is kept
+    caught_up = _choose(selector, holdings, own=998, now=2.0)  # a re-sync brought this peer there
+    assert [c.key.base_version for c in caught_up.candidates] == [1000]

@@ -1,0 +1,60 @@
+"""Hostile peers among real `cgad-node join` daemons on 127.0.0.1: three honest nodes keep
+training while one node publishes pseudo-gradients scaled by 1e6 and another claims (in its
+fragments and in its progress records) to be 1000 versions ahead."""
+
+import math
+from collections.abc import Callable
+
+import pytest
+from _daemons import FRESH_LOSS, NodeProcess  # tests/ is on sys.path under pytest
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 5
+
+
+@pytest.fixture
+def nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
+    started: list[NodeProcess] = []
+    yield tmp_path, started
+    for node in started:
+        node.kill()
+
+
+@pytest.mark.timeout(900)
+def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(nodes):
+    workdir, started = nodes
+    first = NodeProcess("honest0", workdir, [])
+    started.append(first)
+    peers = first.maddrs()
+    for name in ("honest1", "honest2"):
+        started.append(NodeProcess(name, workdir, peers))
+    # the attackers send fp32, so that nothing in the encoding stops what they send
+    scaler = NodeProcess("scaler", workdir, peers, ["--codec", "fp32"], hostile="scale:1e6")
+    claimer = NodeProcess("claimer", workdir, peers, ["--codec", "fp32"], hostile="future:1000")
+    started += [scaler, claimer]
+    scaler_id, claimer_id = scaler.status()["peer_id"], claimer.status()["peer_id"]
+    honest = started[:3]
+
+    # both attackers joined (from an honest snapshot) and have sent forged fragments for a while
+    claimer.wait(lambda status: status["published"] >= 3, "the claimer publishing", timeout=600)
+    scaler.wait(lambda status: status["published"] >= 3, "the scaler publishing", timeout=600)
+    marks = [node.status()["round"] for node in honest]
+
+    def through(mark: int) -> Callable[[dict], bool]:
+        return lambda status: status["round"] >= max(mark + 2, ROUNDS) and status["clipped"] >= 2
+
+    finals = [
+        node.wait(through(mark), "two more rounds", timeout=600)
+        for node, mark in zip(honest, marks, strict=True)
+    ]
+    for node, status in zip(honest, finals, strict=True):
+        losses = [loss for _, loss in status["eval_history"]]
+        assert all(math.isfinite(loss) for loss in losses), f"{node.name}: {losses}"
+        assert losses[-1] < FRESH_LOSS - 0.5, f"{node.name} stopped learning: {losses}"
+        assert status["applied_by_peer"].get(scaler_id, 0) >= 2, f"{node.name}: {status['applied_by_peer']}"
+        assert status["rejected"].get("future", 0) >= 1, f"{node.name}: {status['rejected']}"
+        assert claimer_id not in status["applied_by_peer"], "a far-future delta was applied"
+        assert claimer_id not in status["started_from"]  # never adopted the claimer's state
+        assert node.proc.poll() is None
