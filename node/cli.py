@@ -199,7 +199,7 @@ def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
 
     status = subparsers.add_parser("status", help="show a running node's status")
     status.add_argument("--admin", default=f"127.0.0.1:{ADMIN_PORT}", help="the node's admin API (HOST:PORT)")
-    status.add_argument("--json", action="store_true", help="print the raw status document")
+    status.add_argument("--json", action="store_true", help="print the whole status document as JSON")
     status.set_defaults(handler=_cmd_status)
     leave = subparsers.add_parser("leave", help="ask a node to finish its step, publish, checkpoint and exit")
     leave.add_argument("--admin", default=f"127.0.0.1:{ADMIN_PORT}", help="the node's admin API (HOST:PORT)")
@@ -235,14 +235,10 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from cgad.node.admin import call_admin
+    from cgad.node.status import status_report
 
     status = call_admin(args.admin, "Status")
-    if args.json:
-        print(json.dumps(status, indent=1))
-        return 0
-    for key, value in status.items():
-        if key not in ("eval_history", "applied_by_peer"):
-            print(f"{key:<18} {value}")
+    print(json.dumps(status, indent=1) if args.json else status_report(status))
     return 0
 
 

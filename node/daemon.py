@@ -351,6 +351,7 @@ class Node:
             "published": counters.published,
             "applied": counters.applied,
             "applied_by_peer": dict(counters.applied_by_peer.copy()),
+            "applied_by_age": {str(age): n for age, n in sorted(counters.applied_by_age.copy().items())},
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
             "clipped": counters.clipped,

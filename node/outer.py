@@ -71,6 +71,7 @@ class _Counters:
     from_future: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     applied_by_peer: Counter[str] = field(default_factory=Counter)
+    applied_by_age: Counter[int] = field(default_factory=Counter)  # peers' deliveries taken
     age_sum: int = 0
     age_count: int = 0
     mixed: int = 0
@@ -224,6 +225,7 @@ class OuterLoop:
             if not is_own:
                 self.counters.applied += 1
                 self.counters.applied_by_peer[frag.key.publisher] += 1
+                self.counters.applied_by_age[age] += 1
             self.counters.age_sum += age
             self.counters.age_count += 1
         self.history.extend(deliveries)

@@ -8,7 +8,7 @@ import re
 import threading
 from typing import Any
 
-__all__ = ["status_line"]
+__all__ = ["cpu_seconds_by_thread", "status_line", "status_report"]
 
 
 def _number(value: float | None) -> str:
@@ -22,6 +22,46 @@ def status_line(s: dict[str, Any]) -> str:
         f"tok/s {s['tokens_per_second']:.0f} peers {s['peers']} "
         f"out {s['published']} in {s['applied']} age {s['mean_age']:.2f}"
     )
+
+
+def status_report(s: dict[str, Any]) -> str:
+    """``cgad-node status`` without ``--json``: the node, its training, its exchange with the
+    swarm, and the ages of what it applied as a text histogram."""
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(s.get("rejected", {}).items())) or "none"
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items()) if v) or "none"
+    rate = s.get("downlink_bytes_per_second")
+    lines = [
+        f"node       {s['peer_id']} (run {s['run_id']}, {s['optimizer']}, {s['device']})",
+        f"uptime     {_duration(s['uptime'])}, started from {s['started_from']}"
+        + (", resumed from its checkpoint" if s.get("resumed") else ""),
+        f"training   round {s['round']}, inner step {s['inner_step']}, versions {s['versions']}",
+        f"loss       train {_number(s['loss'])}, held-out {_number(s['eval_loss'])}",
+        f"speed      {s['tokens_per_second']:.0f} tokens/s",
+        f"swarm      {s['peers']} live peer(s); {s['resyncs']} re-sync(s)",
+        f"exchange   {s['published']} published, {s['applied']} applied, {s['dropped_stale']} too old,"
+        f" {s['clipped']} clipped; downlink {'-' if rate is None else f'{rate / 1e6:.2f} MB/s'},"
+        f" {s['fetches_waiting']} fetch(es) waiting",
+        f"rejected   {rejected}",
+        f"skipped    {skipped}",
+    ]
+    by_peer = s.get("applied_by_peer") or {}
+    if by_peer:
+        lines.append("applied from")
+        lines += [f"  {peer}  {count}" for peer, count in sorted(by_peer.items(), key=lambda kv: -kv[1])]
+    ages = {int(age): n for age, n in (s.get("applied_by_age") or {}).items()}
+    if ages:
+        lines.append(f"ages of applied fragments (mean {s['mean_age']:.2f})")
+        widest = max(ages.values())
+        lines += [
+            f"  {age:>3}  {'#' * max(1, round(40 * n / widest))} {n}" for age, n in sorted(ages.items())
+        ]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
 def cpu_seconds_by_thread() -> dict[str, float]:

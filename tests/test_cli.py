@@ -61,3 +61,22 @@ def test_status_and_leave_stay_light(command):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "2 []", out.stdout + out.stderr
+
+
+def test_the_status_summary_reads_a_fresh_node_and_a_busy_one() -> None:
+    from cgad.node.status import status_report
+
+    fresh = {
+        "peer_id": "QmMe", "run_id": "r", "optimizer": "cga", "device": "cpu", "uptime": 5.0,
+        "started_from": "scratch", "resumed": False, "round": 0, "inner_step": 0, "versions": [0],
+        "loss": None, "eval_loss": 8.3, "tokens_per_second": 0.0, "peers": 0, "resyncs": 0,
+        "published": 0, "applied": 0, "dropped_stale": 0, "clipped": 0, "downlink_bytes_per_second": None,
+        "fetches_waiting": 0, "rejected": {}, "skipped": {}, "mean_age": 0.0,
+    }  # fmt: skip
+    text = status_report(fresh)
+    assert "0 live peer(s)" in text and "rejected   none" in text and "ages of" not in text
+    busy = {**fresh, "uptime": 3725.0, "peers": 2, "applied": 7, "rejected": {"future": 3}, "mean_age": 0.71,
+            "applied_by_peer": {"QmA": 5, "QmB": 2}, "applied_by_age": {"0": 4, "1": 2, "3": 1}}  # fmt: skip
+    text = status_report(busy)
+    assert "1h02m05s" in text and "future 3" in text and "  QmA  5" in text
+    assert "    0  " + "#" * 40 + " 4" in text and "    3  " + "#" * 10 + " 1" in text

@@ -3,10 +3,11 @@ training while one node publishes pseudo-gradients scaled by 1e6 and another cla
 fragments and in its progress records) to be 1000 versions ahead."""
 
 import math
+import subprocess
 from collections.abc import Callable
 
 import pytest
-from _daemons import FRESH_LOSS, NodeProcess  # tests/ is on sys.path under pytest
+from _daemons import CLI, FRESH_LOSS, NodeProcess  # tests/ is on sys.path under pytest
 
 pytestmark = pytest.mark.integration
 
@@ -58,3 +59,10 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(nodes
         assert claimer_id not in status["applied_by_peer"], "a far-future delta was applied"
         assert claimer_id not in status["started_from"]  # never adopted the claimer's state
         assert node.proc.poll() is None
+    # what a volunteer reads: the refusals and where the applied fragments came from, and their ages
+    summary = subprocess.run(
+        [CLI, "status", "--admin", honest[0].admin], capture_output=True, text=True, timeout=120
+    )
+    assert summary.returncode == 0, summary.stderr
+    assert "future" in summary.stdout and scaler_id in summary.stdout, summary.stdout
+    assert "ages of applied fragments" in summary.stdout, summary.stdout
