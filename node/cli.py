@@ -212,6 +212,26 @@ def _add_admin_commands(subparsers: argparse._SubParsersAction) -> None:
         "--swarm-key", help="create a private swarm's shared secret in this file (never overwritten)"
     )
     keygen.set_defaults(handler=_cmd_keygen)
+    from cgad.protocol.config import NetworkOptions
+
+    swarm = subparsers.add_parser(
+        "swarm", help="list every live peer of a run (joins the DHT read-only: trains and publishes nothing)"
+    )
+    swarm.add_argument("--peers", nargs="+", required=True, help="multiaddr(s) of any peer of the swarm")
+    swarm.add_argument(
+        "--run-id", default=NetworkOptions.model_fields["run_id"].default, help="the run to list"
+    )
+    swarm.add_argument("--swarm-key", help="the swarm key file, for a private swarm")
+    swarm.add_argument("--json", action="store_true", help="print the peers as JSON")
+    swarm.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=5.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (5) until Ctrl-C",
+    )
+    swarm.set_defaults(handler=_cmd_swarm)
     export = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("--checkpoint-dir", required=True)
     export.add_argument("--out", required=True, help="directory for config.json, weights and tokenizer")
@@ -240,6 +260,28 @@ def _cmd_status(args: argparse.Namespace) -> int:
     status = call_admin(args.admin, "Status")
     print(json.dumps(status, indent=1) if args.json else status_report(status))
     return 0
+
+
+def _cmd_swarm(args: argparse.Namespace) -> int:
+    import time
+
+    from cgad.node.monitor import as_json, open_monitor, render, swarm_rows
+    from cgad.protocol.config import NetworkOptions
+
+    options = NetworkOptions(run_id=args.run_id, peers=args.peers, swarm_key=args.swarm_key)
+    with open_monitor(options) as monitor:
+        while True:
+            rows = swarm_rows(monitor)
+            text = as_json(args.run_id, rows) if args.json else render(args.run_id, rows)
+            if args.watch and sys.stdout.isatty():
+                print("\033[H\033[J", end="")  # redraw in place
+            print(text, flush=True)
+            if not args.watch:
+                return 0
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0
 
 
 def _cmd_leave(args: argparse.Namespace) -> int:

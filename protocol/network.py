@@ -87,7 +87,8 @@ class NetworkTransport(Transport):
     step: such offers are not fetched, and fetches in flight are cancelled once they reach it
     (``scheduling``); None when every age counts. ``max_ahead`` is how many versions ahead of
     this peer's own an offer may claim to be and still be fetched (the outer step's cutoff);
-    None: the history horizon."""
+    None: the history horizon. An ``observer`` (a swarm monitor) reads the records and writes
+    none: it never appears as a peer."""
 
     def __init__(
         self,
@@ -98,10 +99,12 @@ class NetworkTransport(Transport):
         identity: Identity | None = None,
         stale_after: int | None = None,
         max_ahead: int | None = None,
+        observer: bool = False,
     ) -> None:
         fields = set(NetworkOptions.model_fields)
         self.options = NetworkOptions.model_validate(options.model_dump(include=fields))
         self.num_fragments = num_fragments
+        self.observer = observer
         if identity is None:
             identity = Identity.load_or_create(self.options.identity) if self.options.identity else Identity()
         self.identity = identity
@@ -331,7 +334,8 @@ class NetworkTransport(Transport):
         await self._server.start(self.p2p)
         self._runner.spawn(self._poll_forever())
         self._publisher.dht_node = self.dht_node
-        self._runner.spawn(self._publisher.refresh_forever(self.num_fragments))
+        if not self.observer:
+            self._runner.spawn(self._publisher.refresh_forever(self.num_fragments))
 
     async def _stop(self) -> None:
         await self._runner.cancel_tasks()
