@@ -151,8 +151,9 @@ class NodeOptions(_Part):
     )
     apply_delay: NonNegative | Literal["auto"] = Field(
         "auto",
-        description="inner steps between publishing a fragment and its outer step, training on meanwhile,"
-        " so that peers' fragments of the same round arrive in time (auto: half a block; 0: at once)",
+        description="inner steps between publishing a fragment and its outer step at the latest, training"
+        " on meanwhile, so that peers' fragments of the same round arrive in time (auto: as soon as every"
+        " live peer's is in, and at most until the next block ends; 0: at once)",
     )
     state_every: Positive = Field(
         1,

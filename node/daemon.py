@@ -107,7 +107,9 @@ class Node:
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
             self.block_start = 0  # the inner step at which the current block began
-            self._due: tuple[int, int] | None = None  # published fragment, inner step of its outer step
+            # the published fragment awaiting its outer step: its index, its version, the inner step
+            # by which the step is taken at the latest
+            self._due: tuple[int, int, int] | None = None
             self.started_at = time.time()
             self.losses: deque[float] = deque(maxlen=50)
             self.eval_history: list[tuple[int, float]] = []
@@ -215,7 +217,7 @@ class Node:
         self._round_mark = (time.monotonic(), self.trainer.tokens)
         while not self._leave.is_set():
             self.losses.append(self.trainer.step())
-            if self._due is not None and self.trainer.steps >= self._due[1]:
+            if self._due is not None and self._step_due():
                 self._apply_turn()
             if c.max_rounds and self.round >= c.max_rounds:
                 break
@@ -226,20 +228,35 @@ class Node:
 
     @property
     def apply_delay(self) -> int:
-        """Inner steps between publishing a fragment and its outer step (``--apply-delay``)."""
+        """Inner steps between publishing a fragment and its outer step at the latest
+        (``--apply-delay``; auto: until the next block ends, less one step)."""
         block = self.config.inner_steps // self.config.fragments
-        delay = block // 2 if self.config.apply_delay == "auto" else self.config.apply_delay
+        delay = block - 1 if self.config.apply_delay == "auto" else self.config.apply_delay
         return min(delay, block - 1)
+
+    def _step_due(self) -> bool:
+        """Whether the waiting outer step is to be taken now: its latest step has come, or (with
+        ``--apply-delay auto``) every live peer's fragment of the same version has arrived (at
+        most fan-in of them), so that waiting longer would gain nothing."""
+        assert self._due is not None
+        fragment, version, latest = self._due
+        if self.trainer.steps >= latest:
+            return True
+        if self.config.apply_delay != "auto":
+            return False
+        expected = min(len(self.transport.live_peers()), self.config.fan_in)
+        return self.transport.arrived(fragment, version) >= expected
 
     def _sync(self) -> None:
         """The turn of the fragment whose block just ended (whole, or cut short by leaving):
-        publish its pseudo-gradient now, and take the outer step ``apply_delay`` inner steps
-        later, when the peers' fragments of the same version have had time to arrive (they
-        count at age 0 then, not 1); the steps in between are carried over the outer step."""
+        publish its pseudo-gradient now, and take the outer step once the peers' fragments of
+        the same version are in, at most ``apply_delay`` inner steps later (they count at age 0
+        then, not 1); the steps in between are carried over the outer step."""
         c = self.config
         if self._due is not None:
             self._apply_turn()  # the previous turn's step, if it is still waiting
         fragment = self.blocks % c.fragments
+        version = self.loop.versions[fragment]
         tokens = (self.trainer.steps - self.block_start) * c.batch_size * c.seq_len
         with self._outer_lock:
             bad_before = self.loop.counters.rejected["local_non_finite"]
@@ -251,14 +268,14 @@ class Node:
         self.blocks += 1
         self.block_start = self.trainer.steps
         delay = 0 if self._leave.is_set() else self.apply_delay
-        self._due = (fragment, self.trainer.steps + delay)
+        self._due = (fragment, version, self.trainer.steps + delay)
         if delay == 0:
             self._apply_turn()
 
     def _apply_turn(self) -> None:
         """The outer step of the fragment published last, then the round's bookkeeping."""
         assert self._due is not None
-        fragment, _ = self._due
+        fragment = self._due[0]
         self._due = None
         c = self.config
         with self._outer_lock:  # carrying only when inner steps ran since the publish

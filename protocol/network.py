@@ -16,8 +16,8 @@ Threads, and who owns what:
   reads them (reference swap and a ``dict`` copy, atomic under the GIL).
 - the event-loop thread "cgad-net-<end of the peer id>": the DHT node, P2P, the fetcher, the
   server, the selector's ledgers, the fetch queue and its meters, ``_in_flight``, ``polls`` and
-  ``_live`` (replaced whole, read by the trainer as a snapshot). It appends to ``_inbox``, which
-  the trainer pops: ``_inbox_lock`` guards it.
+  ``_live`` (replaced whole, read by the trainer as a snapshot). It puts into ``_inbox``, which
+  the trainer pops (an ``Inbox``, with its own lock).
 - the codec worker thread "cgad-codec" (one torch thread): encoding for ``publish``, with the
   publisher's error-feedback residuals (touched nowhere else), and decoding fetched bytes.
 - ``store`` is shared by all three and guarded by its own lock. ``stats`` counters are bumped from
@@ -30,9 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -65,7 +64,7 @@ from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
 from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
-from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
+from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
 from cgad.protocol.wire import ChunkAssembler
 
 __all__ = ["NetworkTransport"]
@@ -132,8 +131,7 @@ class NetworkTransport(Transport):
         self._metered = (0, False)  # bytes fetched and whether a fetch ran, at the last reading
         self._interest = dict(fragment_numel)
         self._state_candidates: list[Candidate] = []  # replaced whole by each poll
-        self._inbox: dict[tuple[int, Kind], list[Fragment]] = defaultdict(list)
-        self._inbox_lock = threading.Lock()
+        self._inbox = Inbox()
         self._logged_reasons: set[str] = set()
         self._live: dict[str, Progress] = {}
         self._progress = Progress(
@@ -187,8 +185,12 @@ class NetworkTransport(Transport):
         self._publisher.publish_encoded(key, data, codec=codec, numel=numel, tokens=tokens)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
-        with self._inbox_lock:
-            return self._inbox.pop((index, kind), [])
+        return self._inbox.pop(index, kind)
+
+    def arrived(self, index: int, base_version: int) -> int:
+        """Publishers whose pseudo-gradient of this fragment, of this version or newer, has
+        arrived and waits for ``receive``."""
+        return self._inbox.publishers(index, base_version)
 
     def live_peers(self) -> list[str]:
         now = get_dht_time()
@@ -488,10 +490,7 @@ class NetworkTransport(Transport):
             if key.kind is Kind.DELTA:
                 self._reject("replay", f"{key} delivered already")
             return
-        with self._inbox_lock:
-            self._inbox[(key.fragment, key.kind)].append(
-                Fragment(key=key, tensor=tensor, tokens=offer.tokens)
-            )
+        self._inbox.put(Fragment(key=key, tensor=tensor, tokens=offer.tokens))
         self.stats.received += 1
         self.stats.bytes_received += len(data)
         self.store.put(StoredFragment(fragment_header(key, offer), data, offer, own=False))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Self
@@ -88,3 +89,26 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class Inbox:
+    """Fragments that arrived and wait for ``receive``, by (fragment index, kind). Thread-safe:
+    a transport's network thread puts, the trainer's thread pops."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[int, Kind], list[Fragment]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, fragment: Fragment) -> None:
+        with self._lock:
+            self._waiting.setdefault((fragment.key.fragment, fragment.key.kind), []).append(fragment)
+
+    def pop(self, index: int, kind: Kind) -> list[Fragment]:
+        with self._lock:
+            return self._waiting.pop((index, kind), [])
+
+    def publishers(self, index: int, base_version: int) -> int:
+        """How many publishers' pseudo-gradients of this fragment, of this version or newer, wait."""
+        with self._lock:
+            waiting = self._waiting.get((index, Kind.DELTA), [])
+            return len({f.key.publisher for f in waiting if f.key.base_version >= base_version})

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.records import MAX_OFFERS, Offer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
-from cgad.protocol.transport import FragmentKey, Kind
+from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind
 from cgad.protocol.wire import content_hash
 
 pytestmark = pytest.mark.timeout(60)
@@ -119,3 +120,14 @@ def test_store_keeps_two_own_and_one_adopted_snapshot_apart_from_fragments() -> 
     assert _held(store, [*fragments, *own, *adopted]) == [*fragments, own[1], own[2], adopted[1]]
     assert store.offers(None) == [own[2].offer, own[1].offer, adopted[1].offer]  # own first
     assert store.offers(0) == [fragments[0].offer, fragments[1].offer]  # no snapshot among them
+
+
+def test_the_inbox_counts_publishers_of_a_version_or_newer_and_pops_by_kind() -> None:
+    inbox = Inbox()
+    for publisher, base in (("a", 4), ("b", 5), ("b", 6), ("c", 3)):
+        inbox.put(Fragment(FragmentKey("r", 0, base, publisher, Kind.DELTA), torch.zeros(1), 1))
+    inbox.put(Fragment(FragmentKey("r", 0, 9, "d", Kind.PARAMS), torch.zeros(1), 1))
+    assert inbox.publishers(0, 4) == 2  # a and b (twice): c's is older, d's is not a delta
+    assert inbox.publishers(1, 0) == 0
+    assert [f.key.publisher for f in inbox.pop(0, Kind.PARAMS)] == ["d"]
+    assert len(inbox.pop(0, Kind.DELTA)) == 4 and inbox.publishers(0, 0) == 0
