@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 ADMIN_PORT = 7780  # where `cgad-node status` and `leave` look by default
+DASHBOARD_PORT = 7781  # where a node's dashboard is, http://127.0.0.1:7781/, unless that port is taken
 
 # The outer methods by name; cgad.node.methods holds what each one does (and checks it has one
 # method per name).
@@ -168,6 +169,14 @@ class NodeOptions(_Part):
         ADMIN_PORT, description="admin gRPC port, where `status` and `leave` look (0: any free port)"
     )
     metrics_port: Port | None = Field(None, description="serve Prometheus metrics on this port")
+    dashboard: bool = Field(True, description="serve a live web dashboard of this node and its swarm")
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        description="host of the dashboard (anything but loopback shows the swarm to the network)",
+    )
+    dashboard_port: Port = Field(
+        DASHBOARD_PORT, description="port of the dashboard (0, or the default when taken: any free port)"
+    )
 
 
 def parse_stragglers(text: str, workers: int) -> list[float]:

@@ -28,12 +28,14 @@ import torch
 from cgad.node.admin import AdminServer
 from cgad.node.checkpoint import load_checkpoint, pack, save_checkpoint
 from cgad.node.config import JoinConfig
+from cgad.node.dashboard import DashboardServer
 from cgad.node.data import load_dataset
 from cgad.node.export import TOKENIZER_DIR
 from cgad.node.joining import StateSync, check_compatible
 from cgad.node.methods import method
 from cgad.node.metrics import Metrics
 from cgad.node.model import build_model
+from cgad.node.monitor import swarm_rows
 from cgad.node.outer import OuterLoop
 from cgad.node.status import cpu_seconds_by_thread, status_line
 from cgad.node.tokenizer import load_tokenizer
@@ -47,6 +49,7 @@ __all__ = ["Node"]
 logger = logging.getLogger(__name__)
 
 LINGER_SECONDS = 3.0  # after the last publish, so peers (polling every second) can fetch it
+TIMELINE_POINTS = 20_000  # rounds the dashboard can draw
 
 
 def _device(name: str) -> torch.device:
@@ -125,6 +128,13 @@ class Node:
             )
             self.admin = AdminServer(
                 c.admin_host, c.admin_port, status=self.admin_status, leave=self.request_leave
+            )
+            # what the dashboard draws over time: one point per round, bounded
+            self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE_POINTS)
+            self.dashboard = (
+                DashboardServer(c.dashboard_host, c.dashboard_port, self.dashboard_snapshot)
+                if c.dashboard
+                else None
             )
         except BaseException:
             self.transport.close()
@@ -287,9 +297,17 @@ class Node:
             now, (since, tokens_then) = time.monotonic(), self._round_mark
             self.tokens_per_second = (self.trainer.tokens - tokens_then) / max(now - since, 1e-9)
             self._round_mark = (now, self.trainer.tokens)
-            if self.round % c.eval_every == 0:
+            evaluated = self.round % c.eval_every == 0
+            if evaluated:
                 loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
                 self.eval_history.append((self.round, loss))
+            recent = list(self.losses)
+            self.timeline.append({
+                "round": self.round, "seconds": time.time() - self.started_at,
+                "loss": sum(recent) / len(recent) if recent else None,
+                "eval_loss": self.eval_history[-1][1] if evaluated else None,
+                "tokens_per_second": self.tokens_per_second,
+            })  # fmt: skip
             if c.checkpoint_dir and self.round % c.checkpoint_every == 0:
                 self.save()
             if self.round % c.state_every == 0:
@@ -320,6 +338,8 @@ class Node:
             time.sleep(LINGER_SECONDS)
 
     def close(self) -> None:
+        if self.dashboard:
+            self.dashboard.stop()
         self.admin.stop()
         self.transport.close()
         if self.metrics:
@@ -340,6 +360,8 @@ class Node:
         for addr in maddrs:
             print(f"multiaddr {addr}", flush=True)
         print(f"admin     {self.admin.address}", flush=True)
+        if self.dashboard:
+            print(f"dashboard {self.dashboard.url}", flush=True)
         if self.config.maddrs_file:
             path = Path(self.config.maddrs_file)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -381,6 +403,24 @@ class Node:
             "resumed": self.resumed,
             "device": str(self.device),
             "uptime": time.time() - self.started_at,
+        }
+
+    def dashboard_snapshot(self) -> dict[str, Any]:
+        """What the dashboard page draws: ``status``, the per-round timeline, every live peer's
+        latest report with what this node applied from it, and the traffic counters."""
+        status = self.status()
+        applied = status["applied_by_peer"]
+        peers = [{**row, "applied": applied.get(row["peer_id"], 0)} for row in swarm_rows(self.transport)]
+        stats = self.transport.stats
+        return {
+            **status,
+            "timeline": list(self.timeline),
+            "swarm": peers,
+            "bytes_in": stats.bytes_received,
+            "bytes_out": stats.bytes_sent,
+            "bytes_by_path": dict(self.transport.bytes_by_path),
+            "leaving": self._leave.is_set(),
+            "time": time.time(),
         }
 
     def admin_status(self) -> dict[str, Any]:

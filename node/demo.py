@@ -48,10 +48,11 @@ def _join_options(config: DemoConfig) -> dict[str, Any]:
 
 
 def _join_command(
-    index: int, workdir: Path, admin_port: int, peers: list[str], options: dict[str, Any]
+    index: int, workdir: Path, ports: tuple[int, int], peers: list[str], options: dict[str, Any]
 ) -> list[str]:
     cmd = [sys.executable, "-m", "cgad.node.cli", "join", "--run-id", "demo"]
-    cmd += ["--checkpoint-dir", str(workdir / f"node{index}"), "--admin-port", str(admin_port)]
+    cmd += ["--checkpoint-dir", str(workdir / f"node{index}"), "--admin-port", str(ports[0])]
+    cmd += ["--dashboard-port", str(ports[1])]
     cmd += ["--identity", str(workdir / f"node{index}.key")]
     if index == 0:
         cmd += ["--maddrs-file", str(workdir / "bootstrap.maddrs")]
@@ -63,17 +64,18 @@ def _join_command(
 
 
 def _start(index: int, workdir: Path, peers: list[str], options: dict[str, Any]) -> _Proc:
-    port = _free_port()
+    port, dashboard = _free_port(), _free_port()
     log = workdir / f"node{index}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # N nodes share the cores
     with log.open("w") as out:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
-            _join_command(index, workdir, port, peers, options),
+            _join_command(index, workdir, (port, dashboard), peers, options),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
+    print(f"node {index}: dashboard http://127.0.0.1:{dashboard}/", flush=True)
     return _Proc(index, process, f"127.0.0.1:{port}", log)
 
 

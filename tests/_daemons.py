@@ -18,7 +18,7 @@ FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out spl
 SETTINGS = [
     "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
     "--eval-batches", "4", "--inner-lr", "2e-3", "--codec", "fp16",
-    "--checkpoint-every", "1", "--admin-port", "0",
+    "--checkpoint-every", "1", "--admin-port", "0", "--dashboard-port", "0",
 ]  # fmt: skip
 
 
@@ -55,6 +55,13 @@ class NodeProcess:
             assert self.proc.poll() is None, f"{self.name} exited:\n{self.log.read_text()[-3000:]}"
             time.sleep(0.5)
         raise AssertionError(f"{self.name} did not start:\n{self.log.read_text()[-3000:]}")
+
+    @property
+    def dashboard(self) -> str:
+        """The dashboard's URL, as the node printed it."""
+        found = re.search(r"^dashboard\s+(\S+)", self.log.read_text(), re.M)
+        assert found, f"{self.name} printed no dashboard URL"
+        return found.group(1)
 
     def maddrs(self) -> list[str]:
         return (self.dir / "maddrs").read_text().split()
