@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
+from cgad.node.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "byzantine.json"
@@ -88,7 +88,7 @@ def main() -> None:
     runs = []
     with (
         ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool,
-        tqdm(total=len(cells), unit="run", desc="byzantine", dynamic_ncols=True) as bar,
+        progress_bar(len(cells), "byzantine", "run") as bar,
     ):
         for future in as_completed([pool.submit(run_cell, cell) for cell in cells]):
             run = future.result()

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+
+from cgad.node.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "codec_effect.json"
@@ -81,8 +83,17 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     cells = [(*cell, seed) for seed in args.seeds for cell in CELLS]
-    with ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool:
-        results = list(pool.map(run_cell, cells))
+    results = []
+    with (
+        ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool,
+        progress_bar(len(cells), "codec_effect", "run") as bar,
+    ):
+        for future in as_completed([pool.submit(run_cell, cell) for cell in cells]):
+            results.append(future.result())
+            bar.update()
+    results.sort(
+        key=lambda r: (r["seed"], CELLS.index((r["codec"], r["optimizer"], r["delay"], r["aggregation"])))
+    )
     for r in results:
         print(
             f"{r['optimizer']:6} delay {r['delay']} {r['codec']:5} {r['aggregation']:5} seed {r['seed']}:"

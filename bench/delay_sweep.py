@@ -22,9 +22,8 @@ import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from tqdm import tqdm
-
 from cgad.node.config import SimConfig
+from cgad.node.progress import progress_bar
 from cgad.node.report import delay_sort_key, plot_records, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +101,7 @@ def run_all(configs: list[SimConfig], jobs: int, desc: str) -> dict[str, dict]:
     if todo:
         with (
             ProcessPoolExecutor(jobs, initializer=_init_worker) as pool,
-            tqdm(total=len(todo), desc=desc, unit="run", dynamic_ncols=True) as bar,
+            progress_bar(len(todo), desc, "run") as bar,
             LOG.open("a") as log,
         ):
             futures = {pool.submit(_run, c): c for c in todo}

@@ -27,9 +27,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from cgad.node.config import SimConfig
+from cgad.node.progress import progress_bar
 from cgad.node.report import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,7 +129,7 @@ def run_all(jobs: list[tuple[str, str, int, dict]], workers: int, desc: str) -> 
         RESULTS.mkdir(parents=True, exist_ok=True)
         with (
             ProcessPoolExecutor(workers, initializer=_init_worker) as pool,
-            tqdm(total=len(todo), desc=desc, unit="run", dynamic_ncols=True) as bar,
+            progress_bar(len(todo), desc, "run") as bar,
             LOG.open("a") as log,
         ):
             futures = {pool.submit(_run, config(m, SAME_AS.get((m, c), c), seed, st)): (m, c, seed, st)

@@ -376,9 +376,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     import torch
-    from tqdm import tqdm
 
     from cgad.node.data import load_dataset
+    from cgad.node.progress import progress_bar
     from cgad.node.report import plot_records
     from cgad.node.simulate import simulate
     from cgad.node.tokenizer import load_tokenizer
@@ -389,10 +389,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     dataset = load_dataset(tokenizer, base.data)
     total = sum(c.workers * c.inner_steps * c.rounds for c in configs)
     records = []
-    with tqdm(total=total, unit="step", desc="simulate", dynamic_ncols=True) as bar:
+    with progress_bar(total, "simulate", "step") as bar:
         for config in configs:
-            bar.set_postfix_str(f"{config.optimizer} seed {config.seed}")
-            record = simulate(config, dataset, tokenizer.vocab_size, progress=bar.update)
+            run = f"{config.optimizer} seed {config.seed}"
+            bar.set_postfix_str(run)
+
+            def show(round_: int, loss: float, run: str = run) -> None:
+                bar.set_postfix_str(f"{run}, round {round_}, loss {loss:.3f}")
+
+            record = simulate(config, dataset, tokenizer.vocab_size, progress=bar.update, on_round=show)
             records.append(record)
             bar.write(
                 f"{config.optimizer:>16} seed {config.seed}: loss {record['initial_loss']:.3f} -> "

@@ -60,8 +60,11 @@ def simulate(
     dataset: TokenDataset,
     vocab_size: int,
     progress: Callable[[int], None] | None = None,
+    on_round: Callable[[int, float], None] | None = None,
 ) -> dict:
-    """Run one simulated swarm to the end; returns its record (see the module doc for the keys)."""
+    """Run one simulated swarm to the end; returns its record (see the module doc for the keys).
+    ``progress`` hears of inner steps as they are done; ``on_round`` of each round the whole
+    swarm has finished, with the held-out loss of its workers' mean parameters."""
     c = config
     torch.manual_seed(c.seed)
     rng = random.Random(c.seed)
@@ -138,6 +141,8 @@ def simulate(
                 heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
         while len(swarm.consensus) < min(wk.round for wk in honest):
             swarm.snapshot(honest)  # the slowest honest worker has finished another round
+            if on_round:
+                on_round(len(swarm.consensus), swarm.mean_phi_losses[-1])
 
     # the swarm is judged by its honest workers (all of them when nobody attacks)
     rounds_losses = [sum(wk.losses[r] for wk in honest) / len(honest) for r in range(c.rounds)]

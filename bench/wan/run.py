@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from testbed import Link, Testbed, available
 
 from cgad.node.admin import call_admin
+from cgad.node.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "wan"
@@ -76,8 +77,10 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
         started = time.monotonic()
         deadline = started + scenario["minutes"] * 60
         partitions: list[tuple[float, int]] = []
+        bar = progress_bar(int(deadline - started), scenario["name"], "s", every=60.0)
         while time.monotonic() < deadline:
             now = time.monotonic() - started
+            bar.update(int(now) - bar.n)
             while events and events[0]["at"] <= now:
                 event = events.pop(0)
                 _apply(event, bed, start, bootstrap, partitions, now)
@@ -89,7 +92,14 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
             for index, node in bed.nodes.items():
                 status = _status(node.admin) if node.alive() else None
                 samples.append({"t": now, "node": index, "alive": node.alive(), "status": status})
+            losses = [s["status"]["eval_loss"] for s in samples[-len(bed.nodes) :] if s.get("status")]
+            losses = [loss for loss in losses if loss is not None]
+            if losses:
+                bar.set_postfix_str(
+                    f"{len(losses)} node(s) up, mean held-out loss {sum(losses) / len(losses):.3f}"
+                )
             time.sleep(POLL_SECONDS)
+        bar.close()
         for index, node in bed.nodes.items():
             finals[index] = _status(node.admin) if node.alive() else None
             if node.alive():
