@@ -390,6 +390,9 @@ class Node:
             "published": counters.published,
             "applied": counters.applied,
             "applied_by_peer": dict(counters.applied_by_peer.copy()),
+            "rejected_by_peer": dict(
+                counters.rejected_by_peer.copy() + self.transport.stats.rejected_by_peer.copy()
+            ),
             "applied_by_age": {str(age): n for age, n in sorted(counters.applied_by_age.copy().items())},
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
@@ -410,7 +413,11 @@ class Node:
         latest report with what this node applied from it, and the traffic counters."""
         status = self.status()
         applied = status["applied_by_peer"]
-        peers = [{**row, "applied": applied.get(row["peer_id"], 0)} for row in swarm_rows(self.transport)]
+        refused = status["rejected_by_peer"]
+        peers = [
+            {**row, "applied": applied.get(row["peer_id"], 0), "rejected": refused.get(row["peer_id"], 0)}
+            for row in swarm_rows(self.transport)
+        ]
         stats = self.transport.stats
         return {
             **status,

@@ -72,6 +72,7 @@ class _Counters:
     rejected: Counter[str] = field(default_factory=Counter)
     applied_by_peer: Counter[str] = field(default_factory=Counter)
     applied_by_age: Counter[int] = field(default_factory=Counter)  # peers' deliveries taken
+    rejected_by_peer: Counter[str] = field(default_factory=Counter)
     age_sum: int = 0
     age_count: int = 0
     mixed: int = 0
@@ -168,14 +169,17 @@ class OuterLoop:
         for frag in arrived if self.method.shares else ():
             if frag.tensor.numel() != self.numel(f):
                 self.counters.rejected["bad_shape"] += 1
+                self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue
             if frag.key.base_version > base + self.options.cutoff:
                 # claims to be further ahead than any honest peer gets before re-syncing us: it
                 # moves neither the outer step nor this peer's idea of how far behind it is
                 self.counters.rejected["future"] += 1
+                self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue
             if not torch.isfinite(frag.tensor).all():
                 self.counters.rejected["non_finite"] += 1
+                self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue
             age = base - frag.key.base_version
             if age < 0:  # a peer ahead of us: fresh information, and a hint that we lag

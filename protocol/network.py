@@ -290,15 +290,15 @@ class NetworkTransport(Transport):
 
     def _reject_all(self, rejections: Sequence[Rejection]) -> None:
         for rejection in rejections:
-            self._reject(rejection.reason, rejection.detail)
+            self._reject(rejection.reason, rejection.detail, rejection.publisher)
 
-    def _reject(self, reason: str, detail: str) -> None:
+    def _reject(self, reason: str, detail: str, publisher: str | None = None) -> None:
+        if publisher is not None:  # one to blame: its signed offer, or the bytes it vouched for
+            self.stats.rejected_by_peer[publisher] += 1
         self.stats.rejected[reason] += 1
         if reason not in self._logged_reasons:
             self._logged_reasons.add(reason)
-            logger.warning(
-                "rejected (%s): %s; further rejections for this reason are only counted", reason, detail
-            )
+            logger.warning("rejected (%s): %s; more of these are only counted", reason, detail)
 
     # ---------------------------------------------------------------- start and stop (on the loop)
 
@@ -465,7 +465,9 @@ class NetworkTransport(Transport):
         try:
             data = await self._fetcher.fetch(candidate)
         except FragmentError as error:
-            self._reject(error.reason, f"from {candidate.key.publisher}: {error.detail}")
+            self._reject(
+                error.reason, f"from {candidate.key.publisher}: {error.detail}", candidate.key.publisher
+            )
             return
         finally:
             self._in_flight.pop(candidate.key, None)
@@ -484,7 +486,7 @@ class NetworkTransport(Transport):
         try:
             tensor = await decoding
         except FragmentError as error:
-            self._reject(error.reason, f"{key} from {key.publisher}: {error.detail}")
+            self._reject(error.reason, f"{key} from {key.publisher}: {error.detail}", key.publisher)
             return
         if not self._selector.deliver(key, offer.content_hash):  # a second announcement raced this
             if key.kind is Kind.DELTA:

@@ -47,6 +47,7 @@ STATE_CODEC = "state"  # a snapshot's encoding: the node's own packing, opaque t
 class Rejection:
     reason: str  # a ``FragmentError`` reason, as the transport counts them
     detail: str
+    publisher: str | None = None  # whose signed offer it was, when one is to blame
 
 
 @dataclass
@@ -161,20 +162,26 @@ class OfferSelector:
             key = FragmentKey(self.run_id, fragment, offer.base_version, offer.publisher, kind)
             if offer.base_version > own + self.max_ahead:
                 if self.judge(("ahead", key), now):
-                    selection.rejections.append(Rejection("future", f"{key}: this peer is at version {own}"))
+                    selection.rejections.append(
+                        Rejection("future", f"{key}: this peer is at version {own}", key.publisher)
+                    )
                 continue
             delivered = self.delivered.get(key)
             if delivered is not None:
                 replayed = delivered != offer.content_hash and kind is Kind.DELTA
                 if replayed and self.judge(("replay", offer.content_hash), now):
-                    selection.rejections.append(Rejection("replay", f"{key} again with other bytes"))
+                    selection.rejections.append(
+                        Rejection("replay", f"{key} again with other bytes", key.publisher)
+                    )
                 continue
             if offer.content_hash in self.attempted:
                 continue
             problem = check_offer(offer, numel)
             if problem is not None:
                 self.mark_attempted(offer.content_hash, fragment, offer.base_version)
-                selection.rejections.append(Rejection(problem.reason, f"{key}: {problem.detail}"))
+                selection.rejections.append(
+                    Rejection(problem.reason, f"{key}: {problem.detail}", key.publisher)
+                )
                 continue
             holders = self._holders(offer, holder, by_hash)
             fresh[(fragment, kind, offer.base_version)].append(Candidate(key, offer, holders))

@@ -56,6 +56,7 @@ class TransportStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    rejected_by_peer: Counter[str] = field(default_factory=Counter)  # whose fetched bytes were refused
     # offers passed over by policy, not for a fault: the fan-in cap, too old to count on arrival
     skipped: Counter[str] = field(default_factory=Counter)
 

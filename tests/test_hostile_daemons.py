@@ -57,6 +57,7 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(nodes
         assert status["applied_by_peer"].get(scaler_id, 0) >= 2, f"{node.name}: {status['applied_by_peer']}"
         assert status["rejected"].get("future", 0) >= 1, f"{node.name}: {status['rejected']}"
         assert claimer_id not in status["applied_by_peer"], "a far-future delta was applied"
+        assert status["rejected_by_peer"].get(claimer_id, 0) >= 1, status["rejected_by_peer"]
         assert claimer_id not in status["started_from"]  # never adopted the claimer's state
         assert node.proc.poll() is None
     # what a volunteer reads: the refusals and where the applied fragments came from, and their ages
