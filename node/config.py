@@ -169,6 +169,9 @@ class NodeOptions(_Part):
         ADMIN_PORT, description="admin gRPC port, where `status` and `leave` look (0: any free port)"
     )
     metrics_port: Port | None = Field(None, description="serve Prometheus metrics on this port")
+    metrics_host: str = Field(
+        "127.0.0.1", description="host of the Prometheus endpoint (0.0.0.0 in a container, to be scraped)"
+    )
     dashboard: bool = Field(True, description="serve a live web dashboard of this node and its swarm")
     dashboard_host: str = Field(
         "127.0.0.1",

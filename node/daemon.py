@@ -122,7 +122,7 @@ class Node:
             self.resumed = False  # restarted from this node's own checkpoint
             self._leave = threading.Event()
             self._outer_lock = threading.Lock()
-            self.metrics = Metrics(c.metrics_port) if c.metrics_port is not None else None
+            self.metrics = Metrics(c.metrics_port, c.metrics_host) if c.metrics_port is not None else None
             self.state_sync = StateSync(
                 c, self.transport, self.loop, self.swarm, self._outer_lock, self._leave
             )
@@ -399,6 +399,8 @@ class Node:
             "clipped": counters.clipped,
             "skipped": dict(self.transport.stats.skipped),
             "downlink_bytes_per_second": self.transport.downlink_rate,
+            "bytes_in": self.transport.stats.bytes_received,
+            "bytes_out": self.transport.stats.bytes_sent,
             "fetches_waiting": self.transport.fetches_waiting,
             "mean_age": self.loop.mean_age(),
             "resyncs": self.resyncs,
@@ -418,13 +420,10 @@ class Node:
             {**row, "applied": applied.get(row["peer_id"], 0), "rejected": refused.get(row["peer_id"], 0)}
             for row in swarm_rows(self.transport)
         ]
-        stats = self.transport.stats
         return {
             **status,
             "timeline": list(self.timeline),
             "swarm": peers,
-            "bytes_in": stats.bytes_received,
-            "bytes_out": stats.bytes_sent,
             "bytes_by_path": dict(self.transport.bytes_by_path),
             "leaving": self._leave.is_set(),
             "time": time.time(),

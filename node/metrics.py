@@ -1,45 +1,70 @@
-"""Prometheus metrics on ``--metrics-port``: the numbers of the status, as gauges."""
+"""Prometheus metrics on ``--metrics-host``:``--metrics-port``: the numbers of the status, read at
+scrape time. What only grows (steps, rounds, fragments published, applied, dropped, clipped,
+rejected and skipped by reason, bytes) is a counter; what goes up and down is a gauge."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = ["Metrics"]
 
-_GAUGES = {
-    "round": "outer rounds completed",
-    "inner_step": "inner steps taken",
+GAUGES = {
     "loss": "mean training loss of recent inner steps",
     "eval_loss": "latest held-out loss",
-    "tokens_per_second": "inner training throughput",
+    "tokens_per_second": "inner training throughput over the last round",
     "peers": "live peers seen in the swarm",
-    "published": "pseudo-gradient fragments published",
-    "applied": "peers' fragments applied by the outer optimizer",
-    "dropped_stale": "fragments the staleness gate dropped",
     "mean_age": "mean age in rounds of applied peer fragments",
+    "fetches_waiting": "fragment fetches waiting for a slot",
 }
+COUNTERS = {  # status key -> (metric name, help); Prometheus adds the _total suffix
+    "round": ("rounds", "outer rounds completed"),
+    "inner_step": ("inner_steps", "inner steps taken"),
+    "published": ("published", "pseudo-gradient fragments published"),
+    "applied": ("applied", "peers' fragments applied by the outer optimizer"),
+    "dropped_stale": ("dropped_stale", "fragments too old to count"),
+    "clipped": ("clipped", "peers' fragments clipped around this node's own"),
+    "resyncs": ("resyncs", "times this node adopted a peer's state after falling behind"),
+    "bytes_in": ("received_bytes", "fragment and snapshot bytes fetched"),
+    "bytes_out": ("sent_bytes", "fragment and snapshot bytes served"),
+}
+BY_REASON = {"rejected": "fragments, records and requests refused, by reason",
+             "skipped": "offers passed over by policy, by reason"}  # fmt: skip
+
+
+class _StatusCollector:
+    """Yields the latest status's numbers whenever Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.status
+        for key, doc in GAUGES.items():
+            if status.get(key) is not None:
+                yield GaugeMetricFamily(f"cgad_{key}", doc, value=status[key])
+        for key, (name, doc) in COUNTERS.items():
+            if status.get(key) is not None:
+                yield CounterMetricFamily(f"cgad_{name}", doc, value=status[key])
+        for key, doc in BY_REASON.items():
+            family = CounterMetricFamily(f"cgad_{key}", doc, labels=["reason"])
+            for reason, count in sorted((status.get(key) or {}).items()):
+                family.add_metric([reason], count)
+            yield family
 
 
 class Metrics:
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
-        self.gauges = {
-            name: Gauge(f"cgad_{name}", doc, registry=self.registry) for name, doc in _GAUGES.items()
-        }
-        self.rejected = Gauge(
-            "cgad_rejected", "fragments rejected, by reason", ["reason"], registry=self.registry
-        )
+        self._collector = _StatusCollector()
+        self.registry.register(self._collector)
         self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
 
     def update(self, status: dict[str, Any]) -> None:
-        for name, gauge in self.gauges.items():
-            value = status.get(name)
-            if value is not None:
-                gauge.set(value)
-        for reason, count in status.get("rejected", {}).items():
-            self.rejected.labels(reason=reason).set(count)
+        self._collector.status = status
 
     def stop(self) -> None:
         self.server.shutdown()

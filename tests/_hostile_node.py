@@ -1,8 +1,11 @@
 """A hostile `cgad-node join`, for the adversarial daemon tests: it trains like any node, then
 forges every pseudo-gradient it publishes (node/attacks.py); with ``future:N`` its progress
-records also claim to be N versions ahead, so that a careless peer would re-sync from it.
+records also claim to be N versions ahead, so that a careless peer would re-sync from it. With
+``poison-state`` it publishes honest fragments but offers snapshots of its outer state whose
+parameters are all NaN, claiming three versions ahead of its own, so that a joiner tries them
+first (within the cutoff past the swarm's median, as a joiner checks).
 
-    python tests/_hostile_node.py ATTACK [join flags...]
+    python tests/_hostile_node.py ATTACK|poison-state [join flags...]
 """
 
 from __future__ import annotations
@@ -11,17 +14,37 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from cgad.node.attacks import Attack, ForgingTransport
+from cgad.node.checkpoint import pack
 from cgad.node.cli import _config_from, build_parser
 from cgad.node.config import JoinConfig
 from cgad.node.daemon import Node
 
 
+def poison_state(node: Node) -> None:
+    """Offer NaN parameters as this node's state, three versions ahead of its own."""
+
+    def publish_state() -> None:
+        with node._outer_lock:
+            outer = node.loop.state_dict()
+        outer["phi"] = [torch.full_like(p, float("nan")) for p in outer["phi"]]
+        outer["versions"] = [v + 3 for v in outer["versions"]]
+        blob = pack({"swarm": node.swarm, "outer": outer, "round": node.round + 3})
+        node.transport.publish_state(blob, outer["versions"])
+
+    node.publish_state = publish_state  # type: ignore[method-assign]
+
+
 def main(argv: Sequence[str]) -> int:
-    attack = Attack.parse(argv[0])
     config = _config_from(JoinConfig, build_parser().parse_args(["join", *argv[1:]]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = Node(config)
+    if argv[0] == "poison-state":
+        poison_state(node)
+        return _run(node)
+    attack = Attack.parse(argv[0])
     node.loop.transport = ForgingTransport(node.transport, attack, seed=1)
     if attack.kind == "future":
         honest_report = node.transport.report_progress
@@ -30,6 +53,10 @@ def main(argv: Sequence[str]) -> int:
             honest_report([v + int(attack.amount) for v in versions], inner_step, tokens_per_second)
 
         node.transport.report_progress = report_progress  # type: ignore[method-assign]
+    return _run(node)
+
+
+def _run(node: Node) -> int:
     try:
         return node.run()
     finally:

@@ -80,3 +80,28 @@ def test_the_status_summary_reads_a_fresh_node_and_a_busy_one() -> None:
     text = status_report(busy)
     assert "1h02m05s" in text and "future 3" in text and "  QmA  5" in text
     assert "    0  " + "#" * 40 + " 4" in text and "    3  " + "#" * 10 + " 1" in text
+
+
+def test_metrics_are_counters_and_gauges_a_scraper_can_read() -> None:
+    import socket
+    import urllib.request
+
+    from cgad.node.metrics import Metrics
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    metrics = Metrics(port, "127.0.0.1")
+    try:
+        status = {"round": 3, "inner_step": 30, "published": 3, "applied": 5, "loss": 5.5, "peers": 2,
+                  "rejected": {"future": 4, "non_finite": 1}, "skipped": {"fan_in": 2},
+                  "bytes_in": 1000}  # fmt: skip
+        metrics.update(status)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        metrics.stop()
+    assert "# TYPE cgad_rounds_total counter" in text and "cgad_rounds_total 3.0" in text
+    assert "# TYPE cgad_loss gauge" in text and "cgad_loss 5.5" in text
+    assert 'cgad_rejected_total{reason="future"} 4.0' in text
+    assert 'cgad_skipped_total{reason="fan_in"} 2.0' in text and "cgad_received_bytes_total 1000.0" in text
+    assert "cgad_eval_loss" not in text  # nothing is made up for what the status does not hold

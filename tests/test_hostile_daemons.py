@@ -67,3 +67,24 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(nodes
     assert summary.returncode == 0, summary.stderr
     assert "future" in summary.stdout and scaler_id in summary.stdout, summary.stdout
     assert "ages of applied fragments" in summary.stdout, summary.stdout
+
+
+@pytest.mark.timeout(600)
+def test_a_joiner_skips_a_poisoned_snapshot_and_adopts_an_honest_one(nodes):
+    workdir, started = nodes
+    honest = NodeProcess("honest", workdir, [])
+    started.append(honest)
+    poisoner = NodeProcess("poisoner", workdir, honest.maddrs(), hostile="poison-state")
+    started.append(poisoner)
+    honest_id, poisoner_id = honest.status()["peer_id"], poisoner.status()["peer_id"]
+    poisoner.wait(lambda s: s["published"] >= 2, "the poisoner training and offering its snapshots")
+    # the joiner sees the poisoned snapshot first (it claims the newest version), refuses it, and
+    # adopts the honest node's instead
+    joiner = NodeProcess("joiner", workdir, honest.maddrs())
+    started.append(joiner)
+    status = joiner.wait(lambda s: s["round"] >= 2, "the joiner training", timeout=300)
+    assert status["started_from"] == f"peer {honest_id}", status["started_from"]
+    assert status["rejected"].get("bad_state", 0) >= 1, status["rejected"]
+    assert all(math.isfinite(loss) for _, loss in status["eval_history"]), status["eval_history"]
+    assert status["eval_history"][0][1] < FRESH_LOSS - 0.5  # it started from the swarm's model
+    assert poisoner_id not in status["started_from"]
