@@ -154,7 +154,7 @@ class NodeOptions(_Part):
         "auto",
         description="inner steps between publishing a fragment and its outer step at the latest, training"
         " on meanwhile, so that peers' fragments of the same round arrive in time (auto: as soon as every"
-        " live peer's is in, and at most until the next block ends; 0: at once)",
+        " live peer's is in, and at most half a block later; 0: at once)",
     )
     state_every: Positive = Field(
         1,

@@ -19,23 +19,33 @@ CLI = str(Path(sys.executable).with_name("cgad-node"))
 
 
 @pytest.mark.timeout(120)
-def test_the_monitor_lists_live_peers_and_stays_invisible() -> None:
-    with make_transport({}) as alice, make_transport({}, peers=alice.maddrs()) as bob:
+def test_the_monitor_lists_the_live_peers_of_a_swarm_and_stays_invisible() -> None:
+    with (
+        make_transport({}) as alice,
+        make_transport({}, peers=alice.maddrs()) as bob,
+        make_transport({}, peers=alice.maddrs()) as carol,
+    ):
         alice.report_progress([7] * 16, inner_step=70, tokens_per_second=1500.0)
         bob.report_progress([5] * 16, inner_step=50, tokens_per_second=900.0)
-        wait_for(lambda: alice.peer_id in bob.swarm_progress(), what="bob to see alice")
+        carol.report_progress([6] * 16, inner_step=60, tokens_per_second=1200.0)
+        wait_for(lambda: {alice.peer_id, carol.peer_id} <= set(bob.swarm_progress()), what="bob to see both")
         listed = subprocess.run(
             [CLI, "swarm", "--peers", *alice.maddrs(), "--run-id", RUN, "--json"],
             capture_output=True, text=True, timeout=90,
         )  # fmt: skip
         assert listed.returncode == 0, listed.stderr
         peers = {row["peer_id"]: row for row in json.loads(listed.stdout)["peers"]}
-        assert set(peers) == {alice.peer_id, bob.peer_id}
+        assert set(peers) == {alice.peer_id, bob.peer_id, carol.peer_id}
+        assert [row["version"] for row in json.loads(listed.stdout)["peers"]] == [
+            7,
+            6,
+            5,
+        ]  # most advanced first
         assert peers[alice.peer_id]["version"] == 7 and peers[alice.peer_id]["inner_step"] == 70
         assert peers[bob.peer_id]["tokens_per_second"] == 900.0
         assert peers[alice.peer_id]["direct_path"] and peers[alice.peer_id]["seen_seconds_ago"] < 60
         settle(alice)
-        assert alice.live_peers() == [bob.peer_id]  # the monitor was never a peer
+        assert alice.live_peers() == sorted([bob.peer_id, carol.peer_id])  # the monitor was never a peer
 
         other_run = subprocess.run(
             [CLI, "swarm", "--peers", *alice.maddrs(), "--run-id", "no-such-run"],
