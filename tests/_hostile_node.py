@@ -5,7 +5,7 @@ records also claim to be N versions ahead, so that a careless peer would re-sync
 parameters are all NaN, claiming three versions ahead of its own, so that a joiner tries them
 first (within the cutoff past the swarm's median, as a joiner checks).
 
-    python tests/_hostile_node.py ATTACK|poison-state [join flags...]
+    python tests/_hostile_node.py ATTACK[+poison-state] [join flags...]
 """
 
 from __future__ import annotations
@@ -41,10 +41,16 @@ def main(argv: Sequence[str]) -> int:
     config = _config_from(JoinConfig, build_parser().parse_args(["join", *argv[1:]]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = Node(config)
-    if argv[0] == "poison-state":
+    modes = argv[0].split("+")  # e.g. scale:1e6+poison-state
+    if "poison-state" in modes:
+        modes.remove("poison-state")
         poison_state(node)
-        return _run(node)
-    attack = Attack.parse(argv[0])
+    for mode in modes:
+        _forge(node, Attack.parse(mode))
+    return _run(node)
+
+
+def _forge(node: Node, attack: Attack) -> None:
     node.loop.transport = ForgingTransport(node.transport, attack, seed=1)
     if attack.kind == "future":
         honest_report = node.transport.report_progress
@@ -53,7 +59,6 @@ def main(argv: Sequence[str]) -> int:
             honest_report([v + int(attack.amount) for v in versions], inner_step, tokens_per_second)
 
         node.transport.report_progress = report_progress  # type: ignore[method-assign]
-    return _run(node)
 
 
 def _run(node: Node) -> int:
