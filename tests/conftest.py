@@ -1,4 +1,16 @@
+import pytest
 import torch
 
 # Tests run tiny models: one thread is as fast, and it does not oversubscribe a busy 2-core machine.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def daemons(tmp_path, monkeypatch):
+    """A folder for real `cgad-node join` processes (tests/_daemons.py) and the list to put them
+    in; every one of them is killed at the end, whatever the test did."""
+    monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
+    started: list = []
+    yield tmp_path, started
+    for node in started:
+        node.kill()

@@ -24,23 +24,14 @@ STATUS_KEYS = {
 }  # fmt: skip
 
 
-@pytest.fixture
-def swarm(tmp_path, monkeypatch):
-    monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
-    nodes: list[NodeProcess] = []
-    yield tmp_path, nodes
-    for node in nodes:
-        node.kill()
-
-
 def first_and_last_eval(status: dict) -> tuple[float, float]:
     history = status["eval_history"]
     return history[0][1], history[-1][1]
 
 
 @pytest.mark.timeout(900)
-def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave(swarm):
-    workdir, nodes = swarm
+def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave(daemons):
+    workdir, nodes = daemons
     a = NodeProcess("a", workdir, [])
     nodes.append(a)
     b = NodeProcess("b", workdir, a.maddrs())
@@ -115,8 +106,8 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
     assert generated.shape[1] > ids_in.shape[1]
 
 
-def test_a_node_of_another_run_is_refused(swarm):
-    workdir, nodes = swarm
+def test_a_node_of_another_run_is_refused(daemons):
+    workdir, nodes = daemons
     a = NodeProcess("a", workdir, [])
     nodes.append(a)
     a.wait(lambda s: s["round"] >= 1, "the first round")

@@ -44,18 +44,9 @@ def get(url: str) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
-@pytest.fixture
-def nodes(tmp_path, monkeypatch):
-    monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
-    started: list[NodeProcess] = []
-    yield tmp_path, started
-    for node in started:
-        node.kill()
-
-
 @pytest.mark.timeout(600)
-def test_the_dashboard_shows_the_swarm_and_its_loss_in_a_browser(nodes):
-    workdir, started = nodes
+def test_the_dashboard_shows_the_swarm_and_its_loss_in_a_browser(daemons):
+    workdir, started = daemons
     first = NodeProcess("a", workdir, [])
     started.append(first)
     second = NodeProcess("b", workdir, first.maddrs())

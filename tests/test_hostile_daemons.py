@@ -15,18 +15,9 @@ pytestmark = pytest.mark.integration
 ROUNDS = 5
 
 
-@pytest.fixture
-def nodes(tmp_path, monkeypatch):
-    monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
-    started: list[NodeProcess] = []
-    yield tmp_path, started
-    for node in started:
-        node.kill()
-
-
 @pytest.mark.timeout(900)
-def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(nodes):
-    workdir, started = nodes
+def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemons):
+    workdir, started = daemons
     first = NodeProcess("honest0", workdir, [])
     started.append(first)
     peers = first.maddrs()
