@@ -14,3 +14,12 @@ def daemons(tmp_path, monkeypatch):
     yield tmp_path, started
     for node in started:
         node.kill()
+
+
+@pytest.fixture(scope="module")
+def netswarm():
+    """The four real transports of tests/_netswarm.py, shared by one test module's tests."""
+    from _netswarm import running_swarm  # tests/ is on sys.path under pytest
+
+    with running_swarm() as peers:
+        yield peers

@@ -9,7 +9,6 @@ import asyncio
 import os
 import struct
 import zlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from _netswarm import (  # tests/ is on sys.path under pytest
     SMALL,
     collect,
     key,
-    running_swarm,
     settle,
     wait_for,
 )
@@ -33,15 +31,9 @@ from cgad.protocol.wire import content_hash
 pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
 
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[list[NetworkTransport]]:
-    with running_swarm() as peers:
-        yield peers
-
-
 @pytest.mark.timeout(90)
-def test_reserved_bytes_verify_by_hash_and_tampered_ones_are_refused(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, p3 = swarm
+def test_reserved_bytes_verify_by_hash_and_tampered_are_refused(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = netswarm
     x2, x3 = torch.randn(1 << 20), torch.randn(1 << 20)
     p0.publish(Fragment(key(p0, 2, 1), x2), codec="fp32")
     p0.publish(Fragment(key(p0, 3, 1), x3), codec="fp32")
@@ -80,8 +72,8 @@ def _store_as(transport: NetworkTransport, fragment: int, value: dict, owner: by
 
 
 @pytest.mark.timeout(60)
-def test_forged_records_are_refused(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, _ = swarm
+def test_forged_records_are_refused(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, _ = netswarm
     data = encode(torch.randn(SMALL), "fp32")
     offer = Offer(
         publisher=p0.peer_id,
@@ -110,8 +102,8 @@ def test_forged_records_are_refused(swarm: list[NetworkTransport]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_fan_in_cap_is_honoured(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, p3 = swarm
+def test_fan_in_cap_is_honoured(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = netswarm
     publishers = (p0, p1, p2)
     for peer in publishers:
         peer.publish(Fragment(key(peer, 6, 9), torch.randn(SMALL)))
@@ -125,8 +117,8 @@ def test_fan_in_cap_is_honoured(swarm: list[NetworkTransport]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_hostile_fragments_are_rejected_and_counted(swarm: list[NetworkTransport]) -> None:
-    _, p1, p2, _ = swarm
+def test_hostile_fragments_are_rejected_and_counted(netswarm: list[NetworkTransport]) -> None:
+    _, p1, p2, _ = netswarm
     before = p1.stats.rejected.copy()
 
     def rejected(reason: str) -> int:
@@ -176,8 +168,8 @@ def test_hostile_fragments_are_rejected_and_counted(swarm: list[NetworkTransport
 
 
 @pytest.mark.timeout(60)
-def test_a_bare_value_cannot_wipe_the_records_of_a_fragment(swarm: list[NetworkTransport]) -> None:
-    p0, p1, _, p3 = swarm
+def test_a_bare_value_cannot_wipe_the_records_of_a_fragment(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, _, p3 = netswarm
     x = torch.randn(SMALL)
     p1.publish(Fragment(key(p1, 6, 1), x), codec="fp32")
     wait_for(lambda: p1.store.offers(6), what="p1's announcement")

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ from _netswarm import (  # tests/ is on sys.path under pytest
     collect,
     key,
     make_transport,
-    running_swarm,
     settle,
     wait_for,
 )
@@ -42,15 +40,9 @@ from cgad.protocol.wire import content_hash
 pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
 
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[list[NetworkTransport]]:
-    with running_swarm() as peers:
-        yield peers
-
-
 @pytest.mark.timeout(90)
-def test_every_codec_over_both_paths(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, _ = swarm
+def test_every_codec_over_both_paths(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, _ = netswarm
     for base, codec in enumerate(Codec):
         x = torch.randn(BIG) * 0.01
         p0.publish(Fragment(key(p0, 0, base), x, tokens=1000 + base), codec=codec)
@@ -69,8 +61,8 @@ def test_every_codec_over_both_paths(swarm: list[NetworkTransport]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_fragment_of_over_100_mb_flows_on_both_paths(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, _ = swarm
+def test_a_fragment_of_over_100_mb_flows_on_both_paths(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, _ = netswarm
     x = torch.randn(HUGE)
     p0.publish(Fragment(key(p0, 14, 0), x), codec="fp32")
     for fetcher in (p1, p2):
@@ -80,8 +72,8 @@ def test_a_fragment_of_over_100_mb_flows_on_both_paths(swarm: list[NetworkTransp
 
 
 @pytest.mark.timeout(60)
-def test_parameters_travel_as_their_own_kind_in_fp32(swarm: list[NetworkTransport]) -> None:
-    p0, p1, _, _ = swarm
+def test_parameters_travel_as_their_own_kind_in_fp32(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, _, _ = netswarm
     params = torch.randn(SMALL)
     p0.publish(Fragment(key(p0, 13, 4, Kind.PARAMS), params))
     got: list[Fragment] = []
@@ -92,8 +84,8 @@ def test_parameters_travel_as_their_own_kind_in_fp32(swarm: list[NetworkTranspor
 
 
 @pytest.mark.timeout(60)
-def test_versions_far_behind_this_peer_are_ignored(swarm: list[NetworkTransport]) -> None:
-    p0, p1, _, _ = swarm
+def test_versions_far_behind_this_peer_are_ignored(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, _, _ = netswarm
     versions = [0] * NUM_FRAGMENTS
     versions[15] = 100
     p1.report_progress(versions, inner_step=0, tokens_per_second=0.0)
@@ -110,8 +102,8 @@ def test_versions_far_behind_this_peer_are_ignored(swarm: list[NetworkTransport]
 
 
 @pytest.mark.timeout(60)
-def test_download_from_a_chosen_holder_over_a_chosen_path(swarm: list[NetworkTransport]) -> None:
-    p0, _, _, p3 = swarm
+def test_download_from_a_chosen_holder_over_a_chosen_path(netswarm: list[NetworkTransport]) -> None:
+    p0, _, _, p3 = netswarm
     data = encode(torch.randn(SMALL), "fp16")
     p0.publish_encoded(key(p0, 4, 77), data, codec=Codec.FP16, numel=SMALL, tokens=0)
     wait_for(lambda: p0.store.get(content_hash(data)) is not None, what="the publisher's store")
@@ -125,9 +117,9 @@ def test_download_from_a_chosen_holder_over_a_chosen_path(swarm: list[NetworkTra
 
 @pytest.mark.timeout(90)
 def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
-    swarm: list[NetworkTransport],
+    netswarm: list[NetworkTransport],
 ) -> None:
-    p0, p1, p2, p3 = swarm
+    p0, p1, p2, p3 = netswarm
     blob = os.urandom(3 * (1 << 20) + 5)
     p1.publish_state(blob, [7] * NUM_FRAGMENTS)
 
@@ -163,8 +155,8 @@ def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
 
 
 @pytest.mark.timeout(60)
-def test_publishing_nan_fails_at_once(swarm: list[NetworkTransport]) -> None:
-    p0 = swarm[0]
+def test_publishing_nan_fails_at_once(netswarm: list[NetworkTransport]) -> None:
+    p0 = netswarm[0]
     bad = torch.randn(SMALL)
     bad[3] = float("nan")
     with pytest.raises(FragmentError) as info:
@@ -173,8 +165,8 @@ def test_publishing_nan_fails_at_once(swarm: list[NetworkTransport]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_live_peers_and_progress(swarm: list[NetworkTransport]) -> None:
-    p0, p1, p2, p3 = swarm
+def test_live_peers_and_progress(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, p2, p3 = netswarm
     wait_for(lambda: set(p0.live_peers()) == {p1.peer_id, p2.peer_id, p3.peer_id}, what="live peers")
     assert p0.peer_id not in p0.live_peers()
     p1.report_progress([3] * NUM_FRAGMENTS, inner_step=120, tokens_per_second=4096.0)
@@ -192,8 +184,8 @@ def _publisher_process(initial_peers: list[str], report: multiprocessing.Queue) 
 
 
 @pytest.mark.timeout(120)
-def test_publisher_killed_mid_transfer(swarm: list[NetworkTransport]) -> None:
-    p0, p1, _, _ = swarm
+def test_publisher_killed_mid_transfer(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, _, _ = netswarm
     context = multiprocessing.get_context("spawn")
     report = context.Queue()
     child = context.Process(target=_publisher_process, args=(p0.maddrs(), report), daemon=True)
@@ -231,9 +223,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(swarm: list[NetworkTransport]) -> None:
-    p0 = swarm[0]
-    libp2p_before = sum(p.bytes_by_path["libp2p"] for p in swarm)
+def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(netswarm: list[NetworkTransport]) -> None:
+    p0 = netswarm[0]
+    libp2p_before = sum(p.bytes_by_path["libp2p"] for p in netswarm)
     with make_transport({5: SMALL}, peers=p0.maddrs(), client_mode=True, grpc_host="none") as natted:
         assert natted.grpc_endpoint is None
         theirs, ours = torch.randn(SMALL), torch.randn(SMALL)
@@ -247,7 +239,7 @@ def test_a_peer_without_a_direct_endpoint_trades_over_libp2p(swarm: list[Network
         assert torch.equal(mine.tensor, ours)
         # its bytes left it over libp2p (it has no direct endpoint), to whichever peer fetched
         # them first; p0 may then have had them from that peer over gRPC
-        pulled = sum(p.bytes_by_path["libp2p"] for p in swarm) - libp2p_before
+        pulled = sum(p.bytes_by_path["libp2p"] for p in netswarm) - libp2p_before
         assert pulled >= encoded_size(SMALL, "fp32")
 
 
