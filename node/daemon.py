@@ -111,8 +111,9 @@ class Node:
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
             self.block_start = 0  # the inner step at which the current block began
             # the published fragment awaiting its outer step: its index, its version, the inner step
-            # by which the step is taken at the latest
-            self._due: tuple[int, int, int] | None = None
+            # by which the step is taken at the latest, and how many peers' fragments end the wait
+            # early (None: --apply-delay is a fixed number of steps)
+            self._due: tuple[int, int, int, int | None] | None = None
             self.started_at = time.time()
             self.losses: deque[float] = deque(maxlen=50)
             self.eval_history: list[tuple[int, float]] = []
@@ -250,13 +251,10 @@ class Node:
         ``--apply-delay auto``) every live peer's fragment of the same version has arrived (at
         most fan-in of them), so that waiting longer would gain nothing."""
         assert self._due is not None
-        fragment, version, latest = self._due
+        fragment, version, latest, awaited = self._due
         if self.trainer.steps >= latest:
             return True
-        if self.config.apply_delay != "auto":
-            return False
-        expected = min(len(self.transport.live_peers()), self.config.fan_in)
-        return self.transport.arrived(fragment, version) >= expected
+        return awaited is not None and self.transport.arrived(fragment, version) >= awaited
 
     def _sync(self) -> None:
         """The turn of the fragment whose block just ended (whole, or cut short by leaving):
@@ -279,7 +277,9 @@ class Node:
         self.blocks += 1
         self.block_start = self.trainer.steps
         delay = 0 if self._leave.is_set() else self.apply_delay
-        self._due = (fragment, version, self.trainer.steps + delay)
+        # how many fragments end the wait early, counted once here, not at every inner step
+        awaited = min(len(self.transport.live_peers()), c.fan_in) if c.apply_delay == "auto" else None
+        self._due = (fragment, version, self.trainer.steps + delay, awaited)
         if delay == 0:
             self._apply_turn()
 
