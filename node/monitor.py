@@ -43,6 +43,7 @@ def swarm_rows(transport: NetworkTransport) -> list[dict[str, Any]]:
             "versions": list(p.versions),
             "inner_step": p.inner_step,
             "tokens_per_second": p.tokens_per_second,
+            "published": p.published,
             "seen_seconds_ago": max(0.0, now - p.time),
             "direct_path": p.grpc is not None,
         }
@@ -56,11 +57,13 @@ def render(run_id: str, rows: list[dict[str, Any]]) -> str:
     """The table a person reads: one line per peer, then the swarm in one line."""
     if not rows:
         return f"run {run_id}: no live peer found (is --peers right, and --run-id that swarm's?)"
-    lines = [f"{'peer':<52} {'version':>7} {'inner steps':>11} {'tokens/s':>9} {'seen':>6}  path"]
+    head = f"{'peer':<52} {'version':>7} {'inner steps':>11} {'tokens/s':>9} {'published':>9} {'seen':>6}"
+    lines = [f"{head}  path"]
     for r in rows:
+        path = "grpc+libp2p" if r["direct_path"] else "libp2p"
         lines.append(
             f"{r['peer_id']:<52} {r['version']:>7} {r['inner_step']:>11} {r['tokens_per_second']:>9.0f}"
-            f" {r['seen_seconds_ago']:>5.0f}s  {'grpc+libp2p' if r['direct_path'] else 'libp2p'}"
+            f" {r['published']:>9} {r['seen_seconds_ago']:>5.0f}s  {path}"
         )
     median = statistics.median_low(r["version"] for r in rows)
     total = sum(r["tokens_per_second"] for r in rows)

@@ -217,6 +217,7 @@ class NetworkTransport(Transport):
             inner_step=inner_step,
             tokens_per_second=float(tokens_per_second),
             time=get_dht_time(),
+            published=self.stats.published,
         )
         self._publisher.progress = self._progress
         self.loop.call_soon_threadsafe(self._version_clock.update, time.monotonic(), list(versions))

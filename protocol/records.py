@@ -106,6 +106,7 @@ class Progress(_Strict):
     tokens_per_second: pydantic.confloat(strict=True, ge=0.0)
     time: pydantic.StrictFloat  # DHT time of the report
     grpc: Optional[pydantic.constr(strict=True, max_length=256)] = None  # noqa: UP045 (direct endpoint)
+    published: _NON_NEGATIVE = 0  # fragments it has published (its own claim: shown, never trusted)
 
 
 def fragment_key(run_id: str, fragment: int) -> str:

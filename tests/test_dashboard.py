@@ -62,6 +62,7 @@ def test_the_dashboard_shows_the_swarm_and_its_loss_in_a_browser(daemons):
     assert code == 200
     status = json.loads(body)
     assert [p["peer_id"] for p in status["swarm"]] == [other] and status["swarm"][0]["applied"] >= 1
+    assert status["swarm"][0]["published"] >= 1  # its own count, from its progress record
     assert len(status["timeline"]) >= 2 and status["bytes_in"] > 0
     assert get(url)[0] == 200 and b"<title>cgad-node</title>" in get(url)[1]
     assert get(url + "etc/passwd")[0] == 404
