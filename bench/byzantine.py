@@ -9,7 +9,10 @@ its defaults, random delays up to 4 rounds, H = 10, batch 4 × 64, inner lr 1e-3
 seeds 0-2. The loss is the honest workers' mean held-out loss at the end. Writes
 bench/results/byzantine.json and byzantine.png; docs/SECURITY.md quotes the table.
 
-    python bench/byzantine.py [--jobs 2] [--seeds 0 1 2]
+    python bench/byzantine.py [--jobs 2] [--seeds 0 1 2] [--only clip]
+
+``--only AGG`` runs that aggregation's cells and keeps the floor's and the other aggregation's
+runs from the last results file (for a change that touches one aggregation only).
 """
 
 from __future__ import annotations
@@ -81,11 +84,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--only", choices=AGGREGATIONS, help="run only this aggregation's cells")
     args = parser.parse_args()
     cells = [("local", None, "clip", seed) for seed in args.seeds]
     cells += [("cga", attack, agg, seed) for seed in args.seeds for agg in AGGREGATIONS
               for attack in [None, *ATTACKS]]  # fmt: skip
     runs = []
+    if args.only:
+        previous = json.loads(OUT.read_text())["runs"] if OUT.exists() else []
+        kept = [
+            r
+            for r in previous
+            if r["seed"] in args.seeds and (r["optimizer"] == "local" or r["aggregation"] != args.only)
+        ]
+        cells = [c for c in cells if c[0] != "local" and c[2] == args.only]
+        if len(kept) != len(args.seeds) * (1 + len(ATTACKS) + 1):
+            raise SystemExit(f"{OUT} lacks the runs --only {args.only} keeps; run without --only")
+        runs.extend(kept)
     with (
         ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool,
         progress_bar(len(cells), "byzantine", "run") as bar,

@@ -105,6 +105,13 @@ class OuterOptions(_Part):
         "the own update's norm of the own update, so no single peer moves the step far) or mean (as sent)",
     )
     clip_radius: PositiveFloat = Field(2.0, description="clip: the radius, in norms of the own update")
+    min_cosine: float = Field(
+        0.0,
+        ge=-1.0,
+        le=1.0,
+        description="clip: a peer's pseudo-gradient whose cosine with the own update is below this is "
+        "refused (counted 'opposed'); -1 takes every direction",
+    )
     alpha: float = Field(DEFAULT_ALPHA, ge=0, allow_inf_nan=False, description="CGAD: decay per round of age")
     cutoff: PositiveFloat = Field(
         DEFAULT_CUTOFF,

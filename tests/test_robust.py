@@ -1,5 +1,6 @@
 """Centered clipping around the own pseudo-gradient, against a float64 reference, and in the
-outer loop: a scaled delivery moves φ no further than an honest one could."""
+outer loop: a scaled delivery moves φ no further than an honest one could, and a reversed one
+is refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from cgad.node.config import OuterOptions
 from cgad.node.outer import OuterLoop
-from cgad.optim import clip_around
+from cgad.optim import clip_around, cosine
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey
 
@@ -51,13 +52,25 @@ def test_bad_arguments_are_refused():
         clip_around(own, torch.full((4,), float("inf")), radius=1.0)
 
 
-def _step(aggregation: str, attack: float) -> torch.Tensor:
+def test_cosine_matches_float64_and_has_no_direction_at_zero():
+    a, b = torch.randn(1000), torch.randn(1000)
+    expected = float(torch.dot(a.double(), b.double()) / (a.double().norm() * b.double().norm()))
+    assert cosine(a, b) == pytest.approx(expected, abs=1e-12)
+    assert cosine(a, -a) == pytest.approx(-1.0) and cosine(a, 3 * a) == pytest.approx(1.0)
+    assert cosine(torch.zeros(1000), b) == 1.0  # a zero update opposes nothing
+    assert cosine(torch.full((4,), 1e30), torch.full((4,), 1e30)) == pytest.approx(1.0)  # no fp32 overflow
+    with pytest.raises(ValueError, match="shapes"):
+        cosine(a, torch.ones(5))
+    with pytest.raises(ValueError, match="finite"):
+        cosine(a, torch.full((1000,), float("inf")))
+
+
+def _step(aggregation: str, attack: float, **options: object) -> torch.Tensor:
     """φ after one round in which the own Δ is −1s and one peer sends its honest −1s × attack."""
     network = VirtualNetwork()
     me, peer = network.join("me"), network.join("peer")
-    loop = OuterLoop(
-        [torch.zeros(8)], OuterOptions(optimizer="sgd", outer_lr=1.0, aggregation=aggregation), me, "run"
-    )
+    config = OuterOptions(optimizer="sgd", outer_lr=1.0, aggregation=aggregation, **options)
+    loop = OuterLoop([torch.zeros(8)], config, me, "run")
     loop.theta[0].add_(1.0)
     loop.publish(0, tokens=10)
     peer.publish(Fragment(FragmentKey("run", 0, 0, "peer"), torch.full((8,), -1.0) * attack, tokens=10))
@@ -73,3 +86,14 @@ def test_one_scaled_peer_moves_the_mean_but_not_the_clipped_step():
     clipped, loop = _step("clip", 1e6)
     # the peer's Δ is held within 2‖Δ_own‖ of Δ_own: φ moves at most (1 + 2)/2 of an honest step
     assert float(clipped.abs().max()) <= 2.0 + 1e-5 and loop.counters.clipped == 1
+
+
+def test_a_reversed_delivery_is_refused_and_blamed():
+    flipped, loop = _step("clip", -1.0)  # the peer sends +1s: exactly against the own Δ
+    assert torch.allclose(flipped, torch.ones(8))  # φ moves by the own Δ alone
+    assert loop.counters.rejected["opposed"] == 1 and loop.counters.rejected_by_peer["peer"] == 1
+    assert loop.counters.applied == 0
+    taken, loop = _step("clip", -1.0, min_cosine=-1.0)  # every direction allowed: the mean
+    assert torch.allclose(taken, torch.zeros(8)) and loop.counters.applied == 1
+    mean, loop = _step("mean", -1.0)  # the plain mean screens nothing
+    assert torch.allclose(mean, torch.zeros(8)) and not loop.counters.rejected
