@@ -96,6 +96,11 @@ class NetworkOptions(BaseModel):
         "127.0.0.1", description="host for the direct gRPC data path ('none': libp2p only)"
     )
     grpc_port: Port = Field(0, description="port for the direct gRPC data path (0: any free port)")
+    grpc_tls: bool = Field(
+        False,
+        description="encrypt the gRPC data path, its certificate pinned by the signed records"
+        " (always on with --swarm-key)",
+    )
     grpc_announce_host: str | None = Field(
         None, description="the host others dial for gRPC, when it differs from --grpc-host"
     )

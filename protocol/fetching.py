@@ -36,6 +36,7 @@ from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.records import Holdings
 from cgad.protocol.selection import Candidate
+from cgad.protocol.tls import channel_credentials, channel_options
 from cgad.protocol.transport import FragmentKey, TransportStats
 from cgad.protocol.wire import GRPC_FETCH, LIBP2P_DESCRIBE, LIBP2P_FETCH, ChunkAssembler, parse, split_chunk
 
@@ -72,7 +73,7 @@ class Fetcher:
         self.bytes_by_path: Counter[str] = Counter()  # bytes fetched over each path
         self.bytes_in = 0  # payload bytes received so far, counted as chunks land (the link meter's input)
         self.transfers: dict[FragmentKey, ChunkAssembler] = {}  # fetches in progress
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, str | None], grpc.aio.Channel] = {}  # by endpoint, certificate
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -141,7 +142,9 @@ class Fetcher:
         """Bytes from one holder over the first path that works, resuming where a previous holder
         or stream stopped; None when this holder could not deliver."""
         for path in paths or self.options.paths:
-            if path == "grpc" and holder.grpc is None:
+            # a private swarm's bytes cross gRPC only encrypted (libp2p always is)
+            plaintext_only = self.swarm_key is not None and holder.tls is None
+            if path == "grpc" and (holder.grpc is None or plaintext_only):
                 continue
             fruitless = 0
             while fruitless < 2:
@@ -170,11 +173,19 @@ class Fetcher:
                 fruitless = 0 if assembler.received > received_before else fruitless + 1
         return None
 
-    async def _open_grpc(self, endpoint: str, method: str, request: Message) -> AsyncIterator[bytes]:
-        """Serialized response messages: ``_drain`` reads chunks out of them in place."""
-        channel = self._channels.get(endpoint)
+    async def _open_grpc(
+        self, endpoint: str, certificate: str | None, method: str, request: Message
+    ) -> AsyncIterator[bytes]:
+        """Serialized response messages: ``_drain`` reads chunks out of them in place. With the
+        holder's certificate, over TLS that trusts that certificate alone."""
+        channel = self._channels.get((endpoint, certificate))
         if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+            if certificate is None:
+                channel = grpc.aio.insecure_channel(endpoint)
+            else:
+                credentials = channel_credentials(certificate)
+                channel = grpc.aio.secure_channel(endpoint, credentials, channel_options())
+            self._channels[endpoint, certificate] = channel
         await asyncio.wait_for(channel.channel_ready(), self.options.connect_timeout)
         call = channel.unary_stream(method, request_serializer=type(request).SerializeToString)(request)
         try:
@@ -206,7 +217,7 @@ class Fetcher:
             self.swarm_key.stamp(request, request.ticket, FETCH_PURPOSE)
         if path == "grpc":
             assert holder.grpc is not None
-            return self._open_grpc(holder.grpc, GRPC_FETCH, request)
+            return self._open_grpc(holder.grpc, holder.tls, GRPC_FETCH, request)
         return self._open_libp2p(holder.peer_id, LIBP2P_FETCH, request, pb.FetchResponse)
 
     async def _drain(self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler) -> None:

@@ -152,7 +152,7 @@ class NetworkTransport(Transport):
         self.loop = self._runner.loop
         self._publisher = Publisher(
             self.options, identity, self.store, self.stats, self._runner, self._codec_worker,
-            grpc_endpoint=lambda: self.grpc_endpoint, on_own=self._own_stored,
+            grpc_contact=self._server.contact, on_own=self._own_stored,
             on_progress=self._progress_stored, progress=self._progress,
         )  # fmt: skip
         try:

@@ -50,7 +50,7 @@ class Publisher:
         stats: TransportStats,
         runner: EventLoopThread,
         codec_worker: Executor,
-        grpc_endpoint: Callable[[], str | None],
+        grpc_contact: Callable[[], tuple[str | None, str | None]],
         on_own: Callable[[StoredFragment], None],
         on_progress: Callable[[Progress], None],
         progress: Progress,
@@ -64,7 +64,7 @@ class Publisher:
         self.dht_node: DHTNode | None = None
         self._runner = runner
         self._codec_worker = codec_worker
-        self._grpc_endpoint = grpc_endpoint
+        self._grpc_contact = grpc_contact  # the gRPC endpoint and its TLS certificate, once serving
         self._on_own = on_own
         self._on_progress = on_progress
         self._feedback: dict[int, ErrorFeedback] = {}
@@ -147,7 +147,8 @@ class Publisher:
         offers = self.store.offers(fragment)
         if not offers or self.dht_node is None:
             return
-        holdings = Holdings(peer_id=self.peer_id, grpc=self._grpc_endpoint(), offers=offers)
+        endpoint, certificate = self._grpc_contact()
+        holdings = Holdings(peer_id=self.peer_id, grpc=endpoint, tls=certificate, offers=offers)
         run_id = self.options.run_id
         stored = await self.dht_node.store(
             state_key(run_id) if fragment is None else fragment_key(run_id, fragment),
@@ -162,7 +163,7 @@ class Publisher:
         """Refresh this peer's progress record (``on_progress`` sees it first)."""
         if self.dht_node is None:
             return
-        progress = self.progress.copy(update={"time": get_dht_time(), "grpc": self._grpc_endpoint()})
+        progress = self.progress.copy(update={"time": get_dht_time(), "grpc": self._grpc_contact()[0]})
         self._on_progress(progress)
         await self.dht_node.store(
             progress_key(self.options.run_id),

@@ -95,6 +95,9 @@ class Holdings(_Strict):
     peer_id: _PEER_ID  # libp2p peer id: the fallback path, through relays if need be
     grpc: Optional[pydantic.constr(strict=True, max_length=256)]  # noqa: UP045 (pydantic v1)
     offers: pydantic.conlist(Offer, max_items=MAX_OFFERS)
+    # the PEM certificate its gRPC endpoint presents (protocol/tls.py); None: plaintext gRPC.
+    # A P-256 certificate with one name is ~600 characters.
+    tls: Optional[pydantic.constr(strict=True, max_length=2048)] = None  # noqa: UP045
 
 
 class Progress(_Strict):

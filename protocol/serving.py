@@ -30,6 +30,7 @@ from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, NonceLedger, SwarmKey
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.store import FragmentStore
+from cgad.protocol.tls import ServerCertificate
 from cgad.protocol.transport import TransportStats
 from cgad.protocol.wire import (
     CHUNK_BYTES,
@@ -71,6 +72,9 @@ class FragmentServer:
         self.state_streams = 0  # snapshots streaming out now
         self._no_state: asyncio.Event | None = None  # set while no snapshot streams
         self.grpc_endpoint: str | None = None  # host:port others dial, once the server runs
+        # TLS on the gRPC path: always in a private swarm, else when asked
+        tls = options.grpc_listen is not None and (options.grpc_tls or swarm_key is not None)
+        self.certificate = ServerCertificate.create() if tls else None
         self._grpc_server: grpc.aio.Server | None = None
 
     async def start(self, p2p: P2P) -> None:
@@ -98,12 +102,21 @@ class FragmentServer:
         self._grpc_server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(SERVICE, {"Fetch": fetch})]
         )
-        port = self._grpc_server.add_insecure_port(listen)
+        if self.certificate is None:
+            port = self._grpc_server.add_insecure_port(listen)
+        else:
+            port = self._grpc_server.add_secure_port(listen, self.certificate.server_credentials())
         if port == 0:
             raise RuntimeError(f"cannot listen for gRPC on {listen}")
         await self._grpc_server.start()
         host = self.options.grpc_announce_host or listen.rsplit(":", 1)[0]
         self.grpc_endpoint = f"{host}:{port}"
+
+    def contact(self) -> tuple[str | None, str | None]:
+        """Where to reach this peer over gRPC and the certificate it presents there (None, None:
+        libp2p only; a None certificate: plaintext)."""
+        pem = self.certificate.certificate_pem if self.certificate is not None else None
+        return self.grpc_endpoint, pem if self.grpc_endpoint is not None else None
 
     async def stop(self) -> None:
         if self._grpc_server is not None:

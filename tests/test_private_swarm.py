@@ -1,14 +1,18 @@
 """Private swarms, with real hivemind peers on 127.0.0.1: members who hold the swarm key trade
 fragments; a peer without it (or with another key) can neither read nor write the swarm's DHT
-records, nor fetch, nor learn who a member is. And the key file itself."""
+records, nor fetch, nor learn who a member is; the gRPC path is TLS, its certificate pinned by
+the signed records. And the key file itself."""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import ssl
 import stat
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from _netswarm import RUN, SMALL, collect, key, make_transport
@@ -18,6 +22,7 @@ from cgad.protocol import FragmentError
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import CLOCK_SKEW, FETCH_PURPOSE, NonceLedger, SwarmKey, SwarmKeyError
 from cgad.protocol.records import Holdings, fragment_key
+from cgad.protocol.tls import TLS_NAME, ServerCertificate
 from cgad.protocol.transport import Fragment
 
 FRAGMENTS = {4: SMALL}
@@ -90,9 +95,21 @@ def test_members_trade_and_an_outsider_gets_nothing(tmp_path: Path) -> None:
             alice.publish(Fragment(key(alice, 4, 0), torch.randn(SMALL), 10))
             [got] = collect(bob, 4, 1)
             assert got.key.publisher == alice.peer_id
+            assert bob.bytes_by_path["grpc"] > 0  # the direct path, encrypted: it is the only gRPC there is
             assert bob.describe(alice.peer_id)[0] == RUN
             [offer] = alice.store.offers(4)
-            holder = Holdings(peer_id=alice.peer_id, grpc=alice.grpc_endpoint, offers=[offer])
+            certificate = alice._server.certificate
+            assert certificate is not None
+            pem = certificate.certificate_pem
+            holder = Holdings(peer_id=alice.peer_id, grpc=alice.grpc_endpoint, tls=pem, offers=[offer])
+            _assert_tls_only(alice.grpc_endpoint, certificate.certificate_pem)
+            # a holder record naming another certificate (a man in the middle's): no bytes over gRPC
+            forged = holder.copy(update={"tls": ServerCertificate.create().certificate_pem})
+            with pytest.raises(FragmentError, match="did not deliver"):
+                bob.download(forged, offer.content_hash, offer.byte_length, "grpc", timeout=20)
+            # nor from a record without one: a private swarm's gRPC bytes are never plaintext
+            with pytest.raises(FragmentError, match="did not deliver"):
+                bob.download(holder.copy(update={"tls": None}), offer.content_hash, offer.byte_length, "grpc")
 
             for outsider_key in (None, str(other)):  # no key; another swarm's key
                 # it cannot join the swarm's DHT: no member answers its requests
@@ -118,3 +135,30 @@ def test_members_trade_and_an_outsider_gets_nothing(tmp_path: Path) -> None:
             alice.publish(Fragment(key(alice, 4, 1), torch.randn(SMALL), 10))
             [got] = collect(bob, 4, 1)
             assert got.key.base_version == 1
+
+
+def _assert_tls_only(endpoint: str, certificate_pem: str) -> None:
+    """The endpoint answers a TLS handshake with exactly this certificate, and nothing in clear."""
+    host, port = endpoint.rsplit(":", 1)
+    presented = ssl.get_server_certificate((host, int(port)), timeout=10)
+    assert ssl.PEM_cert_to_DER_cert(presented) == ssl.PEM_cert_to_DER_cert(certificate_pem)
+    context = ssl.create_default_context(cadata=certificate_pem)
+    context.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname=TLS_NAME) as tls:
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")  # verified against the pinned certificate
+    with grpc.insecure_channel(endpoint) as plaintext:  # a client in clear never gets a channel
+        with pytest.raises(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(plaintext).result(timeout=3)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_grpc_tls_on_request_in_a_public_swarm() -> None:
+    with make_transport(FRAGMENTS, grpc_tls=True) as alice:
+        with make_transport(FRAGMENTS, peers=alice.maddrs(), paths=["grpc"]) as bob:
+            assert alice._server.certificate is not None and bob._server.certificate is None
+            alice.publish(Fragment(key(alice, 4, 0), torch.randn(SMALL), 10))
+            [got] = collect(bob, 4, 1)  # bob follows alice's signed record: TLS to her
+            assert got.key.publisher == alice.peer_id and bob.bytes_by_path["grpc"] > 0
+            _assert_tls_only(alice.grpc_endpoint, alice._server.certificate.certificate_pem)
