@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from cgad.node.metrics import Metrics
 from cgad.node.model import build_model
 from cgad.node.monitor import swarm_rows
 from cgad.node.outer import OuterLoop
+from cgad.node.pacing import Turn, phase_nudge
 from cgad.node.status import cpu_seconds_by_thread, status_line
 from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
@@ -110,10 +111,9 @@ class Node:
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
             self.block_start = 0  # the inner step at which the current block began
-            # the published fragment awaiting its outer step: its index, its version, the inner step
-            # by which the step is taken at the latest, and how many peers' fragments end the wait
-            # early (None: --apply-delay is a fixed number of steps)
-            self._due: tuple[int, int, int, int | None] | None = None
+            self._due: Turn | None = None  # the published fragment awaiting its outer step
+            self._block_extra = 0  # inner steps added to (or, < 0, taken from) this block: phase
+            self.phase_nudges: Counter[str] = Counter()  # blocks made longer / shorter
             self.started_at = time.time()
             self.losses: deque[float] = deque(maxlen=50)
             self.eval_history: list[tuple[int, float]] = []
@@ -232,7 +232,7 @@ class Node:
                 self._apply_turn()
             if c.max_rounds and self.round >= c.max_rounds:
                 break
-            if self.trainer.steps - self.block_start >= block:
+            if self.trainer.steps - self.block_start >= block + self._block_extra:
                 self._sync()
         self._finish()
         return 0
@@ -250,11 +250,13 @@ class Node:
         """Whether the waiting outer step is to be taken now: its latest step has come, or (with
         ``--apply-delay auto``) every live peer's fragment of the same version has arrived (at
         most fan-in of them), so that waiting longer would gain nothing."""
-        assert self._due is not None
-        fragment, version, latest, awaited = self._due
-        if self.trainer.steps >= latest:
+        turn = self._due
+        assert turn is not None
+        if self.trainer.steps >= turn.latest:
             return True
-        return awaited is not None and self.transport.arrived(fragment, version) >= awaited
+        if turn.awaited is None:
+            return False
+        return self.transport.arrived(turn.fragment, turn.version) >= turn.awaited
 
     def _sync(self) -> None:
         """The turn of the fragment whose block just ended (whole, or cut short by leaving):
@@ -279,16 +281,21 @@ class Node:
         delay = 0 if self._leave.is_set() else self.apply_delay
         # how many fragments end the wait early, counted once here, not at every inner step
         awaited = min(len(self.transport.live_peers()), c.fan_in) if c.apply_delay == "auto" else None
-        self._due = (fragment, version, self.trainer.steps + delay, awaited)
+        early = self.transport.arrived(fragment, version)
+        self._due = Turn(fragment, version, self.trainer.steps + delay, awaited, early)
+        self._block_extra = 0
         if delay == 0:
             self._apply_turn()
 
     def _apply_turn(self) -> None:
         """The outer step of the fragment published last, then the round's bookkeeping."""
-        assert self._due is not None
-        fragment = self._due[0]
+        turn = self._due
+        assert turn is not None
+        fragment = turn.fragment
         self._due = None
         c = self.config
+        if turn.awaited:
+            self._align_phase(turn, self.transport.arrived(fragment, turn.version))
         with self._outer_lock:  # carrying only when inner steps ran since the publish
             self.loop.apply(fragment, carry=self.trainer.steps > self.block_start)
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
@@ -322,6 +329,14 @@ class Node:
         if self.metrics:
             self.metrics.update(status)
         self._show(status)
+
+    def _align_phase(self, turn: Turn, arrived: int) -> None:
+        """Lengthen or shorten the block under way (``phase_nudge``), counted."""
+        assert turn.awaited is not None
+        block = self.config.inner_steps // self.config.fragments
+        self._block_extra = phase_nudge(block, turn.early, arrived, turn.awaited)
+        if self._block_extra:
+            self.phase_nudges["longer" if self._block_extra > 0 else "shorter"] += 1
 
     def _finish(self) -> None:
         """Leaving: the fragment whose block is under way syncs now with the steps it has (one
@@ -398,6 +413,7 @@ class Node:
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
             "clipped": counters.clipped,
+            "phase_nudges": dict(self.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "downlink_bytes_per_second": self.transport.downlink_rate,
             "bytes_in": self.transport.stats.bytes_received,

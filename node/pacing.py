@@ -1,0 +1,42 @@
+"""When a daemon takes its outer steps: the turn awaiting its step, and keeping block boundaries
+in phase with the peers'.
+
+A node publishes fragment f's pseudo-gradient at the end of its block and takes the outer step
+up to ``--apply-delay`` inner steps later, as soon as every live peer's fragment of the same
+version is in (node/daemon.py). That makes ages 0 only if the peers' blocks end near its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Turn", "phase_nudge"]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A published fragment awaiting its outer step."""
+
+    fragment: int
+    version: int
+    latest: int  # the inner step by which the outer step is taken at the latest
+    awaited: int | None  # peers' fragments that end the wait early (None: a fixed --apply-delay)
+    early: int  # peers' fragments of this version already in when it was published
+
+
+def phase_nudge(block: int, early: int, arrived: int, awaited: int) -> int:
+    """Inner steps to add to the next block (negative: to take away) so that this node's block
+    boundaries stay near its peers' and their fragments of a version reach its outer step at age
+    0. Nothing else aligns them: a joiner starts its first block when its download ends, and the
+    first node then publishes most of a block ahead for good, taking every peer's fragment a
+    round late (docs/WAN.md). ``early``: peers' fragments of the version already in when this
+    node published it; ``arrived``: in by its outer step; ``awaited``: what would have ended the
+    wait. A node whose wait ended short of that is ahead: its next block is a quarter longer; one
+    that had them all before it published is behind: a quarter shorter. A block at a time, so a
+    peer that lies about its timing shifts it by no more than that."""
+    nudge = max(1, block // 4)
+    if arrived < awaited:
+        return nudge
+    if awaited and early >= awaited:
+        return -nudge
+    return 0
