@@ -7,7 +7,7 @@ utilisation (inner steps done / the floor's mean inner steps in the same seconds
 applied, mean age, and what was rejected or skipped. Writes bench/results/wan/summary.json, a
 PNG of mean loss against wall-clock per scenario, and prints a markdown table (docs/WAN.md).
 
-    python bench/wan/report.py [--floor 10mbit-4-isolated] [names...]
+    python bench/wan/report.py [--floor 10mbit-4-isolated] [--out summary] [names...]
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help="scenario names (default: every result file)")
     parser.add_argument("--floor", default="10mbit-4-isolated", help="the isolated run to compare with")
+    parser.add_argument("--out", default="summary", help="name of the JSON and PNG written (a comparison)")
     args = parser.parse_args()
-    names = args.names or sorted(p.stem for p in RESULTS.glob("*.json") if p.stem != "summary")
+    names = args.names or sorted(p.stem for p in RESULTS.glob("*.json") if not p.stem.startswith("summary"))
     results = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in names}
     if args.floor not in results:
         results[args.floor] = json.loads((RESULTS / f"{args.floor}.json").read_text())
@@ -82,10 +83,10 @@ def main() -> None:
     floor_nodes = summarize(results[args.floor], t, None)["nodes"]
     floor_steps = statistics.fmean(n["inner_steps"] for n in floor_nodes if n["inner_steps"] is not None)
     summary = {name: summarize(r, t, floor_steps) for name, r in results.items()}
-    (RESULTS / "summary.json").write_text(
+    (RESULTS / f"{args.out}.json").write_text(
         json.dumps({"floor": args.floor, "scenarios": summary}, indent=1) + "\n"
     )
-    plot(results, RESULTS / "summary.png")
+    plot(results, RESULTS / f"{args.out}.png")
     print(f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | utilisation | applied | mean age |")
     print("|---|---|---|---|---|")
     for name, row in summary.items():
