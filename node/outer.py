@@ -122,8 +122,9 @@ class OuterLoop:
         self.publish(f, tokens)
         return self.apply(f)
 
-    def publish(self, f: int, tokens: int) -> None:
-        """Compute Δ_f = φ_f − θ_f and hand it to the transport (and φ_f too, for mixing)."""
+    def publish(self, f: int, tokens: int, share: bool = True) -> None:
+        """Compute Δ_f = φ_f − θ_f and hand it to the transport (and φ_f too, for mixing). With
+        ``share`` False the outer step still takes Δ_f, but peers do not get it."""
         idx = self.fragments[f]
         with torch.no_grad():
             own = torch.cat([(self.phi[i] - self.theta[i].float()).flatten() for i in idx])
@@ -137,7 +138,7 @@ class OuterLoop:
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         fragment = Fragment(key, own, tokens)
         self._turn[f] = fragment
-        if not self.method.shares:
+        if not self.method.shares or not share:
             return
         self.transport.publish(fragment)
         self.counters.published += 1
