@@ -219,6 +219,11 @@ class SimOptions(_Part):
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
     churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
     step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
+    data_split: Literal["disjoint", "shared"] = Field(
+        "disjoint",
+        description="disjoint: each worker its own contiguous shard of the corpus (a volunteer's own "
+        "data); shared: every worker draws from the whole corpus with its own stream, as daemons do",
+    )
     attackers: int = Field(0, ge=0, description="workers (the last ones) that forge what they publish")
     attack: str | None = Field(
         None,

@@ -28,13 +28,13 @@ import torch
 
 from cgad.node.attacks import Attack, ForgingTransport
 from cgad.node.config import SimConfig
-from cgad.node.data import TokenDataset
+from cgad.node.data import BatchIterator, TokenDataset
 from cgad.node.model import build_model
 from cgad.node.outer import Delivery, OuterLoop
 from cgad.node.trainer import InnerTrainer, evaluate
 from cgad.protocol.memory import Delay, MemoryTransport, VirtualNetwork
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "worker_batches"]
 
 
 @dataclass
@@ -80,7 +80,7 @@ def simulate(
     workers = []
     for w in range(c.workers):
         model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
-        batches = dataset.shard(w, c.workers).batches(c.batch_size, c.seq_len, seed=c.seed)
+        batches = worker_batches(dataset, c, w)
         trainer = InnerTrainer(model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps)
         hostile = attack is not None and w >= c.workers - c.attackers  # the last K workers
         transport = (
@@ -273,3 +273,11 @@ def _mean(values: list[float]) -> float:
 
 def _age_counts(delivered: list[Delivery]) -> dict[str, int]:
     return dict(Counter(str(d.age) for d in delivered))
+
+
+def worker_batches(dataset: TokenDataset, c: SimConfig, w: int) -> BatchIterator:
+    """Worker w's training batches: its own contiguous shard (``--data-split disjoint``), or the
+    whole corpus with a stream of its own (``shared``, what each daemon does)."""
+    if c.data_split == "shared":
+        return dataset.shard(0, 1).batches(c.batch_size, c.seq_len, seed=c.seed * 1_000_003 + w)
+    return dataset.shard(w, c.workers).batches(c.batch_size, c.seq_len, seed=c.seed)

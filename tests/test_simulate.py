@@ -13,7 +13,7 @@ from cgad.node.config import OuterOptions, SimConfig, parse_stragglers
 from cgad.node.data import load_dataset
 from cgad.node.model import build_model
 from cgad.node.outer import OuterLoop
-from cgad.node.simulate import simulate
+from cgad.node.simulate import simulate, worker_batches
 from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
 from cgad.optim import CGAD
@@ -404,3 +404,15 @@ def test_a_late_outer_step_carries_the_inner_steps_taken_meanwhile():
     loop.publish(0, tokens=10)
     [again] = loop.apply(0)
     assert again.own and all(torch.allclose(p, torch.full_like(p, 2.5)) for p in loop.phi)
+
+
+def test_shared_data_gives_each_worker_the_whole_corpus_and_its_own_stream(corpus):
+    _, dataset = corpus
+    config = SimConfig(workers=4, batch_size=2, seq_len=32)
+    disjoint = [worker_batches(dataset, config, w) for w in range(4)]
+    whole = config.model_copy(update={"data_split": "shared"})
+    shared = [worker_batches(dataset, whole, w) for w in range(4)]
+    assert all(abs(len(b._tokens) - dataset.split / 4) <= 1 for b in disjoint)  # a quarter each, apart
+    assert all(len(b._tokens) == dataset.split for b in shared)  # everything, for everyone
+    first = [next(b) for b in shared]
+    assert not any(torch.equal(first[0], other) for other in first[1:])  # streams of their own
