@@ -52,6 +52,7 @@ class _Worker:
     losses: list[float] = field(default_factory=list)
     resyncs: int = 0
     away_since: float | None = None  # virtual time it left, while away (churn)
+    unshared: int = 0  # blocks still to keep from peers after adopting a state (as the daemon does)
     hostile: bool = False  # forges what it publishes (--attackers); never judged, never adopted
 
 
@@ -117,7 +118,9 @@ def simulate(
                 progress(block_steps)
             wk.compute_seconds += block_steps * c.step_time * wk.speed
             blocked_before = wk.transport.blocked_seconds
-            wk.loop.publish(wk.block % blocks_per_round, tokens=block_steps * c.batch_size * c.seq_len)
+            tokens = block_steps * c.batch_size * c.seq_len
+            wk.loop.publish(wk.block % blocks_per_round, tokens=tokens, share=wk.unshared == 0)
+            wk.unshared = max(0, wk.unshared - 1)
             wk.clock += wk.transport.blocked_seconds - blocked_before
         for wk in due:
             f = wk.block % blocks_per_round
@@ -258,6 +261,7 @@ def _adopt_leader(wk: _Worker, leader: _Worker, c: SimConfig, eval_batches: list
     """A re-sync: ``wk`` takes ``leader``'s outer state and its place in the fragment schedule;
     the rounds it skips count at the loss of what it adopted."""
     wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
+    wk.unshared = len(wk.loop.fragments)  # a round kept to itself, as a daemon does after adopting
     skipped = min(leader.round, c.rounds) - wk.round
     if skipped > 0:
         loss = evaluate(wk.trainer.model, eval_batches)
