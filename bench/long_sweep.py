@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ def run_all(jobs: list[tuple[str, str, int, dict]], workers: int, desc: str) -> 
     the records of all ``jobs`` by key."""
     done = load_log()
     todo = list({run_key(*j): j for j in jobs if run_key(*j) not in done}.values())
+    commit = _commit()  # runs of one table may span sessions: each says which code made it
     if todo:
         RESULTS.mkdir(parents=True, exist_ok=True)
         with (
@@ -144,13 +146,27 @@ def run_all(jobs: list[tuple[str, str, int, dict]], workers: int, desc: str) -> 
                     continue
                 condition = SAME_AS.get((method, condition), condition)  # where it actually ran
                 record.update(key=run_key(method, condition, seed, settings), method=method,
-                              condition=condition, settings=settings)  # fmt: skip
+                              condition=condition, settings=settings, commit=commit)  # fmt: skip
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 done[record["key"]] = record
                 bar.set_postfix_str(f"{method} {condition}: {record['final_loss']:.3f}")
                 bar.update()
     return {run_key(*j): done[run_key(*j)] for j in jobs if run_key(*j) in done}
+
+
+def _commit() -> str:
+    """The commit the runs are made at (with "+changes" when tracked files differ from it)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("+changes" if dirty else "")
 
 
 def score(record: dict) -> float:
