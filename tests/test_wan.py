@@ -37,3 +37,7 @@ def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, mon
     assert restarted["resumed"], restarted
     swarm_version = min(final[0]["versions"])
     assert min(restarted["versions"]) >= swarm_version - 4, (restarted["versions"], final[0]["versions"])
+    # how far apart the nodes' φ ended, read back from their three final checkpoints
+    spread = result["phi_spread"]
+    assert spread is not None and spread["nodes"] == 3, spread
+    assert all(0 <= d < 1 for d in spread["relative_distance_to_mean"]), spread

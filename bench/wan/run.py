@@ -114,7 +114,30 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
                 pass
         testbed = bed.describe()
         logs = {i: node.log.read_text()[-4000:] for i, node in bed.nodes.items()}
-    return {"scenario": scenario, "testbed": testbed, "samples": samples, "final": finals, "log_tails": logs}
+        spread = phi_spread([workdir / f"n{i}" / "ckpt" for i in sorted(bed.nodes)])
+    return {"scenario": scenario, "testbed": testbed, "samples": samples, "final": finals, "log_tails": logs,
+            "phi_spread": spread}  # fmt: skip
+
+
+def phi_spread(checkpoints: list[Path]) -> dict[str, Any] | None:
+    """How far apart the nodes' outer parameters φ ended, from their final checkpoints: each node's
+    distance to the mean φ, relative to the mean φ's norm. A swarm whose nodes apply the same
+    updates keeps this near 0; isolated nodes drift apart freely."""
+    import torch
+
+    from cgad.node.checkpoint import load_checkpoint
+
+    flats = []
+    for directory in checkpoints:
+        state = load_checkpoint(directory) if directory.exists() else None
+        if state is not None:
+            flats.append(torch.cat([p.detach().double().flatten() for p in state["outer"]["phi"]]))
+    if len(flats) < 2:
+        return None
+    mean = torch.stack(flats).mean(dim=0)
+    scale = float(mean.norm())
+    to_mean = [float((f - mean).norm()) / scale for f in flats]
+    return {"nodes": len(flats), "relative_distance_to_mean": to_mean, "mean": sum(to_mean) / len(to_mean)}
 
 
 def _apply(event: dict, bed: Testbed, start: Any, bootstrap: list[str], partitions: list, now: float) -> None:
