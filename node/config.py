@@ -216,6 +216,11 @@ class SimOptions(_Part):
     delay: str = Field("0", description="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
     drop: float = Field(0.0, ge=0, lt=1, description="probability a delivery is lost")
     bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
+    codec: Literal["fp32", "fp16", "int8", "4bit"] = Field(
+        "fp32",
+        description="pseudo-gradient encoding on the virtual wire, with error feedback for int8 and "
+        "4bit as a daemon's (fp32: exact; a daemon sends 4bit by default)",
+    )
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
     churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
     step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")

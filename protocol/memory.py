@@ -10,6 +10,10 @@ delivery becomes visible to its receiver once both hold:
   when a bandwidth is set: a sender's uplink is a queue, and a sender whose previous upload has not
   finished waits for it (that wait is ``blocked_seconds``, time not spent computing).
 
+With a ``codec`` other than fp32, each DELTA is encoded once by its sender, as a daemon does
+(error feedback carrying the rounding error of int8 and 4bit into the fragment's next Δ), and
+every receiver gets the decoded tensor: the simulator then measures what the codec costs.
+
 Deliveries are dropped with a given probability; a peer that is down neither sends nor receives,
 and what was addressed to it meanwhile is lost. A DELTA is delivered at most once per
 (publisher, fragment, base version); for PARAMS only the newest per publisher is kept.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .codec import Codec, ErrorFeedback, decode, encode
 from .transport import Fragment, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
@@ -58,6 +63,7 @@ class _Delivery:
     fragment: Fragment
     ready_round: int
     ready_time: float
+    size: int  # bytes on the wire
 
 
 class VirtualNetwork:
@@ -70,6 +76,8 @@ class VirtualNetwork:
         drop: float = 0.0,
         bandwidth: float | None = None,
         fan_in: int | None = None,
+        codec: Codec | str = Codec.FP32,
+        error_feedback: bool = True,
         seed: int = 0,
     ) -> None:
         if not 0.0 <= drop < 1.0:
@@ -82,6 +90,8 @@ class VirtualNetwork:
         self.drop = drop
         self.bandwidth = bandwidth
         self.fan_in = fan_in
+        self.codec = Codec(codec)
+        self.error_feedback = error_feedback
         self.rng = random.Random(seed)
         self.peers: dict[str, MemoryTransport] = {}
 
@@ -97,6 +107,8 @@ class VirtualNetwork:
         if self.fan_in is not None and len(receivers) > self.fan_in:
             receivers = self.rng.sample(receivers, self.fan_in)
         size = fragment.tensor.numel() * _FLOAT32_BYTES
+        if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
+            fragment, size = sender._encoded(fragment, self.codec, self.error_feedback)
         ready_time = sender.now
         if self.bandwidth is not None and receivers:
             start = max(sender.now, sender.uplink_free_at)
@@ -108,7 +120,7 @@ class VirtualNetwork:
             if self.rng.random() < self.drop:
                 sender.stats.rejected["dropped_in_flight"] += 1
                 continue
-            delivery = _Delivery(fragment, receiver.round + self.delay.draw(self.rng), ready_time)
+            delivery = _Delivery(fragment, receiver.round + self.delay.draw(self.rng), ready_time, size)
             receiver.inbox.append(delivery)
 
 
@@ -126,6 +138,7 @@ class MemoryTransport(Transport):
         self.blocked_seconds = 0.0
         self.inbox: list[_Delivery] = []
         self._delivered: set = set()
+        self._feedback: dict[int, ErrorFeedback] = {}  # per fragment, as a daemon's publisher keeps
 
     def advance(self, now: float, round_: int) -> None:
         """Move this peer's virtual clock and round counter (the driver calls this)."""
@@ -144,12 +157,22 @@ class MemoryTransport(Transport):
         self.stats.published += 1
         self.network._send(self, fragment)
 
+    def _encoded(self, fragment: Fragment, codec: Codec, error_feedback: bool) -> tuple[Fragment, int]:
+        """What receivers get of a DELTA through ``codec``, and its size on the wire."""
+        if error_feedback and codec in (Codec.INT8, Codec.FP4):
+            feedback = self._feedback.setdefault(fragment.key.fragment, ErrorFeedback(codec))
+            data = feedback.encode(fragment.tensor)
+        else:
+            data = encode(fragment.tensor, codec)
+        return Fragment(fragment.key, decode(data), fragment.tokens), len(data)
+
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         ready, waiting = [], []
         for d in self.inbox:
             is_match = d.fragment.key.fragment == index and d.fragment.key.kind == kind
             if is_match and d.ready_round <= self.round and d.ready_time <= self.now:
                 ready.append(d.fragment)
+                self.stats.bytes_received += d.size  # replays too: they crossed the wire
             else:
                 waiting.append(d)
         self.inbox = waiting
@@ -170,7 +193,6 @@ class MemoryTransport(Transport):
                 fresh.append(f)
             ready = fresh
         self.stats.received += len(ready)
-        self.stats.bytes_received += sum(f.tensor.numel() * _FLOAT32_BYTES for f in ready)
         return ready
 
     def live_peers(self) -> list[str]:
