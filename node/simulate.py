@@ -70,7 +70,10 @@ def simulate(
     torch.manual_seed(c.seed)
     rng = random.Random(c.seed)
     network = VirtualNetwork(
-        delay=Delay.parse(c.delay), drop=c.drop, bandwidth=c.bandwidth, codec=c.codec,
+        delay=Delay.parse(c.delay),
+        drop=c.drop,
+        bandwidth=c.bandwidth,
+        codec=c.codec,
         seed=c.seed * 7919 + 1,
     )
     eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
