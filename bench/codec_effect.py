@@ -1,5 +1,5 @@
 """Does what the exchange does to a pseudo-gradient cost the outer step anything? The simulator
-with every pseudo-gradient passed through a codec (with error feedback, as the daemon sends it)
+with every pseudo-gradient passed through a codec (`--codec`: error feedback, as a daemon sends it)
 against fp32, and with peers' deltas clipped around the own one (``--aggregation clip``, the
 default) against the plain mean, all beside `local` (each worker alone) in the same run.
 
@@ -41,28 +41,12 @@ def run_cell(cell: tuple[str, str, str, str, int]) -> dict:
     from cgad.node.data import load_dataset
     from cgad.node.simulate import simulate
     from cgad.node.tokenizer import load_tokenizer
-    from cgad.protocol import memory
-    from cgad.protocol.codec import ErrorFeedback, decode
-    from cgad.protocol.transport import Fragment, Kind
 
     torch.set_num_threads(1)
-    if codec != "fp32":  # this process runs one cell: patching its memory transport is contained
-        feedback: dict[tuple[str, int], ErrorFeedback] = {}
-        send = memory.MemoryTransport.publish
-
-        def publish(self: memory.MemoryTransport, fragment: Fragment) -> None:
-            if fragment.key.kind is Kind.DELTA:
-                coder = feedback.setdefault((self.peer_id, fragment.key.fragment), ErrorFeedback(codec))
-                fragment = Fragment(
-                    fragment.key, decode(coder.encode(fragment.tensor.float())).float(), fragment.tokens
-                )
-            send(self, fragment)
-
-        memory.MemoryTransport.publish = publish
     tokenizer = load_tokenizer(None, vocab_size=1024)
     config = SimConfig(
         workers=4, inner_steps=10, rounds=30, batch_size=4, seq_len=64, eval_batches=4, inner_lr=1e-3,
-        delay=delay, optimizer=optimizer, aggregation=aggregation, seed=seed,
+        delay=delay, optimizer=optimizer, aggregation=aggregation, codec=codec, seed=seed,
         model=str(ROOT / "bench" / "sweep_model.json"),
     )  # fmt: skip
     record = simulate(config, load_dataset(tokenizer), tokenizer.vocab_size)
@@ -85,7 +69,7 @@ def main() -> None:
     cells = [(*cell, seed) for seed in args.seeds for cell in CELLS]
     results = []
     with (
-        ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool,
+        ProcessPoolExecutor(args.jobs) as pool,
         progress_bar(len(cells), "codec_effect", "run") as bar,
     ):
         for future in as_completed([pool.submit(run_cell, cell) for cell in cells]):

@@ -7,7 +7,7 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
    τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0; with ``--aggregation clip``
    (the default) a peer's Δ pointing against the own one is refused (``opposed``) and the rest
-   are clipped around it (``cgad.optim.clip_around``), and a peer's token claim weighs at most
+   are clipped around it (``cgad.optim.AroundOwn``), and a peer's token claim weighs at most
    ``TOKEN_CAP`` times the own block;
 3. the outer method (``cgad.node.methods``) takes one step on f, whatever arrived: the age-aware
    family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from cgad.node.config import OuterOptions
 from cgad.node.methods import Contribution, method
-from cgad.optim import clip_around, cosine, staleness_weight
+from cgad.optim import AroundOwn, staleness_weight
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -215,6 +215,7 @@ class OuterLoop:
         reference = own.tensor if clip and own is not None else None
         if clip and own is None and incoming:
             reference = torch.stack([frag.tensor for frag, _ in incoming]).median(dim=0).values
+        around = AroundOwn(reference, self.options.clip_radius) if reference is not None else None
         for frag, age in incoming:
             scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
             if scale == 0.0:
@@ -223,12 +224,12 @@ class OuterLoop:
             is_own = frag is own
             tokens = frag.tokens if cap is None or is_own else min(frag.tokens, cap)
             delta = frag.tensor
-            if reference is not None and not is_own:
-                if cosine(reference, delta) < self.options.min_cosine:
+            if around is not None and not is_own:
+                cosine, delta, clipped = around.judge(delta)
+                if cosine < self.options.min_cosine:
                     self.counters.rejected["opposed"] += 1
                     self.counters.rejected_by_peer[frag.key.publisher] += 1
                     continue
-                delta, clipped = clip_around(reference, delta, self.options.clip_radius)
                 self.counters.clipped += clipped
             taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own))
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))

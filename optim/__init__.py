@@ -25,8 +25,7 @@ _HOME = {
     "NoLoCo": "noloco",
     "noloco_update": "noloco",
     "merge": "merging",
-    "clip_around": "robust",
-    "cosine": "robust",
+    "AroundOwn": "robust",
     "cosine_gate": "staleness",
     "staleness_weight": "staleness",
 }

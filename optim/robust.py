@@ -19,6 +19,12 @@ at the lowest and 0.40 at the median over 262 deliveries of a 4-worker run under
 up to 4 rounds), so a delivery whose cosine with Δ_0 is below a floor (0 by default: it undoes
 the own progress) is refused instead. What an attacker can still send is a Δ at most r from Δ_0
 and not against it: noise of bounded size.
+
+The reference is the same for every delivery of a round: ``AroundOwn`` takes its float64 copy and
+norm once, then one float64 pass over each delivery (its dot product with the reference and its
+own norm) gives both the cosine and the distance ‖Δ_i − Δ_0‖² = ‖Δ_i‖² − 2⟨Δ_i, Δ_0⟩ + ‖Δ_0‖²
+(in float64 the cancellation is harmless where it matters: near the clip radius the distance is
+of the order of the norms).
 """
 
 from __future__ import annotations
@@ -28,34 +34,37 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["clip_around", "cosine"]
+__all__ = ["AroundOwn"]
 
 
-def clip_around(reference: Tensor, delivery: Tensor, radius: float) -> tuple[Tensor, bool]:
-    """``delivery`` clipped to within ``radius · ‖reference‖`` of ``reference``; and whether
-    it had to be. Non-finite input is the caller's to refuse first (``ValueError`` here)."""
-    if not math.isfinite(radius) or radius < 0:
-        raise ValueError(f"radius must be finite and >= 0, got {radius}")
-    if reference.shape != delivery.shape:
-        raise ValueError(f"shapes differ: {tuple(reference.shape)} and {tuple(delivery.shape)}")
-    offset = delivery - reference
-    # in float64: a finite fp32 tensor of 1e20s has a norm that overflows fp32
-    distance = float(torch.linalg.vector_norm(offset, dtype=torch.float64))
-    bound = radius * float(torch.linalg.vector_norm(reference, dtype=torch.float64))
-    if not math.isfinite(distance) or not math.isfinite(bound):
-        raise ValueError("clip_around needs finite tensors")
-    if distance <= bound:
-        return delivery, False
-    return reference + offset * (bound / distance), True
+class AroundOwn:
+    """A round's yardstick: the own Δ, against which each peer's Δ of the round is judged.
+    Non-finite input is the caller's to refuse first (``ValueError`` here)."""
 
+    def __init__(self, reference: Tensor, radius: float) -> None:
+        if not math.isfinite(radius) or radius < 0:
+            raise ValueError(f"radius must be finite and >= 0, got {radius}")
+        self.reference = reference
+        # in float64: a finite fp32 tensor of 1e20s has a norm that overflows fp32
+        self._reference64 = reference.detach().reshape(-1).double()
+        self._norm_sq = float(torch.dot(self._reference64, self._reference64))
+        if not math.isfinite(self._norm_sq):
+            raise ValueError("AroundOwn needs a finite reference")
+        self.bound = radius * math.sqrt(self._norm_sq)
 
-def cosine(reference: Tensor, delivery: Tensor) -> float:
-    """The cosine of the angle between two flat updates, in float64; 1.0 when either is zero
-    (no direction to oppose). Non-finite input is the caller's to refuse first."""
-    if reference.shape != delivery.shape:
-        raise ValueError(f"shapes differ: {tuple(reference.shape)} and {tuple(delivery.shape)}")
-    a, b = reference.double(), delivery.double()
-    norms = float(torch.linalg.vector_norm(a)) * float(torch.linalg.vector_norm(b))
-    if not math.isfinite(norms):
-        raise ValueError("cosine needs finite tensors")
-    return 1.0 if norms == 0.0 else float(torch.dot(a, b)) / norms
+    def judge(self, delivery: Tensor) -> tuple[float, Tensor, bool]:
+        """The delivery's cosine with the reference (1.0 when either is zero: no direction to
+        oppose), the delivery clipped to within ``radius · ‖reference‖`` of the reference, and
+        whether it had to be."""
+        if delivery.shape != self.reference.shape:
+            raise ValueError(f"shapes differ: {tuple(self.reference.shape)} and {tuple(delivery.shape)}")
+        d = delivery.detach().reshape(-1).double()
+        dot, norm_sq = float(torch.dot(d, self._reference64)), float(torch.dot(d, d))
+        if not (math.isfinite(dot) and math.isfinite(norm_sq)):
+            raise ValueError("AroundOwn needs finite deliveries")
+        norms = math.sqrt(norm_sq * self._norm_sq)
+        cosine = 1.0 if norms == 0.0 else dot / norms
+        distance = math.sqrt(max(norm_sq - 2.0 * dot + self._norm_sq, 0.0))
+        if distance <= self.bound:
+            return cosine, delivery, False
+        return cosine, self.reference + (delivery - self.reference) * (self.bound / distance), True

@@ -1,6 +1,6 @@
-"""Centered clipping around the own pseudo-gradient, against a float64 reference, and in the
-outer loop: a scaled delivery moves φ no further than an honest one could, and a reversed one
-is refused."""
+"""Centered clipping around the own pseudo-gradient (``AroundOwn``: one float64 pass per delivery,
+checked against a direct float64 computation), and in the outer loop: a scaled delivery moves φ
+no further than an honest one could, and a reversed one is refused."""
 
 from __future__ import annotations
 
@@ -9,11 +9,20 @@ import torch
 
 from cgad.node.config import OuterOptions
 from cgad.node.outer import OuterLoop
-from cgad.optim import clip_around, cosine
+from cgad.optim import AroundOwn
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def clip_around(reference: torch.Tensor, delivery: torch.Tensor, radius: float) -> tuple[torch.Tensor, bool]:
+    _, clipped, was = AroundOwn(reference, radius).judge(delivery)
+    return clipped, was
+
+
+def cosine(reference: torch.Tensor, delivery: torch.Tensor) -> float:
+    return AroundOwn(reference, 1.0).judge(delivery)[0]
 
 
 def _reference_clip(reference: torch.Tensor, delivery: torch.Tensor, radius: float) -> torch.Tensor:
@@ -50,6 +59,8 @@ def test_bad_arguments_are_refused():
         clip_around(own, torch.ones(5), radius=1.0)
     with pytest.raises(ValueError, match="finite"):
         clip_around(own, torch.full((4,), float("inf")), radius=1.0)
+    with pytest.raises(ValueError, match="finite"):
+        clip_around(torch.full((4,), float("nan")), own, radius=1.0)
 
 
 def test_cosine_matches_float64_and_has_no_direction_at_zero():
