@@ -222,6 +222,12 @@ class SimOptions(_Part):
         "4bit as a daemon's (fp32: exact; a daemon sends 4bit by default)",
     )
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
+    apply_delay: int = Field(
+        0,
+        ge=0,
+        description="inner steps a worker trains on between publishing and its outer step, carried over "
+        "it as a daemon's are while it waits for its peers' fragments (less than a block)",
+    )
     churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
     step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
     data_split: Literal["disjoint", "shared"] = Field(
@@ -301,6 +307,9 @@ class SimConfig(_Schedule, TrainingOptions, OuterOptions, SimOptions):
             )
         if self.attackers and self.attack is None:
             raise ValueError("--attackers needs --attack (what they send)")
+        block = self.inner_steps // self.fragments
+        if self.apply_delay >= block:
+            raise ValueError(f"apply_delay ({self.apply_delay}) must be under a block ({block} inner steps)")
         return self
 
 

@@ -53,6 +53,7 @@ class _Worker:
     resyncs: int = 0
     away_since: float | None = None  # virtual time it left, while away (churn)
     unshared: int = 0  # blocks still to keep from peers after adopting a state (as the daemon does)
+    carried: int = 0  # inner steps of the block under way taken before the last outer step
     hostile: bool = False  # forges what it publishes (--attackers); never judged, never adopted
 
 
@@ -116,11 +117,7 @@ def simulate(
             wk.clock = now
             wk.transport.advance(now, wk.round)
         for wk in due:  # inner steps, then publish: nobody applies before everyone due has published
-            for _ in range(block_steps):
-                wk.trainer.step()
-            if progress:
-                progress(block_steps)
-            wk.compute_seconds += block_steps * c.step_time * wk.speed
+            _train(wk, block_steps - wk.carried, c, progress)
             blocked_before = wk.transport.blocked_seconds
             tokens = block_steps * c.batch_size * c.seq_len
             wk.loop.publish(wk.block % blocks_per_round, tokens=tokens, share=wk.unshared == 0)
@@ -128,8 +125,13 @@ def simulate(
             wk.clock += wk.transport.blocked_seconds - blocked_before
         for wk in due:
             f = wk.block % blocks_per_round
+            # training on while the round's fragments arrive, then carried over the outer step
+            # (the daemon's --apply-delay); the run's last block carries nothing: equal compute
+            last = wk.round == c.rounds - 1 and f == blocks_per_round - 1
+            wk.carried = 0 if last else c.apply_delay
+            _train(wk, wk.carried, c, progress)
             wk.transport.advance(wk.clock, wk.round)
-            deliveries = wk.loop.apply(f)
+            deliveries = wk.loop.apply(f, carry=wk.carried > 0)
             if not wk.hostile:
                 delivered.extend(deliveries)
             wk.block += 1
@@ -192,6 +194,14 @@ def simulate(
         "wall_seconds": time.perf_counter() - started,
         "config": c.model_dump(),
     }
+
+
+def _train(wk: _Worker, steps: int, c: SimConfig, progress: Callable[[int], None] | None) -> None:
+    for _ in range(steps):
+        wk.trainer.step()
+    if progress and steps:
+        progress(steps)
+    wk.compute_seconds += steps * c.step_time * wk.speed
 
 
 class _SwarmView:

@@ -315,6 +315,24 @@ def test_bad_cgad_settings_fail_at_configuration():
 
 
 @pytest.mark.slow
+def test_steps_carried_over_the_outer_step_change_nothing_for_a_lone_worker(corpus):
+    # alone, averaging at lr 1 puts φ where θ was at publish, so carrying the steps taken since
+    # on top of it is training straight on: the same final loss as without any apply delay (the
+    # rounds before evaluate 2 steps further on; the last round carries nothing)
+    straight = run(corpus, optimizer="cga", workers=1, rounds=3)
+    carried = run(corpus, optimizer="cga", workers=1, rounds=3, apply_delay=2)
+    assert carried["final_loss"] == pytest.approx(straight["final_loss"], abs=1e-5)
+    assert all(a < b for a, b in zip(carried["losses"][:-1], straight["losses"][:-1], strict=True))
+    # in a swarm the carried steps do change the outcome, and compute stays what it was
+    swarm = run(corpus, optimizer="cga", workers=3, rounds=3)
+    swarm_carried = run(corpus, optimizer="cga", workers=3, rounds=3, apply_delay=2)
+    assert swarm_carried["losses"] != swarm["losses"]
+    assert swarm_carried["utilization"] == swarm["utilization"] == 1.0
+    with pytest.raises(ValueError, match="apply_delay"):
+        SimConfig(inner_steps=4, apply_delay=4)
+
+
+@pytest.mark.slow
 def test_local_is_each_worker_training_alone(corpus):
     tokenizer, dataset = corpus
     record = run(corpus, optimizer="local", workers=2, inner_steps=4, rounds=3)
