@@ -43,7 +43,7 @@ from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
 from cgad.protocol.files import atomic_write
 from cgad.protocol.network import NetworkTransport
-from cgad.protocol.records import Identity
+from cgad.protocol.records import PROTOCOL_VERSION, Identity
 
 __all__ = ["Node"]
 
@@ -75,6 +75,7 @@ class Node:
             "tokenizer": self.tokenizer.fingerprint,
             "optimizer": method(c.optimizer).family,
             "fragments": c.fragments,
+            "protocol": PROTOCOL_VERSION,  # checked by a joiner before the rest (Describe)
         }
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
         self.peer_id = self.identity.peer_id

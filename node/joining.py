@@ -22,6 +22,7 @@ from cgad.node.config import JoinConfig
 from cgad.node.outer import OuterLoop
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.network import NetworkTransport
+from cgad.protocol.records import PROTOCOL_VERSION
 from cgad.protocol.selection import Candidate
 
 __all__ = ["IncompatibleSwarm", "StateSync", "check_compatible"]
@@ -96,6 +97,14 @@ class StateSync:
             except ValueError:
                 theirs = None
             theirs = theirs if isinstance(theirs, dict) else {}
+            if theirs.get("protocol") != PROTOCOL_VERSION:
+                said = theirs.get("protocol")
+                version = "1 (it does not say: an older release)" if said is None else repr(said)
+                raise IncompatibleSwarm(
+                    f"the peer at --peers ({peer}) speaks protocol version {version}, this node"
+                    f" {PROTOCOL_VERSION}: the nodes of a swarm need cgad-node releases of one protocol"
+                    " version; refusing to join"
+                )
             check_compatible(self.swarm, {**theirs, "run_id": run_id}, f"the peer at --peers ({peer})")
 
     def sync(self, required: bool) -> tuple[str, int] | None:

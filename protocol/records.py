@@ -1,10 +1,14 @@
 """The DHT key schema: who holds which fragment (signed), and how far each peer has got.
 
-Keys (hivemind hashes each to a DHT id)::
+Keys (hivemind hashes each to a DHT id), under the run's prefix "{run_id}_v{PROTOCOL_VERSION}"::
 
-    "{run_id}_fragment{f}"   one subkey per holder: that holder's ``Holdings`` for fragment f
-    "{run_id}_progress"      one subkey per peer: its ``Progress``
-    "{run_id}_state"         one subkey per holder: ``Holdings`` whose offers are state snapshots
+    "{prefix}_fragment{f}"   one subkey per holder: that holder's ``Holdings`` for fragment f
+    "{prefix}_progress"      one subkey per peer: its ``Progress``
+    "{prefix}_state"         one subkey per holder: ``Holdings`` whose offers are state snapshots
+
+The schemas are strict (a record with a field they do not know is refused), so nodes of two
+protocol versions could not store each other's records: the version in the keys keeps them apart
+instead, and a joining node checks it first (``Describe``).
 
 Every subkey is the writer's RSA public key in hivemind's ``[owner:...]`` form, so
 ``RSASignatureValidator`` lets only the key's owner write it (docs/DESIGN.md §4: the key in the
@@ -48,6 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MAX_OFFERS",
     "MAX_RECORD_TTL",
+    "PROTOCOL_VERSION",
     "Holdings",
     "Identity",
     "Offer",
@@ -59,11 +64,15 @@ __all__ = [
     "parse_progress",
     "peer_id_of_owner",
     "progress_key",
+    "run_prefix",
     "run_validator",
     "schema_validator",
     "state_key",
 ]
 
+# bumped whenever a record or message gains, loses or changes a field (2: Progress.published and
+# Holdings.tls)
+PROTOCOL_VERSION = 2
 MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
 MAX_RECORD_TTL = 3600.0  # seconds: no record of a run may claim to live longer
 _PEER_ID = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
@@ -112,16 +121,20 @@ class Progress(_Strict):
     published: _NON_NEGATIVE = 0  # fragments it has published (its own claim: shown, never trusted)
 
 
+def run_prefix(run_id: str) -> str:
+    return f"{run_id}_v{PROTOCOL_VERSION}"
+
+
 def fragment_key(run_id: str, fragment: int) -> str:
-    return f"{run_id}_fragment{fragment}"
+    return f"{run_prefix(run_id)}_fragment{fragment}"
 
 
 def progress_key(run_id: str) -> str:
-    return f"{run_id}_progress"
+    return f"{run_prefix(run_id)}_progress"
 
 
 def state_key(run_id: str) -> str:
-    return f"{run_id}_state"
+    return f"{run_prefix(run_id)}_state"
 
 
 def schema_validator(run_id: str, num_fragments: int) -> SchemaValidator:
@@ -134,7 +147,7 @@ def schema_validator(run_id: str, num_fragments: int) -> SchemaValidator:
     fields["progress"] = (dict[BytesWithPublicKey, Optional[Progress]], None)  # noqa: UP045
     fields["state"] = (dict[BytesWithPublicKey, Optional[Holdings]], None)  # noqa: UP045
     schema = pydantic.create_model(f"CgadRun_{run_id}", **fields)
-    return SchemaValidator(schema, allow_extra_keys=False, prefix=run_id)
+    return SchemaValidator(schema, allow_extra_keys=False, prefix=run_prefix(run_id))
 
 
 def run_validator(run_id: str, num_fragments: int, identity: Identity) -> CompositeValidator:

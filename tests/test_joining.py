@@ -1,0 +1,53 @@
+"""What a joining node asks the peers at --peers before it waits for anything (``Describe``), with
+real hivemind peers on 127.0.0.1: a peer of another protocol version or another run is refused
+at once, with a message that says which."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+import torch
+from _netswarm import RUN, make_transport  # tests/ is on sys.path under pytest
+
+from cgad.node.config import JoinConfig
+from cgad.node.joining import IncompatibleSwarm, StateSync
+from cgad.node.outer import OuterLoop
+from cgad.protocol.records import PROTOCOL_VERSION, fragment_key, progress_key
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SWARM = {"run_id": RUN, "model": "m", "tokenizer": "t", "optimizer": "cga", "fragments": 1}
+
+
+def _sync(transport, peers: list[str]) -> StateSync:
+    config = JoinConfig(run_id=RUN, peers=peers)
+    loop = OuterLoop([torch.zeros(4)], config, transport, RUN)
+    swarm = {**SWARM, "protocol": PROTOCOL_VERSION}
+    return StateSync(config, transport, loop, swarm, threading.Lock(), threading.Event())
+
+
+@pytest.mark.parametrize(
+    ("theirs", "says"),
+    [
+        ({**SWARM, "protocol": PROTOCOL_VERSION + 1}, f"protocol version {PROTOCOL_VERSION + 1}"),
+        (SWARM, "protocol version 1 (it does not say: an older release)"),
+        ({**SWARM, "protocol": PROTOCOL_VERSION, "model": "another"}, "different model config"),
+    ],
+)
+def test_a_peer_of_another_protocol_version_or_swarm_is_refused(theirs: dict, says: str) -> None:
+    with make_transport() as peer, make_transport(peers=peer.maddrs()) as joiner:
+        peer.describe_as(json.dumps(theirs))
+        with pytest.raises(IncompatibleSwarm, match=re.escape(says)):
+            _sync(joiner, peer.maddrs()).check_bootstrap_peers()
+
+
+def test_the_same_version_passes_and_its_keys_name_it() -> None:
+    with make_transport() as peer, make_transport(peers=peer.maddrs()) as joiner:
+        peer.describe_as(json.dumps({**SWARM, "protocol": PROTOCOL_VERSION}))
+        _sync(joiner, peer.maddrs()).check_bootstrap_peers()
+    # records of two versions never meet: their strict schemas would refuse each other's fields
+    assert fragment_key(RUN, 3) == f"{RUN}_v{PROTOCOL_VERSION}_fragment3"
+    assert progress_key(RUN) == f"{RUN}_v{PROTOCOL_VERSION}_progress"
