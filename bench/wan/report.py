@@ -4,8 +4,12 @@ Reads the result files of ``bench/wan/run.py`` (bench/results/wan/<name>.json), 
 scenario reports, per node and as mean [range] over nodes: the held-out loss at a common
 wall-clock time (the shortest run's end, so every scenario is judged at the same seconds),
 utilisation (inner steps done / the floor's mean inner steps in the same seconds), fragments
-applied, mean age, and what was rejected or skipped. Writes bench/results/wan/summary.json, a
-PNG of mean loss against wall-clock per scenario, and prints a markdown table (docs/WAN.md).
+applied, mean age, and what was rejected or skipped; and, apart from utilisation, what the
+exchange did per unit of compute: each node's loss at its last evaluation against the floor's at
+the same number of inner steps (interpolated; comparing rounds would not do, since a swarm node
+trains on while it waits and carries those steps into the round). Writes
+bench/results/wan/summary.json, a PNG of mean loss against wall-clock and against inner steps per
+scenario, and prints a markdown table (docs/WAN.md).
 
     python bench/wan/report.py [--floor 10mbit-4-isolated] [--out summary] [names...]
 """
@@ -13,6 +17,7 @@ PNG of mean loss against wall-clock per scenario, and prints a markdown table (d
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -41,17 +46,56 @@ def nodes_of(result: dict[str, Any]) -> list[int]:
     return sorted({s["node"] for s in result["samples"] if "node" in s})
 
 
-def summarize(result: dict[str, Any], t: float, floor_steps: float | None) -> dict[str, Any]:
+def evaluations(result: dict[str, Any], index: int, t: float) -> list[tuple[float, float]]:
+    """(inner steps, held-out loss) at each evaluation of one node up to ``t``: the inner step
+    count of the first sample whose history holds that evaluation (sampled each second or so)."""
+    points, seen = [], set()
+    for s in result["samples"]:
+        status = s.get("status")
+        if s.get("node") != index or not status or s["t"] > t or not status.get("eval_history"):
+            continue
+        evaluated_round, loss = status["eval_history"][-1]
+        if evaluated_round not in seen and evaluated_round > 0:
+            seen.add(evaluated_round)
+            points.append((float(status["inner_step"]), float(loss)))
+    return points
+
+
+def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
+    """The curve's value at x, linear between its points; None outside them."""
+    for (x0, y0), (x1, y1) in itertools.pairwise(curve):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def floor_curve(result: dict[str, Any], t: float) -> list[tuple[float, float]]:
+    """The floor's mean loss against inner steps: its nodes evaluate every round of H steps."""
+    per_node = [evaluations(result, i, t) for i in nodes_of(result)]
+    rounds = min(len(points) for points in per_node)
+    return [
+        (statistics.fmean(p[r][0] for p in per_node), statistics.fmean(p[r][1] for p in per_node))
+        for r in range(rounds)
+    ]
+
+
+def summarize(
+    result: dict[str, Any], t: float, floor_steps: float | None, floor: list[tuple[float, float]] | None
+) -> dict[str, Any]:
     per_node = []
     for index in nodes_of(result):
         loss = at(node_series(result, index, "eval_loss"), t)
         steps = at(node_series(result, index, "inner_step"), t)
         final = result["final"].get(str(index)) or result["final"].get(index) or {}
+        evaluated = evaluations(result, index, t)
+        at_steps = interpolate(floor, evaluated[-1][0]) if floor and evaluated else None
         per_node.append({
             "node": index,
             "eval_loss": loss,
             "inner_steps": steps,
             "utilisation": steps / floor_steps if steps is not None and floor_steps else None,
+            # its last evaluation against the floor's at as many inner steps (< 0: better)
+            "vs_floor_same_steps": evaluated[-1][1] - at_steps if at_steps is not None else None,
             "applied": final.get("applied"),
             "mean_age": final.get("mean_age"),
             "rejected": final.get("rejected", {}),
@@ -60,12 +104,14 @@ def summarize(result: dict[str, Any], t: float, floor_steps: float | None) -> di
         })  # fmt: skip
     losses = [n["eval_loss"] for n in per_node if n["eval_loss"] is not None]
     utilisation = [n["utilisation"] for n in per_node if n["utilisation"] is not None]
+    same_steps = [n["vs_floor_same_steps"] for n in per_node if n["vs_floor_same_steps"] is not None]
     return {
         "at_seconds": t,
         "nodes": per_node,
         "eval_loss_mean": statistics.fmean(losses) if losses else None,
         "eval_loss_range": [min(losses), max(losses)] if losses else None,
         "utilisation_mean": statistics.fmean(utilisation) if utilisation else None,
+        "vs_floor_same_steps_mean": statistics.fmean(same_steps) if same_steps else None,
     }
 
 
@@ -80,22 +126,28 @@ def main() -> None:
     if args.floor not in results:
         results[args.floor] = json.loads((RESULTS / f"{args.floor}.json").read_text())
     t = min(max(s["t"] for s in r["samples"]) for r in results.values())
-    floor_nodes = summarize(results[args.floor], t, None)["nodes"]
+    floor_nodes = summarize(results[args.floor], t, None, None)["nodes"]
     floor_steps = statistics.fmean(n["inner_steps"] for n in floor_nodes if n["inner_steps"] is not None)
-    summary = {name: summarize(r, t, floor_steps) for name, r in results.items()}
+    floor = floor_curve(results[args.floor], t)
+    summary = {name: summarize(r, t, floor_steps, floor) for name, r in results.items()}
     (RESULTS / f"{args.out}.json").write_text(
         json.dumps({"floor": args.floor, "scenarios": summary}, indent=1) + "\n"
     )
     plot(results, RESULTS / f"{args.out}.png")
-    print(f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | utilisation | applied | mean age |")
-    print("|---|---|---|---|---|")
+    print(
+        f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | utilisation | applied | mean age"
+        " | vs floor at equal inner steps |"
+    )
+    print("|---|---|---|---|---|---|")
     for name, row in summary.items():
         lo, hi = row["eval_loss_range"] or (float("nan"), float("nan"))
         applied = sum(n["applied"] or 0 for n in row["nodes"])
         ages = [n["mean_age"] for n in row["nodes"] if n["mean_age"]]
+        same = row["vs_floor_same_steps_mean"]
+        same_text = "–" if same is None else f"{same:+.3f}"
         print(
             f"| {name} | {row['eval_loss_mean']:.3f} [{lo:.3f}-{hi:.3f}] | {row['utilisation_mean']:.2f} |"
-            f" {applied} | {statistics.fmean(ages) if ages else 0:.2f} |"
+            f" {applied} | {statistics.fmean(ages) if ages else 0:.2f} | {same_text} |"
         )
 
 
@@ -105,7 +157,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, by_steps) = plt.subplots(1, 2, figsize=(13, 5))
     for name, result in results.items():
         nodes = nodes_of(result)
         times = sorted({s["t"] for s in result["samples"] if "node" in s})
@@ -115,8 +167,13 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
             values = [v for v in values if v is not None]
             if values:
                 points.append((t, statistics.fmean(values)))
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=name)
+        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], label=name)
+        for i in nodes:
+            evaluated = evaluations(result, i, float("inf"))
+            steps, losses = [e[0] for e in evaluated], [e[1] for e in evaluated]
+            by_steps.plot(steps, losses, color=line.get_color(), lw=0.8)
     ax.set(xlabel="wall-clock seconds", ylabel="held-out loss, mean over nodes", title="WAN testbed")
+    by_steps.set(xlabel="inner steps", ylabel="held-out loss, each node", title="per unit of compute")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
