@@ -37,7 +37,7 @@ from cgad.node.metrics import Metrics
 from cgad.node.model import build_model
 from cgad.node.monitor import swarm_rows
 from cgad.node.outer import OuterLoop
-from cgad.node.pacing import Turn, phase_nudge
+from cgad.node.pacing import Turn, adopted_block_over, phase_nudge
 from cgad.node.status import cpu_seconds_by_thread, status_line
 from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
@@ -121,6 +121,7 @@ class Node:
             self.tokens_per_second = 0.0
             self.resyncs = 0
             self.unshared_blocks = 0  # blocks still to be kept from peers after adopting a state
+            self._adopted_block = False  # the block under way began with an adopted state
             self.started_from = "scratch"  # where the outer state came from: scratch, checkpoint, peer ID
             self.resumed = False  # restarted from this node's own checkpoint
             self._leave = threading.Event()
@@ -216,6 +217,7 @@ class Node:
         # adoption are large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 ->
         # 6.19 when three joiners' first deltas arrived). Their round stays with this node.
         self.unshared_blocks = self.config.fragments
+        self._adopted_block = True  # and its first block ends with the peers' (adopted_block_over)
         return True
 
     # ------------------------------------------------------------------ the loop
@@ -238,10 +240,18 @@ class Node:
                 self._apply_turn()
             if c.max_rounds and self.round >= c.max_rounds:
                 break
-            if self.trainer.steps - self.block_start >= block + self._block_extra:
+            if self._block_over(block):
                 self._sync()
         self._finish()
         return 0
+
+    def _block_over(self, block: int) -> bool:
+        steps = self.trainer.steps - self.block_start
+        if not self._adopted_block:
+            return steps >= block + self._block_extra
+        fragment = self.blocks % self.config.fragments
+        peers_in = self.transport.arrived(fragment, self.loop.versions[fragment])
+        return adopted_block_over(steps, block, peers_in, bool(self.transport.live_peers()))
 
     @property
     def apply_delay(self) -> int:
@@ -285,6 +295,7 @@ class Node:
                 self.trainer.optimizer.state.clear()
         self.blocks += 1
         self.block_start = self.trainer.steps
+        self._adopted_block = False
         delay = 0 if self._leave.is_set() else self.apply_delay
         # how many fragments end the wait early, counted once here, not at every inner step
         awaited = min(len(self.transport.live_peers()), c.fan_in) if c.apply_delay == "auto" else None
