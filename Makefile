@@ -29,7 +29,7 @@ browser:
 	  chromium >/dev/null; } || echo "chromium is not installed: the dashboard's browser test will skip"
 
 test: lint browser
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=12
 
 # the unit tier, for iteration: no processes, no peers, no training runs (under a minute)
 test-fast: $(STAMP)
