@@ -163,7 +163,9 @@ def _commit() -> str:
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        # the log this sweep appends to is not a change to the code that made the runs
+        log = f":(exclude){LOG.relative_to(ROOT)}"
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", log)
     except OSError:
         return "unknown"
     return (head or "unknown") + ("+changes" if dirty else "")
