@@ -215,7 +215,8 @@ class Node:
         self.started_from = f"peer {peer}"
         # The inner optimizer's moments do not travel with a snapshot: the first steps after an
         # adoption are large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 ->
-        # 6.19 when three joiners' first deltas arrived). Their round stays with this node.
+        # 6.19 when three joiners' first deltas arrived). Their round only warms the moments up:
+        # it reaches no peer and no outer step (OuterLoop.publish with share=False).
         self.unshared_blocks = self.config.fragments
         self._adopted_block = True  # and its first block ends with the peers' (adopted_block_over)
         return True
@@ -431,6 +432,7 @@ class Node:
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
             "clipped": counters.clipped,
+            "discarded": counters.discarded,
             "phase_nudges": dict(self.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "downlink_bytes_per_second": self.transport.downlink_rate,

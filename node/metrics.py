@@ -1,6 +1,6 @@
 """Prometheus metrics on ``--metrics-host``:``--metrics-port``: the numbers of the status, read at
 scrape time. What only grows (steps, rounds, fragments published, applied, dropped, clipped,
-rejected and skipped by reason, bytes) is a counter; what goes up and down is a gauge."""
+discarded, rejected and skipped by reason, bytes) is a counter; what goes up and down is a gauge."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ COUNTERS = {  # status key -> (metric name, help); Prometheus adds the _total su
     "applied": ("applied", "peers' fragments applied by the outer optimizer"),
     "dropped_stale": ("dropped_stale", "fragments too old to count"),
     "clipped": ("clipped", "peers' fragments clipped around this node's own"),
+    "discarded": ("discarded", "own blocks discarded after adopting a state (inner optimizer warm-up)"),
     "resyncs": ("resyncs", "times this node adopted a peer's state after falling behind"),
     "bytes_in": ("received_bytes", "fragment and snapshot bytes fetched"),
     "bytes_out": ("sent_bytes", "fragment and snapshot bytes served"),

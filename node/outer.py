@@ -69,6 +69,7 @@ class _Counters:
     applied: int = 0
     dropped_stale: int = 0
     clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)
+    discarded: int = 0  # own blocks kept from peers and from the own step (after adopting a state)
     from_future: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     applied_by_peer: Counter[str] = field(default_factory=Counter)
@@ -124,7 +125,11 @@ class OuterLoop:
 
     def publish(self, f: int, tokens: int, share: bool = True) -> None:
         """Compute Δ_f = φ_f − θ_f and hand it to the transport (and φ_f too, for mixing). With
-        ``share`` False the outer step still takes Δ_f, but peers do not get it."""
+        ``share`` False the block is discarded: peers do not get Δ_f and the outer step does not
+        take it either (it takes the peers' deltas, and θ_f restarts from the new φ_f). A block
+        that only this node stepped on would leave its φ apart from its peers' for good (adding
+        the same mean to each never closes an offset); the block's use is to warm up the inner
+        optimizer after adopting a state."""
         idx = self.fragments[f]
         with torch.no_grad():
             own = torch.cat([(self.phi[i] - self.theta[i].float()).flatten() for i in idx])
@@ -135,10 +140,14 @@ class OuterLoop:
                     self.theta[i].copy_(self.phi[i])
                 self._turn[f] = None
                 return
+        if not share and self.method.shares:
+            self.counters.discarded += 1
+            self._turn[f] = None
+            return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         fragment = Fragment(key, own, tokens)
         self._turn[f] = fragment
-        if not self.method.shares or not share:
+        if not self.method.shares:
             return
         self.transport.publish(fragment)
         self.counters.published += 1
