@@ -275,7 +275,7 @@ def _adopt_leader(wk: _Worker, leader: _Worker, c: SimConfig, eval_batches: list
     """A re-sync: ``wk`` takes ``leader``'s outer state and its place in the fragment schedule;
     the rounds it skips count at the loss of what it adopted."""
     wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
-    wk.unshared = len(wk.loop.fragments)  # a round kept to itself, as a daemon does after adopting
+    wk.unshared = len(wk.loop.fragments)  # a round discarded (inner warm-up), as a daemon does after adopting
     skipped = min(leader.round, c.rounds) - wk.round
     if skipped > 0:
         loss = evaluate(wk.trainer.model, eval_batches)
