@@ -113,7 +113,8 @@ def _add_field(group: argparse._ArgumentGroup, name: str, field: Any, **override
         if typing.get_origin(item) is typing.Literal:
             kwargs["choices"] = typing.get_args(item)
         else:
-            kwargs["metavar"] = "MULTIADDR" if item is str else item.__name__.upper()
+            text = "PEER_ID" if name == "allow" else "MULTIADDR"  # the list fields of text
+            kwargs["metavar"] = text if item is str else item.__name__.upper()
     elif typing.get_origin(annotation) is typing.Literal:
         kwargs["choices"] = typing.get_args(annotation)
     else:

@@ -33,6 +33,7 @@ _MULTIADDR_PARTS = {
     "p2p": r"[1-9A-HJ-NP-Za-km-z]{10,128}",
     "ipfs": r"[1-9A-HJ-NP-Za-km-z]{10,128}",
 }
+_PEER_ID = r"[1-9A-HJ-NP-Za-km-z]{10,128}"  # base58
 _FLAG_PARTS = {"quic", "quic-v1", "p2p-circuit", "ws", "wss"}
 
 
@@ -89,6 +90,12 @@ class NetworkOptions(BaseModel):
         None,
         description="a private swarm's shared secret (a file from `cgad-node keygen --swarm-key`): peers"
         " without it can neither read nor write its records, fetch, nor ask who a member is",
+    )
+    allow: list[str] = Field(
+        default_factory=list,
+        description="peer ids of the only peers to train with (none: any): every other peer's records,"
+        " fragments and snapshots are ignored and its libp2p requests refused; gRPC callers are"
+        " anonymous, so a node with an allowlist serves over libp2p only",
     )
     client_mode: bool = Field(False, description="behind NAT: only dial out; be reached through relays")
     use_relay: bool = Field(True, description="use libp2p relays to reach and be reached by NATed peers")
@@ -155,7 +162,16 @@ class NetworkOptions(BaseModel):
     def _multiaddrs(cls, values: list[str]) -> list[str]:
         return [check_multiaddr(v) for v in values]
 
+    @field_validator("allow")
+    @classmethod
+    def _peer_ids(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not re.fullmatch(_PEER_ID, value):
+                raise ValueError(f"{value!r} is not a peer id (base58, as `cgad-node join` prints it)")
+        return values
+
     @property
     def grpc_listen(self) -> str | None:
-        """``host:port`` for the gRPC server, or None for libp2p only."""
-        return None if self.grpc_host == "none" else f"{self.grpc_host}:{self.grpc_port}"
+        """``host:port`` for the gRPC server, or None for libp2p only (also with an allowlist:
+        a gRPC caller does not say who it is)."""
+        return None if self.grpc_host == "none" or self.allow else f"{self.grpc_host}:{self.grpc_port}"

@@ -32,9 +32,10 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import TypeVar
 
 import torch
 from hivemind.dht.node import DHTNode
@@ -70,6 +71,7 @@ from cgad.protocol.wire import ChunkAssembler
 __all__ = ["NetworkTransport"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T", Holdings, Progress)
 
 STATE_PASSES = 5  # a snapshot's holders are tried this many times over (busy ones free up)
 CLOCK_SKEW = 60.0  # seconds a peer's clock may run ahead of ours (DHT time is each peer's own)
@@ -452,8 +454,27 @@ class NetworkTransport(Transport):
                 self._reject(error.reason, error.detail)
 
         if record == "progress":
-            return read_records(entry, partial(parse_live_progress, now=now, clock_skew=CLOCK_SKEW), faulty)
-        return read_records(entry, parse_holdings, faulty)
+            parse = partial(parse_live_progress, now=now, clock_skew=CLOCK_SKEW)
+            return read_records(entry, self._allowed(parse), faulty)
+        return read_records(entry, self._allowed(parse_holdings), faulty)
+
+    def _allowed(self, parse: Callable[[bytes, object], T]) -> Callable[[bytes, object], T]:
+        """``parse``, refusing the record of a peer outside ``--allow`` (and, in a holder's
+        record, passing over offers of fragments such a peer published)."""
+        allowed = set(self.options.allow)
+        if not allowed:
+            return parse
+        allowed.add(self.peer_id)
+
+        def parse_allowed(owner: bytes, value: object) -> T:
+            record = parse(owner, value)
+            if record.peer_id not in allowed:
+                raise FragmentError("not_allowed", f"{record.peer_id} is not in --allow")
+            if isinstance(record, Holdings):
+                record = record.copy(update={"offers": [o for o in record.offers if o.publisher in allowed]})
+            return record
+
+        return parse_allowed
 
     def _parse_states(self, entry: object, now: float) -> list[Candidate]:
         selection = self._selector.choose_states(

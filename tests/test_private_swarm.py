@@ -1,7 +1,7 @@
 """Private swarms, with real hivemind peers on 127.0.0.1: members who hold the swarm key trade
 fragments; a peer without it (or with another key) can neither read nor write the swarm's DHT
 records, nor fetch, nor learn who a member is; the gRPC path is TLS, its certificate pinned by
-the signed records. And the key file itself."""
+the signed records. And the key file itself; and an allowlist of peer ids (``--allow``)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from _netswarm import RUN, SMALL, collect, key, make_transport
+from _netswarm import RUN, SMALL, collect, key, make_transport, settle, wait_for
 from hivemind.utils.multiaddr import Multiaddr
 
 from cgad.protocol import FragmentError
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import CLOCK_SKEW, FETCH_PURPOSE, NonceLedger, SwarmKey, SwarmKeyError
-from cgad.protocol.records import Holdings, fragment_key
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.records import Holdings, Identity, fragment_key
 from cgad.protocol.tls import TLS_NAME, ServerCertificate
 from cgad.protocol.transport import Fragment
 
@@ -162,3 +163,48 @@ def test_grpc_tls_on_request_in_a_public_swarm() -> None:
             [got] = collect(bob, 4, 1)  # bob follows alice's signed record: TLS to her
             assert got.key.publisher == alice.peer_id and bob.bytes_by_path["grpc"] > 0
             _assert_tls_only(alice.grpc_endpoint, alice._server.certificate.certificate_pem)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_an_allowlist_ignores_and_refuses_every_other_peer(tmp_path: Path) -> None:
+    bob_key = tmp_path / "bob.key"
+    bob_id = Identity.load_or_create(str(bob_key)).peer_id
+    with make_transport(FRAGMENTS, allow=[bob_id]) as alice:
+        assert alice.grpc_endpoint is None  # gRPC callers are anonymous: libp2p only
+        with (
+            make_transport(FRAGMENTS, identity=str(bob_key), peers=alice.maddrs()) as bob,
+            make_transport(FRAGMENTS, peers=alice.maddrs()) as eve,
+        ):
+            assert bob.peer_id == bob_id
+            eve.publish(Fragment(key(eve, 4, 0), torch.randn(SMALL), 10))
+            bob.publish(Fragment(key(bob, 4, 0), torch.randn(SMALL), 10))
+            [got] = collect(alice, 4, 1)
+            assert got.key.publisher == bob_id
+            settle(alice)
+            settle(alice)
+            assert alice.receive(4) == []  # eve's fragment never reached alice's outer step
+            assert alice.stats.rejected["not_allowed"] >= 1  # eve's records, counted
+            assert eve.peer_id not in alice.live_peers() and bob_id in alice.live_peers()
+            # alice's own fragment reaches bob, and eve cannot fetch it from her, on any path
+            alice.publish(Fragment(key(alice, 4, 1), torch.randn(SMALL), 10))
+            publishers: set[str] = set()  # bob, with no allowlist, takes eve's too
+
+            def alices_arrived() -> bool:
+                publishers.update(f.key.publisher for f in bob.receive(4))
+                return alice.peer_id in publishers
+
+            wait_for(alices_arrived, what="alice's fragment at bob")
+            [offer] = [o for o in alice.store.offers(4) if o.publisher == alice.peer_id]
+            holder = Holdings(peer_id=alice.peer_id, grpc=None, offers=[offer])
+            refused = alice.stats.rejected["not_allowed"]
+            with pytest.raises(FragmentError, match="did not deliver"):
+                eve.download(holder, offer.content_hash, offer.byte_length, "libp2p", timeout=20)
+            assert alice.stats.rejected["not_allowed"] > refused
+            with pytest.raises(FragmentError):
+                eve.describe(alice.peer_id)
+
+
+def test_an_allowlist_entry_that_is_no_peer_id_names_itself() -> None:
+    with pytest.raises(ValueError, match="'bob' is not a peer id"):
+        NetworkOptions(allow=["bob"])
