@@ -36,7 +36,10 @@ from torch import Tensor
 
 from cgad.protocol.errors import FragmentError
 
-__all__ = ["MAX_NUMEL", "SCRATCH_BYTES", "Codec", "ErrorFeedback", "decode", "encode", "encoded_size"]
+__all__ = [
+    "MAX_NUMEL", "SCRATCH_BYTES", "Codec", "ErrorFeedback", "decode", "encode", "encode_delta",
+    "encoded_size",
+]  # fmt: skip
 
 
 class Codec(enum.StrEnum):
@@ -321,3 +324,18 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         self.residual = None
+
+
+def encode_delta(
+    tensor: Tensor, codec: Codec, residuals: dict[int, ErrorFeedback] | None, fragment: int
+) -> bytes:
+    """A pseudo-gradient of ``fragment`` as its publisher sends it: through the fragment's
+    ``ErrorFeedback`` in ``residuals`` when the codec is lossy (int8, 4bit), else encoded as it
+    is; ``residuals`` None turns error feedback off. The daemon's publisher and the simulator's
+    virtual wire both encode this way."""
+    if residuals is None or codec not in (Codec.INT8, Codec.FP4):
+        return encode(tensor, codec)
+    feedback = residuals.get(fragment)
+    if feedback is None or feedback.codec is not codec:
+        feedback = residuals[fragment] = ErrorFeedback(codec)
+    return feedback.encode(tensor)

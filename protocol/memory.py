@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .codec import Codec, ErrorFeedback, decode, encode
+from .codec import Codec, ErrorFeedback, decode, encode_delta
 from .transport import Fragment, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
@@ -159,11 +159,8 @@ class MemoryTransport(Transport):
 
     def _encoded(self, fragment: Fragment, codec: Codec, error_feedback: bool) -> tuple[Fragment, int]:
         """What receivers get of a DELTA through ``codec``, and its size on the wire."""
-        if error_feedback and codec in (Codec.INT8, Codec.FP4):
-            feedback = self._feedback.setdefault(fragment.key.fragment, ErrorFeedback(codec))
-            data = feedback.encode(fragment.tensor)
-        else:
-            data = encode(fragment.tensor, codec)
+        residuals = self._feedback if error_feedback else None
+        data = encode_delta(fragment.tensor, codec, residuals, fragment.key.fragment)
         return Fragment(fragment.key, decode(data), fragment.tokens), len(data)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:

@@ -22,7 +22,7 @@ import torch
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from cgad.protocol.codec import Codec, ErrorFeedback, encode
+from cgad.protocol.codec import Codec, ErrorFeedback, encode, encode_delta
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.loop import EventLoopThread
@@ -103,11 +103,9 @@ class Publisher:
 
     def _encode_and_publish(self, key: FragmentKey, tensor: torch.Tensor, codec: Codec, tokens: int) -> None:
         try:
-            if key.kind is Kind.DELTA and self.options.error_feedback and codec in (Codec.INT8, Codec.FP4):
-                feedback = self._feedback.get(key.fragment)
-                if feedback is None or feedback.codec is not codec:
-                    feedback = self._feedback[key.fragment] = ErrorFeedback(codec)
-                data = feedback.encode(tensor)
+            if key.kind is Kind.DELTA:
+                residuals = self._feedback if self.options.error_feedback else None
+                data = encode_delta(tensor, codec, residuals, key.fragment)
             else:
                 data = encode(tensor, codec)
             self.publish_encoded(key, data, codec=codec, numel=tensor.numel(), tokens=tokens)
