@@ -168,6 +168,19 @@ class NodeOptions(_Part):
         description="outer rounds between snapshots of the outer state offered to joining peers (a joiner"
         " adopts the newest: an old one leaves its parameters behind the swarm's for good)",
     )
+    sync: Literal["exchange", "allreduce"] = Field(
+        "exchange",
+        description="exchange: publish pseudo-gradients and never wait for a peer; allreduce: blocking"
+        " DiLoCo, each block ends in hivemind's all-reduce of the group's pseudo-gradients (the baseline;"
+        " it trusts its group)",
+    )
+    allreduce_group: int = Field(4, ge=2, description="allreduce: peers averaged together (the swarm's size)")
+    allreduce_matchmaking: PositiveFloat = Field(
+        10.0, description="allreduce: seconds a group waits for its members before it averages without them"
+    )
+    allreduce_timeout: PositiveFloat = Field(
+        120.0, description="allreduce: seconds before a round without a group steps on the own update alone"
+    )
     max_rounds: int = Field(0, ge=0, description="stop after this many outer rounds (0: until told to leave)")
     eval_every: Positive = Field(1, description="outer rounds between held-out evaluations")
     maddrs_file: str | None = Field(None, description="write this node's multiaddrs here, one per line")
@@ -292,6 +305,15 @@ class _Schedule(_Part):
 
 class JoinConfig(_Schedule, TrainingOptions, OuterOptions, NetworkOptions, NodeOptions):
     """Everything `cgad-node join` takes."""
+
+    @model_validator(mode="after")
+    def _allreduce_averages_deltas(self) -> Any:
+        if self.sync == "allreduce":
+            if self.fragments != 1:
+                raise ValueError("--sync allreduce averages the whole model each block: set --fragments 1")
+            if self.mixing != "none" or self.optimizer == "noloco":
+                raise ValueError("--sync allreduce averages pseudo-gradients: no --mixing, no noloco")
+        return self
 
 
 class SimConfig(_Schedule, TrainingOptions, OuterOptions, SimOptions):

@@ -41,9 +41,10 @@ from cgad.node.pacing import Turn, adopted_block_over, phase_nudge
 from cgad.node.status import cpu_seconds_by_thread, status_line
 from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.protocol.allreduce import AllReduceExchange, averager_bootstrap, listen_anywhere
 from cgad.protocol.files import atomic_write
 from cgad.protocol.network import NetworkTransport
-from cgad.protocol.records import PROTOCOL_VERSION, Identity
+from cgad.protocol.records import PROTOCOL_VERSION, Identity, run_prefix
 
 __all__ = ["Node"]
 
@@ -75,6 +76,7 @@ class Node:
             "tokenizer": self.tokenizer.fingerprint,
             "optimizer": method(c.optimizer).family,
             "fragments": c.fragments,
+            "sync": c.sync,
             "protocol": PROTOCOL_VERSION,  # checked by a joiner before the rest (Describe)
         }
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
@@ -108,7 +110,21 @@ class Node:
         )
         self.transport.describe_as(json.dumps(self.swarm))
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind
-            self.loop = OuterLoop(params, c, self.transport, c.run_id, seed=seed)
+            # --sync allreduce: the outer step takes the group's all-reduced mean instead of the
+            # fragments the transport delivers (the transport still carries states and progress)
+            self.exchange = (
+                AllReduceExchange(
+                    self.transport,
+                    numels[0],
+                    prefix=f"{run_prefix(c.run_id)}_allreduce",
+                    group_size=c.allreduce_group,
+                    matchmaking_time=c.allreduce_matchmaking,
+                    timeout=c.allreduce_timeout,
+                )
+                if c.sync == "allreduce"
+                else None
+            )
+            self.loop = OuterLoop(params, c, self.exchange or self.transport, c.run_id, seed=seed)
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
             self.block_start = 0  # the inner step at which the current block began
@@ -201,10 +217,24 @@ class Node:
             self.started_from = "checkpoint"
             self.resumed = True
             logger.info("resumed from %s at round %d", c.checkpoint_dir, self.round)
+        described = self.state_sync.check_bootstrap_peers() if c.peers else []
+        if self.exchange is not None:
+            self._start_allreduce(described)
         if c.peers:
-            self.state_sync.check_bootstrap_peers()
             # a fresh node starts from the swarm's model; a resumed one catches up if it lags
             self.sync_from_swarm(required=state is None)
+
+    def _start_allreduce(self, described: list[dict[str, Any]]) -> None:
+        """Join the averager's DHT through the addresses the peers at --peers state, and state
+        this node's own when asked who it is."""
+        assert self.exchange is not None
+        bootstrap = [addr for description in described for addr in averager_bootstrap(description)]
+        if self.config.peers and not bootstrap:
+            raise ConnectionError(
+                "--sync allreduce: no peer at --peers stated where its all-reduce averager listens"
+            )
+        self.exchange.start(bootstrap, listen_anywhere(self.config.host_maddrs))
+        self.transport.describe_as(json.dumps({**self.swarm, "averager": self.exchange.maddrs()}))
 
     def sync_from_swarm(self, required: bool) -> bool:
         """Adopt a peer's snapshot ahead of this node (``StateSync.sync``); True when one was."""
@@ -248,7 +278,7 @@ class Node:
 
     def _block_over(self, block: int) -> bool:
         steps = self.trainer.steps - self.block_start
-        if not self._adopted_block:
+        if not self._adopted_block or self.exchange is not None:
             return steps >= block + self._block_extra
         fragment = self.blocks % self.config.fragments
         peers_in = self.transport.arrived(fragment, self.loop.versions[fragment])
@@ -259,6 +289,8 @@ class Node:
         """Inner steps between publishing a fragment and its outer step at the latest
         (``--apply-delay``; auto: half a block, which measured better on a 10 Mbit swarm than
         waiting up to a whole block: docs/WAN.md)."""
+        if self.exchange is not None:
+            return 0  # the all-reduce has already waited for the group
         block = self.config.inner_steps // self.config.fragments
         delay = block // 2 if self.config.apply_delay == "auto" else self.config.apply_delay
         return min(delay, block - 1)
@@ -299,7 +331,8 @@ class Node:
         self._adopted_block = False
         delay = 0 if self._leave.is_set() else self.apply_delay
         # how many fragments end the wait early, counted once here, not at every inner step
-        awaited = min(len(self.transport.live_peers()), c.fan_in) if c.apply_delay == "auto" else None
+        auto = c.apply_delay == "auto" and self.exchange is None
+        awaited = min(len(self.transport.live_peers()), c.fan_in) if auto else None
         early = self.transport.arrived(fragment, version)
         self._due = Turn(fragment, version, self.trainer.steps + delay, awaited, early)
         self._block_extra = 0
@@ -376,6 +409,8 @@ class Node:
         if self.dashboard:
             self.dashboard.stop()
         self.admin.stop()
+        if self.exchange is not None:
+            self.exchange.close()
         self.transport.close()
         if self.metrics:
             self.metrics.stop()
@@ -441,6 +476,7 @@ class Node:
             "fetches_waiting": self.transport.fetches_waiting,
             "mean_age": self.loop.mean_age(),
             "resyncs": self.resyncs,
+            "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),

@@ -43,6 +43,7 @@ SWARM_IDENTITY = (
     ("tokenizer", "tokenizer"),
     ("optimizer", "outer optimizer"),
     ("fragments", "number of fragments"),
+    ("sync", "exchange (--sync)"),
 )
 
 
@@ -80,9 +81,11 @@ class StateSync:
         self.outer_lock = outer_lock
         self.leave = leave
 
-    def check_bootstrap_peers(self) -> None:
+    def check_bootstrap_peers(self) -> list[dict[str, Any]]:
         """Ask the peers named by --peers who they are: a node of another run, model or method
-        is refused at once (``IncompatibleSwarm``), before it waits for what it would never see."""
+        is refused at once (``IncompatibleSwarm``), before it waits for what it would never see.
+        Their descriptions, as they stated them."""
+        described = []
         for addr in self.config.peers:
             if "/p2p/" not in addr:
                 continue
@@ -106,6 +109,8 @@ class StateSync:
                     " version; refusing to join"
                 )
             check_compatible(self.swarm, {**theirs, "run_id": run_id}, f"the peer at --peers ({peer})")
+            described.append(theirs)
+        return described
 
     def sync(self, required: bool) -> tuple[str, int] | None:
         """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a

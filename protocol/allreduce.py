@@ -1,0 +1,147 @@
+"""Blocking DiLoCo's exchange: each block ends in an all-reduce of the peers' pseudo-gradients.
+
+This is the baseline the non-blocking exchange is measured against (OpenDiLoCo's design:
+hivemind's ``DecentralizedAverager`` averages fp16 pseudo-gradients within a matched group, and
+every peer takes the same outer step on the group's mean), and a mode volunteers can choose
+(``cgad-node join --sync allreduce``). Each publish blocks until the group's all-reduce is done or
+has failed: the slowest peer in the group sets everyone's pace.
+
+The averager runs on a hivemind DHT of its own: its matchmaking records are not this run's signed
+schema, which the fragment DHT refuses. A node states that DHT's addresses when asked who it is
+(``Describe``), and a joiner bootstraps from those of the peers at ``--peers``. The averager trusts
+its group: no allowlist, swarm key or clipping applies inside it (the outer step still clips the
+group's mean around the own update with ``--aggregation clip``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import Float16Compression
+
+from cgad.protocol.transport import Fragment, Inbox, Kind, Transport, TransportStats
+
+__all__ = ["GROUP_PUBLISHER", "AllReduceExchange", "averager_bootstrap", "listen_anywhere"]
+
+logger = logging.getLogger(__name__)
+
+GROUP_PUBLISHER = "all-reduce"  # who the group's share of the mean is from, in the counters
+MAX_BOOTSTRAP = 16  # averager addresses taken from one peer's description (its claim)
+
+
+class AllReduceExchange(Transport):
+    """``Transport`` for one fragment's pseudo-gradients, exchanged by a blocking all-reduce.
+
+    ``publish`` runs the all-reduce of a group of up to ``group_size`` peers (matched within
+    ``matchmaking_time`` seconds, given up after ``timeout``); the group's mean of n members then
+    arrives as n − 1 deliveries of the other members' mean, so the token-weighted mean the outer
+    step takes over them and the own Δ is the group's mean. ``peers`` answers who is alive (the
+    fragment transport's progress records). ``start`` joins the averager's DHT."""
+
+    def __init__(
+        self,
+        peers: Transport,
+        numel: int,
+        *,
+        prefix: str,
+        group_size: int,
+        matchmaking_time: float,
+        timeout: float,
+    ) -> None:
+        if group_size < 2:
+            raise ValueError(f"an all-reduce group of {group_size}: at least 2")
+        self.peer_id = peers.peer_id
+        self.stats = TransportStats()
+        self._peers = peers
+        self._numel = numel
+        self._prefix = prefix
+        self._group_size = group_size
+        self._matchmaking_time = matchmaking_time
+        self._timeout = timeout
+        self._inbox = Inbox()
+        self.dht: hivemind.DHT | None = None
+        self.averager: DecentralizedAverager | None = None
+        self.groups: Counter[int] = Counter()  # sizes of the groups each publish averaged in; 1: none
+
+    def start(self, initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> None:
+        self.dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=True)
+        self.averager = DecentralizedAverager(
+            [torch.zeros(self._numel)],
+            dht=self.dht,
+            prefix=self._prefix,
+            target_group_size=self._group_size,
+            min_group_size=2,
+            min_matchmaking_time=self._matchmaking_time,
+            request_timeout=min(3.0, self._matchmaking_time / 2),  # below the window: hivemind's advice
+            compression=Float16Compression(),
+            start=True,
+        )
+
+    def maddrs(self) -> list[str]:
+        """Where the averager's DHT can be reached: what this node states in ``Describe``."""
+        return [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
+
+    def publish(self, fragment: Fragment) -> None:
+        """All-reduce the own Δ with the group (blocking); on success the others' mean waits in
+        ``receive``. A failed or lone round leaves the outer step with the own Δ alone."""
+        if self.averager is None:
+            raise RuntimeError("AllReduceExchange.publish before start")
+        own = fragment.tensor.detach().float()
+        with self.averager.get_tensors() as tensors:
+            tensors[0].copy_(own)
+        try:
+            gathered = self.averager.step(timeout=self._timeout)
+        except Exception as exc:  # hivemind raises whatever a failed group provokes
+            logger.warning("all-reduce failed: %r; this round steps on the own update alone", exc)
+            gathered = None
+        members = len(gathered) if gathered else 1
+        self.groups[members] += 1
+        self.stats.published += 1
+        if members < 2:
+            self.stats.skipped["no_group"] += 1
+            return
+        with self.averager.get_tensors() as tensors:
+            mean = tensors[0].clone()
+        if not torch.isfinite(mean).all():
+            self.stats.rejected["non_finite"] += 1
+            return
+        others = (mean * members - own) / (members - 1)
+        for member in range(1, members):
+            key = replace(fragment.key, publisher=f"{GROUP_PUBLISHER}/{member}")
+            self._inbox.put(Fragment(key, others, fragment.tokens))
+        self.stats.received += members - 1
+
+    def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
+        return self._inbox.pop(index, kind)
+
+    def live_peers(self) -> list[str]:
+        return self._peers.live_peers()
+
+    def close(self) -> None:
+        if self.averager is not None:
+            self.averager.shutdown()
+            self.averager = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+def averager_bootstrap(description: dict[str, object]) -> list[str]:
+    """The averager DHT addresses a peer states in its description, checked: a peer's claim."""
+    stated = description.get("averager")
+    if not isinstance(stated, list):
+        return []
+    return [a for a in stated[:MAX_BOOTSTRAP] if isinstance(a, str) and len(a) < 512 and a.startswith("/")]
+
+
+def listen_anywhere(host_maddrs: Sequence[str]) -> list[str]:
+    """The node's listening addresses with the port left to the system: the averager's DHT
+    listens on the same interfaces, beside the fragment DHT."""
+    return [re.sub(r"/(tcp|udp)/\d+", r"/\1/0", m.split("/p2p/")[0]) for m in host_maddrs]
