@@ -100,6 +100,7 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
                 )
             time.sleep(POLL_SECONDS)
         bar.close()
+        cpu = {index: node.cpu_seconds() for index, node in bed.nodes.items() if node.alive()}
         for index, node in bed.nodes.items():
             finals[index] = _status(node.admin) if node.alive() else None
             if node.alive():
@@ -116,7 +117,7 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
         logs = {i: node.log.read_text()[-4000:] for i, node in bed.nodes.items()}
         spread = phi_spread([workdir / f"n{i}" / "ckpt" for i in sorted(bed.nodes)])
     return {"scenario": scenario, "testbed": testbed, "samples": samples, "final": finals, "log_tails": logs,
-            "phi_spread": spread}  # fmt: skip
+            "phi_spread": spread, "cpu_seconds_by_process": cpu}  # fmt: skip
 
 
 def phi_spread(checkpoints: list[Path]) -> dict[str, Any] | None:
@@ -208,7 +209,10 @@ def main() -> None:
     png = plot(result, out / f"{scenario['name']}.png")
     for index, status in sorted(result["final"].items()):
         loss = None if status is None else status.get("eval_loss")
-        print(f"node {index}: final eval loss {loss}")
+        cpu = result["cpu_seconds_by_process"].get(index, {})
+        print(
+            f"node {index}: final eval loss {loss}; CPU seconds { ({k: round(v) for k, v in cpu.items()}) }"
+        )
     print(f"wrote {out / (scenario['name'] + '.json')} and {png}")
 
 

@@ -74,6 +74,25 @@ class NodeProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far by each live process of this node's session,
+        summed by command name: the daemon (python) and its p2pd, which its own accounting of
+        threads does not see."""
+        tick = os.sysconf("SC_CLK_TCK")
+        used: dict[str, float] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[3]) == self.process.pid:  # session id: start_new_session made the daemon its leader
+                used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return used
+
 
 class Testbed:
     """``nodes`` namespaces on one bridge, each with its ``Link``."""
