@@ -13,20 +13,23 @@ from _daemons import CLI, FRESH_LOSS, NodeProcess  # tests/ is on sys.path under
 pytestmark = pytest.mark.integration
 
 ROUNDS = 5
+# half the usual block: six daemons share the machine, and what is tested is per round
+SHORT = ["--inner-steps", "8"]
 
 
 @pytest.mark.timeout(900)
 def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemons):
     workdir, started = daemons
-    first = NodeProcess("honest0", workdir, [])
+    first = NodeProcess("honest0", workdir, [], SHORT)
     started.append(first)
     peers = first.maddrs()
     for name in ("honest1", "honest2"):
-        started.append(NodeProcess(name, workdir, peers))
+        started.append(NodeProcess(name, workdir, peers, SHORT))
     # the attackers send fp32, so that nothing in the encoding stops what they send
     # the scaler also offers snapshots of NaN parameters that claim the newest version
-    scaler = NodeProcess("scaler", workdir, peers, ["--codec", "fp32"], hostile="scale:1e6+poison-state")
-    claimer = NodeProcess("claimer", workdir, peers, ["--codec", "fp32"], hostile="future:1000")
+    fp32 = [*SHORT, "--codec", "fp32"]
+    scaler = NodeProcess("scaler", workdir, peers, fp32, hostile="scale:1e6+poison-state")
+    claimer = NodeProcess("claimer", workdir, peers, fp32, hostile="future:1000")
     started += [scaler, claimer]
     scaler_id, claimer_id = scaler.status()["peer_id"], claimer.status()["peer_id"]
     honest = started[:3]
@@ -55,7 +58,7 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
         assert node.proc.poll() is None
     # a joiner tries the poisoned snapshot first (it claims the newest version), refuses it, and
     # adopts a sound one instead
-    joiner = NodeProcess("joiner", workdir, peers)
+    joiner = NodeProcess("joiner", workdir, peers, SHORT)
     started.append(joiner)
     joined = joiner.wait(lambda s: s["round"] >= 1, "the joiner training", timeout=300)
     # a sound snapshot: an honest node's, or the claimer's (it forges fragments and progress
