@@ -40,10 +40,11 @@ class AllReduceExchange(Transport):
     """``Transport`` for one fragment's pseudo-gradients, exchanged by a blocking all-reduce.
 
     ``publish`` runs the all-reduce of a group of ``group_size`` peers (matchmaking retries every
-    ``matchmaking_time`` seconds until the group is whole, and gives up after ``timeout``); the group's mean of n members then
-    arrives as n − 1 deliveries of the other members' mean, so the token-weighted mean the outer
-    step takes over them and the own Δ is the group's mean. ``peers`` answers who is alive (the
-    fragment transport's progress records). ``start`` joins the averager's DHT."""
+    ``matchmaking_time`` seconds until the group is whole, and gives up after ``timeout``); the
+    group's mean of n members then arrives as n − 1 deliveries of the other members' mean, so the
+    token-weighted mean the outer step takes over them and the own Δ is the group's mean.
+    ``peers`` answers who is alive (the fragment transport's progress records). ``start`` joins
+    the averager's DHT."""
 
     def __init__(
         self,
