@@ -45,6 +45,8 @@ SWARM_IDENTITY = (
     ("fragments", "number of fragments"),
     ("sync", "exchange (--sync)"),
 )
+# what a description or checkpoint from before a part of the identity existed meant by leaving it out
+IDENTITY_DEFAULTS = {"sync": "exchange"}
 
 
 class IncompatibleSwarm(ValueError):
@@ -54,9 +56,10 @@ class IncompatibleSwarm(ValueError):
 def check_compatible(ours: dict[str, Any], theirs: dict[str, Any], where: str) -> None:
     """Raise ``IncompatibleSwarm`` naming the first part of the swarm's identity that differs."""
     for key, what in SWARM_IDENTITY:
-        if theirs.get(key) != ours[key]:
+        stated, own = (side.get(key, IDENTITY_DEFAULTS.get(key)) for side in (theirs, ours))
+        if stated != own:
             raise IncompatibleSwarm(
-                f"{where} has a different {what} ({theirs.get(key)!r}, this node: {ours[key]!r});"
+                f"{where} has a different {what} ({stated!r}, this node: {own!r});"
                 " refusing to join"
             )
 

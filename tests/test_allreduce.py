@@ -12,6 +12,7 @@ import torch
 from _daemons import CLI, FRESH_LOSS, SETTINGS, NodeProcess  # tests/ is on sys.path under pytest
 
 from cgad.node.config import JoinConfig
+from cgad.node.joining import IncompatibleSwarm, check_compatible
 from cgad.protocol.allreduce import GROUP_PUBLISHER, AllReduceExchange, averager_bootstrap, listen_anywhere
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey
@@ -93,6 +94,16 @@ def test_allreduce_refuses_what_it_cannot_average(flags: dict, says: str) -> Non
         JoinConfig(sync="allreduce", **flags)
 
 
+def test_a_description_from_before_sync_existed_means_the_exchange() -> None:
+    ours = {"run_id": "r", "model": "m", "tokenizer": "t", "optimizer": "nesterov", "fragments": 1}
+    older = dict(ours)  # a checkpoint or peer of the release before --sync: it exchanged
+    check_compatible({**ours, "sync": "exchange"}, older, "checkpoint")
+    with pytest.raises(
+        IncompatibleSwarm, match=r"different exchange \(--sync\) \('exchange', this node: 'allreduce'\)"
+    ):
+        check_compatible({**ours, "sync": "allreduce"}, older, "checkpoint")
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_two_blocking_daemons_average_every_block_and_an_exchange_node_is_refused(daemons) -> None:
@@ -103,12 +114,14 @@ def test_two_blocking_daemons_average_every_block_and_an_exchange_node_is_refuse
     started.append(first)
     second = NodeProcess("second", workdir, first.maddrs(), mode)
     started.append(second)
-    statuses = [
-        node.wait(lambda s: s["allreduce_groups"].get("2", 0) >= 2, "two all-reduced rounds", timeout=400)
-        for node in (first, second)
-    ]
+
+    def averaged_twice(status: dict) -> bool:  # the group's mean taken by two outer steps
+        return status["applied_by_peer"].get(f"{GROUP_PUBLISHER}/1", 0) >= 2
+
+    statuses = [node.wait(averaged_twice, "two all-reduced rounds", timeout=400) for node in (first, second)]
     for status in statuses:
-        assert status["applied_by_peer"].get(f"{GROUP_PUBLISHER}/1", 0) >= 2, status["applied_by_peer"]
+        assert status["allreduce_groups"].get("2", 0) >= 2, status["allreduce_groups"]
+        assert "opposed" not in status["rejected"], status["rejected"]
         assert status["eval_loss"] < FRESH_LOSS - 0.5, status["eval_history"]
     # a node of the non-blocking exchange is refused at once, saying why
     refused = subprocess.run(
