@@ -111,6 +111,8 @@ class NetworkTransport(Transport):
         self.identity = identity
         self.peer_id = identity.peer_id
         self.stats = TransportStats()
+        # --allow and this peer itself (empty: every peer is allowed)
+        self._allow = frozenset([*self.options.allow, self.peer_id]) if self.options.allow else frozenset()
         self.polls = 0  # looks at the DHT completed: what a caller waits on to see a poll through
         self.store = FragmentStore(self.options.keep_versions, self.options.keep_reserved)
         self.dht_node: DHTNode | None = None
@@ -461,10 +463,9 @@ class NetworkTransport(Transport):
     def _allowed(self, parse: Callable[[bytes, object], T]) -> Callable[[bytes, object], T]:
         """``parse``, refusing the record of a peer outside ``--allow`` (and, in a holder's
         record, passing over offers of fragments such a peer published)."""
-        allowed = set(self.options.allow)
+        allowed = self._allow
         if not allowed:
             return parse
-        allowed.add(self.peer_id)
 
         def parse_allowed(owner: bytes, value: object) -> T:
             record = parse(owner, value)
