@@ -52,6 +52,7 @@ from cgad.protocol.publishing import Publisher
 from cgad.protocol.records import (
     Holdings,
     Identity,
+    ParseCache,
     Progress,
     fragment_key,
     parse_holdings,
@@ -137,6 +138,7 @@ class NetworkTransport(Transport):
         self._state_candidates: list[Candidate] = []  # replaced whole by each poll
         self._inbox = Inbox()
         self._logged_reasons: set[str] = set()
+        self._holdings = ParseCache(parse_holdings)  # holders' records, parsed once while they stand
         self._live: dict[str, Progress] = {}
         self._progress = Progress(
             peer_id=self.peer_id,
@@ -403,6 +405,7 @@ class NetworkTransport(Transport):
                 if self._queue.push(candidate) is not None:
                     self.stats.skipped["queue_full"] += 1
         self._selector.forget(versions, now)
+        self._holdings.rotate()
         for task, candidate in list(self._in_flight.values()):
             if self._queue.is_stale(candidate, versions):  # it could no longer count when it lands
                 task.cancel()
@@ -458,7 +461,7 @@ class NetworkTransport(Transport):
         if record == "progress":
             parse = partial(parse_live_progress, now=now, clock_skew=CLOCK_SKEW)
             return read_records(entry, self._allowed(parse), faulty)
-        return read_records(entry, self._allowed(parse_holdings), faulty)
+        return read_records(entry, self._allowed(self._holdings), faulty)
 
     def _allowed(self, parse: Callable[[bytes, object], T]) -> Callable[[bytes, object], T]:
         """``parse``, refusing the record of a peer outside ``--allow`` (and, in a holder's

@@ -30,7 +30,7 @@ import struct
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Optional, TypeVar
+from typing import Generic, Optional, TypeVar
 
 import pydantic.v1 as pydantic
 from cryptography.hazmat.primitives import serialization
@@ -56,6 +56,7 @@ __all__ = [
     "Holdings",
     "Identity",
     "Offer",
+    "ParseCache",
     "Progress",
     "RememberingValidator",
     "RunKeysValidator",
@@ -310,6 +311,38 @@ def parse_live_progress(owner: bytes, value: object, now: float, clock_skew: flo
 
 
 T = TypeVar("T")
+
+
+class ParseCache(Generic[T]):
+    """``parse`` remembered for the records of the last two polls, by owner and content (errors
+    too): the same stored records come back at every poll, and validating them again (pydantic)
+    was most of a poll's CPU (measured: 0.45 of 0.56 CPU seconds in 30 s of polling, 4 peers)."""
+
+    def __init__(self, parse: Callable[[bytes, object], T]) -> None:
+        self._parse = parse
+        self._current: dict[tuple[bytes, str], T | FragmentError] = {}
+        self._previous: dict[tuple[bytes, str], T | FragmentError] = {}
+
+    def __call__(self, owner: bytes, value: object) -> T:
+        key = (owner, repr(value))
+        if key in self._current:
+            result = self._current[key]
+        else:
+            result = self._previous[key] if key in self._previous else self._try(owner, value)
+            self._current[key] = result
+        if isinstance(result, FragmentError):
+            raise FragmentError(result.reason, result.detail)
+        return result
+
+    def _try(self, owner: bytes, value: object) -> T | FragmentError:
+        try:
+            return self._parse(owner, value)
+        except FragmentError as error:
+            return error
+
+    def rotate(self) -> None:
+        """A poll is over: what neither it nor the one before saw is forgotten."""
+        self._previous, self._current = self._current, {}
 
 
 def read_records(

@@ -20,6 +20,7 @@ from cgad.protocol.records import (
     Holdings,
     Identity,
     Offer,
+    ParseCache,
     Progress,
     RememberingValidator,
     fragment_key,
@@ -217,3 +218,29 @@ def test_a_corrupt_identity_file_is_a_clear_error_and_stays_as_it_was(tmp_path, 
     with pytest.raises(ValueError, match="is not a usable identity key file"):
         Identity.load_or_create(str(path))
     assert path.read_bytes() == content  # never replaced: it may be someone's only copy
+
+
+def test_a_parse_cache_parses_a_standing_record_once_and_forgets_it_two_polls_after() -> None:
+    calls: list[object] = []
+
+    def parse(owner: bytes, value: object) -> dict:
+        calls.append(value)
+        if value == "bad":
+            raise FragmentError("garbage", "not a record")
+        return {"owner": owner, "value": value}
+
+    cache = ParseCache(parse)
+    first = cache(b"a", {"offers": [1, 2]})
+    for _ in range(3):  # the same record at every poll: parsed once
+        assert cache(b"a", {"offers": [1, 2]}) == first
+        with pytest.raises(FragmentError, match="garbage"):
+            cache(b"a", "bad")  # a faulty one is refused each time, and not parsed again
+        cache.rotate()
+    assert calls == [{"offers": [1, 2]}, "bad"]
+    cache(b"a", {"offers": [1, 3]})  # new content from the same owner: parsed
+    cache(b"b", {"offers": [1, 2]})  # the same content from another owner: parsed
+    assert len(calls) == 4
+    cache.rotate()
+    cache.rotate()  # two polls without it: gone
+    cache(b"a", {"offers": [1, 2]})
+    assert len(calls) == 5
