@@ -248,7 +248,9 @@ class Node:
         # 6.19 when three joiners' first deltas arrived). Their round only warms the moments up:
         # it reaches no peer and no outer step (OuterLoop.publish with share=False).
         self.unshared_blocks = self.config.fragments
-        self._adopted_block = True  # and its first block ends with the peers' (adopted_block_over)
+        # and its first block ends with the peers' (adopted_block_over); an all-reduce waits for
+        # its group itself
+        self._adopted_block = self.exchange is None
         return True
 
     # ------------------------------------------------------------------ the loop
@@ -278,7 +280,7 @@ class Node:
 
     def _block_over(self, block: int) -> bool:
         steps = self.trainer.steps - self.block_start
-        if not self._adopted_block or self.exchange is not None:
+        if not self._adopted_block:
             return steps >= block + self._block_extra
         fragment = self.blocks % self.config.fragments
         peers_in = self.transport.arrived(fragment, self.loop.versions[fragment])
@@ -331,8 +333,8 @@ class Node:
         self._adopted_block = False
         delay = 0 if self._leave.is_set() else self.apply_delay
         # how many fragments end the wait early, counted once here, not at every inner step
-        auto = c.apply_delay == "auto" and self.exchange is None
-        awaited = min(len(self.transport.live_peers()), c.fan_in) if auto else None
+        waits = c.apply_delay == "auto" and delay > 0
+        awaited = min(len(self.transport.live_peers()), c.fan_in) if waits else None
         early = self.transport.arrived(fragment, version)
         self._due = Turn(fragment, version, self.trainer.steps + delay, awaited, early)
         self._block_extra = 0

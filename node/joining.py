@@ -59,8 +59,7 @@ def check_compatible(ours: dict[str, Any], theirs: dict[str, Any], where: str) -
         stated, own = (side.get(key, IDENTITY_DEFAULTS.get(key)) for side in (theirs, ours))
         if stated != own:
             raise IncompatibleSwarm(
-                f"{where} has a different {what} ({stated!r}, this node: {own!r});"
-                " refusing to join"
+                f"{where} has a different {what} ({stated!r}, this node: {own!r}); refusing to join"
             )
 
 

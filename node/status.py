@@ -64,23 +64,32 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+def read_proc_stat(path: str) -> tuple[str, float, list[str]] | None:
+    """A /proc ``stat`` file: the command name, the CPU seconds (user + system) used, and the
+    fields after the name (``fields[3]`` is the session id); None when it is gone or unreadable."""
+    try:
+        with open(path) as stat_file:
+            stat = stat_file.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return stat[stat.index("(") + 1 : stat.rindex(")")], (int(fields[11]) + int(fields[12])) / ticks, fields
+
+
 def cpu_seconds_by_thread() -> dict[str, float]:
     """CPU seconds each thread of this process has used, by Python thread name (threads that
     Python did not start, e.g. OpenMP's or gRPC's, summed as "native"); empty where /proc is not."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     totals: dict[str, float] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return totals
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as stat_file:
-                stat = stat_file.read()
-        except OSError:
+        stat = read_proc_stat(f"/proc/self/task/{tid}/stat")
+        if stat is None:
             continue  # the thread ended meanwhile
-        fields = stat[stat.rindex(")") + 2 :].split()
         name = re.sub(r"_\d+$", "", names.get(int(tid), "native"))  # pool workers under one name
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        totals[name] = totals.get(name, 0.0) + stat[1]
     return totals

@@ -26,6 +26,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression
 
+from cgad.protocol.config import check_multiaddr
 from cgad.protocol.transport import Fragment, Inbox, Kind, Transport, TransportStats
 
 __all__ = ["GROUP_PUBLISHER", "AllReduceExchange", "averager_bootstrap", "listen_anywhere"]
@@ -141,7 +142,17 @@ def averager_bootstrap(description: dict[str, object]) -> list[str]:
     stated = description.get("averager")
     if not isinstance(stated, list):
         return []
-    return [a for a in stated[:MAX_BOOTSTRAP] if isinstance(a, str) and len(a) < 512 and a.startswith("/")]
+    return [addr for addr in stated[:MAX_BOOTSTRAP] if _usable(addr)]
+
+
+def _usable(addr: object) -> bool:
+    if not isinstance(addr, str) or len(addr) >= 512:
+        return False
+    try:
+        check_multiaddr(addr)
+    except ValueError:
+        return False
+    return True
 
 
 def listen_anywhere(host_maddrs: Sequence[str]) -> list[str]:

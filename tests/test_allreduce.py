@@ -71,10 +71,13 @@ def test_the_group_mean_arrives_as_the_other_members_share_and_a_lone_round_gets
 
 def test_averager_addresses_a_peer_states_are_checked() -> None:
     assert averager_bootstrap({"averager": "/ip4/1.2.3.4/tcp/5"}) == []  # not a list
-    stated = ["/ip4/1.2.3.4/tcp/5/p2p/Qm", 7, "http://x", "/" + "a" * 600, *(["/ip4/5.6.7.8/tcp/9"] * 40)]
+    peer = "/ip4/1.2.3.4/tcp/5/p2p/QmTScAcEuTE53wQ9fNh3pX6vC1s3XXo4tN2y6FQqg7Wq3h"
+    broken = ["/ip4/1.2.3.4/tcp/5/p2p/Qm", "/ip4/999.1.1.1/tcp/5", 7, "http://x", "/" + "a" * 600]
+    stated = [peer, *broken, *(["/ip4/5.6.7.8/tcp/9"] * 40)]
     taken = averager_bootstrap({"averager": stated})
-    assert taken[0] == "/ip4/1.2.3.4/tcp/5/p2p/Qm" and len(taken) <= 16
+    assert taken[0] == peer and len(taken) <= 16
     assert all(isinstance(a, str) and a.startswith("/ip4/") for a in taken)
+    assert not set(taken) & {a for a in broken if isinstance(a, str)}  # checked as every multiaddr is
     assert listen_anywhere(["/ip4/10.0.0.2/tcp/31337", "/ip4/0.0.0.0/udp/7/quic"]) == [
         "/ip4/10.0.0.2/tcp/0",
         "/ip4/0.0.0.0/udp/0/quic",

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgad.node.status import read_proc_stat
+
 PREFIX = "cgadwan"
 SUBNET = "10.77.0"
 BRIDGE = f"{PREFIX}-br"
@@ -78,19 +80,12 @@ class NodeProcess:
         """CPU seconds (user + system) used so far by each live process of this node's session,
         summed by command name: the daemon (python) and its p2pd, which its own accounting of
         threads does not see."""
-        tick = os.sysconf("SC_CLK_TCK")
         used: dict[str, float] = {}
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # gone meanwhile
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[3]) == self.process.pid:  # session id: start_new_session made the daemon its leader
-                used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            stat = read_proc_stat(f"{entry}/stat") if entry.name.isdigit() else None
+            # the session id: start_new_session made the daemon its session's leader
+            if stat is not None and int(stat[2][3]) == self.process.pid:
+                used[stat[0]] = used.get(stat[0], 0.0) + stat[1]
         return used
 
 
