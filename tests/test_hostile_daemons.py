@@ -1,4 +1,4 @@
-"""Hostile peers among real `cgad-node join` daemons on 127.0.0.1: three honest nodes keep
+"""Hostile peers among real `cgad-node join` daemons on 127.0.0.1: two honest nodes keep
 training while one node publishes pseudo-gradients scaled by 1e6 (and offers snapshots of NaN
 parameters) and another claims (in its fragments and in its progress records) to be 1000
 versions ahead; a late joiner refuses the poisoned snapshot."""
@@ -13,7 +13,7 @@ from _daemons import CLI, FRESH_LOSS, NodeProcess  # tests/ is on sys.path under
 pytestmark = pytest.mark.integration
 
 ROUNDS = 5
-# half the usual block: six daemons share the machine, and what is tested is per round
+# half the usual block: five daemons share the machine, and what is tested is per round
 SHORT = ["--inner-steps", "8"]
 
 
@@ -23,8 +23,8 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
     first = NodeProcess("honest0", workdir, [], SHORT)
     started.append(first)
     peers = first.maddrs()
-    for name in ("honest1", "honest2"):
-        started.append(NodeProcess(name, workdir, peers, SHORT))
+    # two honest nodes are enough: a delivery is judged against the node's own Δ, not a vote
+    started.append(NodeProcess("honest1", workdir, peers, SHORT))
     # the attackers send fp32, so that nothing in the encoding stops what they send
     # the scaler also offers snapshots of NaN parameters that claim the newest version
     fp32 = [*SHORT, "--codec", "fp32"]
@@ -32,7 +32,7 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
     claimer = NodeProcess("claimer", workdir, peers, fp32, hostile="future:1000")
     started += [scaler, claimer]
     scaler_id, claimer_id = scaler.status()["peer_id"], claimer.status()["peer_id"]
-    honest = started[:3]
+    honest = started[:2]
 
     # both attackers joined (from an honest snapshot) and have sent forged fragments for a while
     claimer.wait(lambda status: status["published"] >= 2, "the claimer publishing", timeout=600)
