@@ -76,6 +76,7 @@ T = TypeVar("T", Holdings, Progress)
 
 STATE_PASSES = 5  # a snapshot's holders are tried this many times over (busy ones free up)
 CLOCK_SKEW = 60.0  # seconds a peer's clock may run ahead of ours (DHT time is each peer's own)
+FAREWELL_TIMEOUT = 5.0  # seconds a leaving peer spends telling the swarm before it goes anyway
 
 
 class NetworkTransport(Transport):
@@ -348,6 +349,8 @@ class NetworkTransport(Transport):
 
     async def _stop(self) -> None:
         await self._runner.cancel_tasks()
+        with contextlib.suppress(Exception):  # peers stop waiting for this one now, not in a TTL
+            await asyncio.wait_for(self._publisher.store_farewell(), FAREWELL_TIMEOUT)
         await self._server.stop()
         await self._fetcher.close()
         if self.dht_node is not None:

@@ -170,6 +170,19 @@ class Publisher:
             subkey=self.identity.owner_subkey,
         )
 
+    async def store_farewell(self) -> None:
+        """Replace this peer's progress record with nothing (the schema allows an owner's subkey
+        to hold None): its peers see it gone at their next poll instead of when its heartbeat
+        expires, and stop waiting for its fragments."""
+        if self.dht_node is None:
+            return
+        await self.dht_node.store(
+            progress_key(self.options.run_id),
+            None,
+            get_dht_time() + self.options.liveness_ttl,
+            subkey=self.identity.owner_subkey,
+        )
+
     async def refresh_forever(self, num_fragments: int) -> None:
         """Keep this peer's records alive: progress (its heartbeat) and its holdings."""
         period = min(self.options.liveness_ttl, self.options.record_ttl) / 3

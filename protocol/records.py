@@ -111,7 +111,8 @@ class Holdings(_Strict):
 
 
 class Progress(_Strict):
-    """What a peer reports about itself; its record expiring is how the swarm sees it leave."""
+    """What a peer reports about itself. A peer that leaves withdraws it (stores None under its
+    subkey); one that vanishes is seen gone when it expires."""
 
     peer_id: _PEER_ID
     versions: pydantic.conlist(_NON_NEGATIVE, max_items=4096)  # outer version per fragment
@@ -352,12 +353,14 @@ def read_records(
 ) -> list[T]:
     """The well-formed, rightly signed records under one DHT key (a dictionary of owner
     subkeys), each through ``parse``; a faulty one goes to ``on_error(error, owner, its
-    expiration)`` instead."""
+    expiration)`` instead, and a withdrawn one (None) is skipped."""
     value = getattr(entry, "value", None)
     if not isinstance(value, dict):
         return []
     records = []
     for owner, item in value.items():
+        if item.value is None:
+            continue  # the owner withdrew its record (a farewell): nothing to read
         try:
             records.append(parse(owner, item.value))
         except FragmentError as error:

@@ -175,6 +175,19 @@ def test_live_peers_and_progress(netswarm: list[NetworkTransport]) -> None:
     assert p0.swarm_progress()[p1.peer_id].versions == [3] * NUM_FRAGMENTS
 
 
+@pytest.mark.timeout(60)
+def test_a_peer_that_leaves_says_so(netswarm: list[NetworkTransport]) -> None:
+    p0 = netswarm[0]
+    leaver = make_transport(peers=p0.maddrs())
+    try:
+        wait_for(lambda: leaver.peer_id in p0.live_peers(), what="the new peer to be seen")
+    finally:
+        leaver.close()
+    # its last record says it left: gone from the view at the next polls, not after liveness_ttl
+    assert p0.options.liveness_ttl >= 30
+    wait_for(lambda: leaver.peer_id not in p0.live_peers(), timeout=10, what="the farewell to be seen")
+
+
 def _publisher_process(initial_peers: list[str], report: multiprocessing.Queue) -> None:
     transport = make_transport(peers=initial_peers, upload_limit=10e6)
     assert transport.p2p is not None

@@ -22,21 +22,15 @@ def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, mon
     scenario = load_scenario(ROOT / "bench" / "wan" / "scenarios" / "smoke-3.json")
     executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent))
     result = run(scenario, tmp_path, executable)
+    # the scenario's own expectations (bench/wan/checks.py): losses finite, every node answering
+    # and learning, the joiners joined, the restarted node back within 4 versions of the swarm
+    failed = [v for v in result["checks"] if not v["ok"]]
+    assert not failed, (failed, result["log_tails"])
     final = result["final"]
-    assert all(final[i] is not None for i in range(3)), result["log_tails"]
-    # judged against the untrained model (node 0's first evaluation): a joiner's own history
-    # starts wherever the swarm was when it joined, late on a slow machine
-    untrained = final[0]["eval_history"][0][1]
     for index in range(3):
-        status = final[index]
-        history = status["eval_history"]
-        assert history[-1][1] < untrained - 0.3, (index, untrained, history)
-        assert status["rejected"].get("non_finite", 0) == 0
-        assert status["applied"] > 0, (index, status)
-    restarted = final[2]
-    assert restarted["resumed"], restarted
-    swarm_version = min(final[0]["versions"])
-    assert min(restarted["versions"]) >= swarm_version - 4, (restarted["versions"], final[0]["versions"])
+        assert final[index]["rejected"].get("non_finite", 0) == 0
+        assert final[index]["applied"] > 0, (index, final[index])
+    assert final[2]["resumed"], final[2]
     # how far apart the nodes' φ ended, read back from their three final checkpoints
     spread = result["phi_spread"]
     assert spread is not None and spread["nodes"] == 3, spread

@@ -1,15 +1,18 @@
 """Run one WAN scenario on the namespace testbed and record what every node reported.
 
 A scenario is data (JSON; see bench/wan/scenarios/): how many nodes, each link's rates, the flags
-every node gets, how long to train, and events at given seconds (``kill``, ``restart``,
-``partition`` for a while, ``shape`` to new rates). Node 0 starts the swarm; the others join it,
-unless ``isolated`` is set (the floor: the same nodes, each training alone). Every few seconds
-the runner asks each node's admin API for its status; at the end every node is asked to leave.
+every node gets, how long to train, events at given seconds (``kill``, ``restart``,
+``partition`` for a while, ``shape`` to new rates, ``leave`` through the admin API), and what
+the run must show at its end (``expect``: see checks.py; the runner exits 1 when a check
+fails). Node 0 starts the swarm; the others join it, unless ``isolated`` is set (the floor: the
+same nodes, each training alone). Every few seconds the runner asks each node's admin API for
+its status; at the end every node is asked to leave.
 
 Writes bench/results/wan/<name>.json (the scenario, the testbed, every status sample, each
-node's final status) and a PNG of held-out loss against wall-clock time per node.
+node's final status, the checks' verdicts) and a PNG of held-out loss against wall-clock time
+per node.
 
-    sudo .venv/bin/python bench/wan/run.py bench/wan/scenarios/10mbit-4.json [--minutes M]
+    sudo .venv/bin/python bench/wan/run.py bench/wan/scenarios/10mbit-4.json [more.json ...] [--minutes M]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from checks import EXPECTATIONS, check
 from testbed import Link, Testbed, available
 
 from cgad.node.admin import call_admin
@@ -35,8 +39,18 @@ RESULTS = ROOT / "bench" / "results" / "wan"
 POLL_SECONDS = 5.0
 
 
+SCENARIO_KEYS = {
+    "name", "nodes", "mbit", "links", "minutes", "args", "events", "isolated", "shape_after_join", "expect",
+}  # fmt: skip
+
+
 def load_scenario(path: str | Path) -> dict[str, Any]:
     scenario = json.loads(Path(path).read_text())
+    sections = [(scenario, SCENARIO_KEYS, ""), (scenario.get("expect", {}), EXPECTATIONS, "expect.")]
+    for given, known, where in sections:
+        unknown = sorted(set(given) - known)
+        if unknown:  # a typo would otherwise be a check silently not made
+            raise ValueError(f"{path}: unknown {where}{unknown[0]!r} (known: {', '.join(sorted(known))})")
     scenario.setdefault("name", Path(path).stem)
     scenario.setdefault("events", [])
     scenario.setdefault("args", [])
@@ -116,8 +130,10 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
         testbed = bed.describe()
         logs = {i: node.log.read_text()[-4000:] for i, node in bed.nodes.items()}
         spread = phi_spread([workdir / f"n{i}" / "ckpt" for i in sorted(bed.nodes)])
-    return {"scenario": scenario, "testbed": testbed, "samples": samples, "final": finals, "log_tails": logs,
-            "phi_spread": spread, "cpu_seconds_by_process": cpu}  # fmt: skip
+    result = {"scenario": scenario, "testbed": testbed, "samples": samples, "final": finals,
+              "log_tails": logs, "phi_spread": spread, "cpu_seconds_by_process": cpu}  # fmt: skip
+    result["checks"] = check(result)
+    return result
 
 
 def phi_spread(checkpoints: list[Path]) -> dict[str, Any] | None:
@@ -151,6 +167,8 @@ def _apply(event: dict, bed: Testbed, start: Any, bootstrap: list[str], partitio
     elif "partition" in event:
         bed.set_link(event["partition"], False)
         partitions.append((now + event.get("for", 60), event["partition"]))
+    elif "leave" in event:
+        call_admin(bed.nodes[event["leave"]].admin, "Leave", timeout=30)
     elif "shape" in event:
         bed.shape(event["shape"], Link(event.get("up_mbit"), event.get("down_mbit")))
     else:
@@ -190,30 +208,39 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("scenario")
-    parser.add_argument("--minutes", type=float, help="override the scenario's duration")
+    parser.add_argument("scenarios", nargs="+", help="scenario files, run one after another")
+    parser.add_argument("--minutes", type=float, help="override each scenario's duration")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     why = available()
     if why:
         sys.exit(f"cannot build the testbed here: {why}")
-    scenario = load_scenario(args.scenario)
-    if args.minutes:
-        scenario["minutes"] = args.minutes
+    try:  # a typo fails before any run
+        scenarios = [load_scenario(path) for path in args.scenarios]
+    except (OSError, ValueError) as error:
+        sys.exit(str(error))
     executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent)) or "cgad-node"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="cgad-wan-") as tmp:
-        result = run(scenario, Path(tmp), executable)
-    (out / f"{scenario['name']}.json").write_text(json.dumps(result, indent=1) + "\n")
-    png = plot(result, out / f"{scenario['name']}.png")
-    for index, status in sorted(result["final"].items()):
-        loss = None if status is None else status.get("eval_loss")
-        cpu = result["cpu_seconds_by_process"].get(index, {})
-        print(
-            f"node {index}: final eval loss {loss}; CPU seconds { ({k: round(v) for k, v in cpu.items()}) }"
-        )
-    print(f"wrote {out / (scenario['name'] + '.json')} and {png}")
+    failed = []
+    for scenario in scenarios:
+        if args.minutes:
+            scenario["minutes"] = args.minutes
+        with tempfile.TemporaryDirectory(prefix="cgad-wan-") as tmp:
+            result = run(scenario, Path(tmp), executable)
+        (out / f"{scenario['name']}.json").write_text(json.dumps(result, indent=1) + "\n")
+        png = plot(result, out / f"{scenario['name']}.png")
+        for index, status in sorted(result["final"].items()):
+            loss = None if status is None else status.get("eval_loss")
+            cpu = {k: round(v) for k, v in result["cpu_seconds_by_process"].get(index, {}).items()}
+            print(f"node {index}: final eval loss {loss}; CPU seconds {cpu}")
+        for verdict in result["checks"]:
+            print(f"{'ok  ' if verdict['ok'] else 'FAIL'} {verdict['check']}: {verdict['detail']}")
+        print(f"wrote {out / (scenario['name'] + '.json')} and {png}")
+        if not all(verdict["ok"] for verdict in result["checks"]):
+            failed.append(scenario["name"])
+    if failed:
+        sys.exit(f"checks failed in {', '.join(failed)}")
 
 
 if __name__ == "__main__":

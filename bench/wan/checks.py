@@ -1,0 +1,129 @@
+"""What a chaos scenario must show at its end, judged from a run's record (``run.run``'s result).
+
+A scenario states its expectations as data (``"expect"`` in its JSON); each becomes one verdict
+``{"check", "ok", "detail"}``:
+
+- always: every held-out loss any node reported was finite, and every node that was not told to
+  leave (or killed without a restart) answered at the end;
+- ``learns``: each node's last held-out loss is at least this far below the untrained model's
+  (node 0's first evaluation: a joiner's own history starts wherever the swarm was);
+- ``recovers``: after a kill, a partition or a slow link, the node named is back with the swarm:
+  its lowest version at most ``versions_within`` behind the others' and its held-out loss at most
+  ``loss_within`` above their mean;
+- ``peers_at_end``: each node still up sees this many live peers (a node that left is gone from
+  its peers' view);
+- ``joins``: every node but the first started from a peer's snapshot (none gave up joining);
+- ``rounds_with_fresh``: for each node up at the end, at least this fraction of the outer steps
+  seen in the samples applied a peer fragment at age 0 or 1 (on a thin link the bytes go to
+  fragments that count).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+__all__ = ["EXPECTATIONS", "check"]
+
+EXPECTATIONS = {"learns", "recovers", "peers_at_end", "joins", "rounds_with_fresh"}
+
+
+def _verdict(name: str, ok: bool, detail: str) -> dict[str, Any]:
+    return {"check": name, "ok": bool(ok), "detail": detail}
+
+
+def _gone(scenario: dict[str, Any]) -> set[int]:
+    """Nodes not expected to answer at the end: left, or killed and never restarted."""
+    gone: set[int] = set()
+    for event in sorted(scenario["events"], key=lambda e: e["at"]):
+        for key in ("kill", "leave"):
+            if key in event:
+                gone.add(event[key])
+        if "restart" in event:
+            gone.discard(event["restart"])
+    return gone
+
+
+def check(result: dict[str, Any]) -> list[dict[str, Any]]:
+    scenario = result["scenario"]
+    expect = scenario.get("expect", {})
+    final = {int(i): status for i, status in result["final"].items()}
+    gone = _gone(scenario)
+    up = {i: s for i, s in final.items() if s is not None and i not in gone}
+    verdicts = []
+
+    losses = [
+        loss
+        for sample in result["samples"]
+        if sample.get("status")
+        for _, loss in sample["status"]["eval_history"]
+    ]
+    bad = [loss for loss in losses if not math.isfinite(loss)]
+    read = f"{len(losses)} losses read, {len(bad)} not finite"
+    verdicts.append(_verdict("finite", not bad and losses, read))
+    missing = sorted(i for i in range(scenario["nodes"]) if i not in gone and final.get(i) is None)
+    verdicts.append(_verdict("answering", not missing, f"silent at the end: {missing}" if missing else "all"))
+
+    if "learns" in expect:
+        start = final.get(0) or next(iter(up.values()), None)
+        untrained = start["eval_history"][0][1] if start and start["eval_history"] else math.inf
+        ends = {i: s["eval_history"][-1][1] for i, s in up.items() if s["eval_history"]}
+        ok = len(ends) == len(up) and all(loss < untrained - expect["learns"] for loss in ends.values())
+        verdicts.append(_verdict("learns", ok, f"untrained {untrained:.3f}; last {_fmt(ends)}"))
+
+    if "recovers" in expect:
+        rule = expect["recovers"]
+        index = rule["node"]
+        node = up.get(index)
+        others = [s for i, s in up.items() if i != index]
+        if node is None or not others:
+            verdicts.append(_verdict("recovers", False, f"node {index} or its peers not up at the end"))
+        else:
+            swarm_version = max(min(s["versions"]) for s in others)
+            behind = swarm_version - min(node["versions"])
+            mean_loss = sum(s["eval_loss"] for s in others) / len(others)
+            above = node["eval_loss"] - mean_loss
+            ok = behind <= rule["versions_within"] and above <= rule["loss_within"]
+            verdicts.append(_verdict(
+                "recovers", ok,
+                f"node {index}: {behind} versions behind (≤ {rule['versions_within']}), "
+                f"loss {above:+.3f} vs the others' mean (≤ {rule['loss_within']})",
+            ))  # fmt: skip
+
+    if "peers_at_end" in expect:
+        seen = {i: s["peers"] for i, s in up.items()}
+        ok = all(n == expect["peers_at_end"] for n in seen.values())
+        verdicts.append(_verdict("peers_at_end", ok, f"peers seen {seen} (want {expect['peers_at_end']})"))
+
+    if expect.get("joins"):
+        joiners = {i: s["started_from"] for i, s in final.items() if i != 0 and s is not None}
+        ok = len(joiners) == scenario["nodes"] - 1 and all(f.startswith("peer ") for f in joiners.values())
+        verdicts.append(_verdict("joins", ok, f"started from {joiners}"))
+
+    if "rounds_with_fresh" in expect:
+        shares = {i: _share_of_steps_with_fresh(result["samples"], i) for i in up}
+        ok = all(share >= expect["rounds_with_fresh"] for share in shares.values())
+        verdicts.append(_verdict("rounds_with_fresh", ok, f"share of outer steps {_fmt(shares)}"))
+    return verdicts
+
+
+def _share_of_steps_with_fresh(samples: list[dict[str, Any]], node: int) -> float:
+    """Of the round changes between consecutive samples of ``node``, the share over which its
+    count of peer fragments applied at age 0 or 1 rose (samples come every few seconds, rounds
+    every tens of seconds, so a change is nearly always one outer step)."""
+    seen = [s["status"] for s in samples if s.get("node") == node and s.get("status")]
+    steps = fresh_steps = 0
+    for before, after in itertools.pairwise(seen):
+        if after["round"] > before["round"]:
+            steps += 1
+            fresh_steps += _fresh(after) > _fresh(before)
+    return fresh_steps / steps if steps else 0.0
+
+
+def _fresh(status: dict[str, Any]) -> int:
+    return sum(n for age, n in status["applied_by_age"].items() if int(age) <= 1)
+
+
+def _fmt(values: dict[int, float]) -> str:
+    return ", ".join(f"{i}: {v:.3f}" for i, v in sorted(values.items()))
