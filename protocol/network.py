@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -39,7 +39,7 @@ from typing import TypeVar
 
 import torch
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
 from cgad.protocol.auth import SwarmAuthorizer, SwarmKey
@@ -74,9 +74,17 @@ __all__ = ["NetworkTransport"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T", Holdings, Progress)
 
+
+def _peer_ids(maddrs: Sequence[str]) -> list[str]:
+    """The peer ids in bootstrap multiaddrs (``/p2p/<id>``; those without one are skipped)."""
+    return [m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m]
+
+
 STATE_PASSES = 5  # a snapshot's holders are tried this many times over (busy ones free up)
 CLOCK_SKEW = 60.0  # seconds a peer's clock may run ahead of ours (DHT time is each peer's own)
 FAREWELL_TIMEOUT = 5.0  # seconds a leaving peer spends telling the swarm before it goes anyway
+REJOIN_EVERY = 10.0  # seconds between pings of the peers it knew, while a peer sees none live
+KNOWN_PEERS = 64  # the most recently seen peers it remembers for that (records are cheap to forge)
 
 
 class NetworkTransport(Transport):
@@ -141,6 +149,9 @@ class NetworkTransport(Transport):
         self._logged_reasons: set[str] = set()
         self._holdings = ParseCache(parse_holdings)  # holders' records, parsed once while they stand
         self._live: dict[str, Progress] = {}
+        # peers seen live (and --peers), newest last: whom to ping when none is left
+        self._known: OrderedDict[str, None] = OrderedDict.fromkeys(_peer_ids(self.options.peers))
+        self._rejoined_at = 0.0
         self._progress = Progress(
             peer_id=self.peer_id,
             versions=[0] * num_fragments,
@@ -377,11 +388,28 @@ class NetworkTransport(Transport):
             try:
                 await self._poll_once()
                 self.polls += 1
+                if not self.live_peers() and time.monotonic() - self._rejoined_at > REJOIN_EVERY:
+                    await self._rejoin()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("polling the DHT failed; retrying")
             await asyncio.sleep(self.options.poll_interval)
+
+    async def _rejoin(self) -> None:
+        """Ping the peers this one knew. After a partition both sides have dropped each other
+        from their DHT routing tables (every request across it failed), so neither would look
+        for the other again; a ping that is answered puts each in the other's table."""
+        self._rejoined_at = time.monotonic()
+        assert self.dht_node is not None
+        pings = []
+        for peer in self._known:
+            with contextlib.suppress(Exception):  # an id that does not parse is not pinged
+                pings.append(self.dht_node.protocol.call_ping(PeerID.from_base58(peer), strict=False))
+        replies = await asyncio.gather(*pings, return_exceptions=True)
+        answered = sum(1 for reply in replies if reply is not None and not isinstance(reply, BaseException))
+        if answered:
+            logger.info("no live peer: %d of %d known peers answered a ping", answered, len(self._known))
 
     async def _poll_once(self) -> None:
         assert self.dht_node is not None
@@ -395,6 +423,11 @@ class NetworkTransport(Transport):
         live = {p.peer_id: p for p in self._records(found.get(progress_key(run_id)), "progress", now)}
         live.setdefault(self.peer_id, self._progress)
         self._live = live
+        for peer in live.keys() - {self.peer_id}:
+            self._known[peer] = None
+            self._known.move_to_end(peer)
+        while len(self._known) > KNOWN_PEERS:
+            self._known.popitem(last=False)
 
         versions = self._progress.versions
         for fragment, numel in interest.items():

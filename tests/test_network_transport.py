@@ -188,6 +188,36 @@ def test_a_peer_that_leaves_says_so(netswarm: list[NetworkTransport]) -> None:
     wait_for(lambda: leaver.peer_id not in p0.live_peers(), timeout=10, what="the farewell to be seen")
 
 
+def _forget(transport: NetworkTransport, other: NetworkTransport) -> None:
+    """What a partition leaves behind: every DHT request to ``other`` failed, so it is gone from
+    ``transport``'s routing table (run on the transport's loop, which owns the table)."""
+    table = transport.dht_node.protocol.routing_table
+
+    async def forget() -> None:
+        node_id = table.get(peer_id=other.p2p.peer_id)
+        if node_id is not None:
+            del table[node_id]
+
+    transport._runner.call(forget(), 10)
+
+
+@pytest.mark.timeout(90)
+def test_peers_that_lost_each_other_find_each_other_again() -> None:
+    short = {"liveness_ttl": 4.0, "record_ttl": 4.0}
+    a = make_transport(**short)
+    b = make_transport(peers=a.maddrs(), **short)
+    try:
+        wait_for(lambda: a.peer_id in b.live_peers() and b.peer_id in a.live_peers(), what="both live")
+        _forget(a, b)
+        _forget(b, a)
+        # each stops seeing the other when its last record expires, then pings the peers it knew
+        wait_for(lambda: a.peer_id not in b.live_peers(), timeout=15, what="the partition to show")
+        wait_for(lambda: a.peer_id in b.live_peers() and b.peer_id in a.live_peers(), timeout=30, what="rejoin")
+    finally:
+        b.close()
+        a.close()
+
+
 def _publisher_process(initial_peers: list[str], report: multiprocessing.Queue) -> None:
     transport = make_transport(peers=initial_peers, upload_limit=10e6)
     assert transport.p2p is not None

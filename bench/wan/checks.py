@@ -7,12 +7,14 @@ A scenario states its expectations as data (``"expect"`` in its JSON); each beco
   leave (or killed without a restart) answered at the end;
 - ``learns``: each node's last held-out loss is at least this far below the untrained model's
   (node 0's first evaluation: a joiner's own history starts wherever the swarm was);
-- ``recovers``: after a kill, a partition or a slow link, the node named is back with the swarm:
-  its lowest version at most ``versions_within`` behind the others' and its held-out loss at most
-  ``loss_within`` above their mean;
+- ``recovers``: after a kill, a partition or a slow link, the node named is back in the swarm: it
+  sees every other node, applied peer fragments after the last event, its lowest version is at
+  most ``versions_within`` behind the others' and its held-out loss at most ``loss_within`` above
+  their mean;
 - ``peers_at_end``: each node still up sees this many live peers (a node that left is gone from
   its peers' view);
-- ``joins``: every node but the first started from a peer's snapshot (none gave up joining);
+- ``joins``: every node but the first started from a peer's snapshot (none gave up joining),
+  as its last status before the end (or before it left) says;
 - ``rounds_with_fresh``: for each node up at the end, at least this fraction of the outer steps
   seen in the samples applied a peer fragment at age 0 or 1 (on a thin link the bytes go to
   fragments that count).
@@ -84,11 +86,15 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
             behind = swarm_version - min(node["versions"])
             mean_loss = sum(s["eval_loss"] for s in others) / len(others)
             above = node["eval_loss"] - mean_loss
-            ok = behind <= rule["versions_within"] and above <= rule["loss_within"]
+            # back in the swarm, not beside it: it sees its peers and takes their fragments again
+            applied_since = node["applied"] - _applied_after_last_event(result, index)
+            ok = (behind <= rule["versions_within"] and above <= rule["loss_within"]
+                  and node["peers"] == len(others) and applied_since > 0)  # fmt: skip
             verdicts.append(_verdict(
                 "recovers", ok,
                 f"node {index}: {behind} versions behind (≤ {rule['versions_within']}), "
-                f"loss {above:+.3f} vs the others' mean (≤ {rule['loss_within']})",
+                f"loss {above:+.3f} vs the others' mean (≤ {rule['loss_within']}), "
+                f"sees {node['peers']} of {len(others)} peers, applied {applied_since} fragments since",
             ))  # fmt: skip
 
     if "peers_at_end" in expect:
@@ -97,7 +103,8 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
         verdicts.append(_verdict("peers_at_end", ok, f"peers seen {seen} (want {expect['peers_at_end']})"))
 
     if expect.get("joins"):
-        joiners = {i: s["started_from"] for i, s in final.items() if i != 0 and s is not None}
+        last = {s["node"]: s["status"] for s in result["samples"] if s.get("status")}  # a leaver too
+        joiners = {i: s["started_from"] for i, s in last.items() if i != 0}
         ok = len(joiners) == scenario["nodes"] - 1 and all(f.startswith("peer ") for f in joiners.values())
         verdicts.append(_verdict("joins", ok, f"started from {joiners}"))
 
@@ -106,6 +113,17 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
         ok = all(share >= expect["rounds_with_fresh"] for share in shares.values())
         verdicts.append(_verdict("rounds_with_fresh", ok, f"share of outer steps {_fmt(shares)}"))
     return verdicts
+
+
+def _applied_after_last_event(result: dict[str, Any], node: int) -> int:
+    """The node's count of applied fragments at its first status after the scenario's last event
+    (0 where there is none: a restarted process counts from 0)."""
+    events = [s["t"] for s in result["samples"] if "event" in s]
+    after = max(events, default=0.0)
+    for sample in result["samples"]:
+        if sample.get("node") == node and sample.get("status") and sample["t"] > after:
+            return sample["status"]["applied"]
+    return 0
 
 
 def _share_of_steps_with_fresh(samples: list[dict[str, Any]], node: int) -> float:
