@@ -212,7 +212,8 @@ def test_peers_that_lost_each_other_find_each_other_again() -> None:
         _forget(b, a)
         # each stops seeing the other when its last record expires, then pings the peers it knew
         wait_for(lambda: a.peer_id not in b.live_peers(), timeout=15, what="the partition to show")
-        wait_for(lambda: a.peer_id in b.live_peers() and b.peer_id in a.live_peers(), timeout=30, what="rejoin")
+        both = lambda: a.peer_id in b.live_peers() and b.peer_id in a.live_peers()  # noqa: E731
+        wait_for(both, timeout=30, what="the two to find each other again")
     finally:
         b.close()
         a.close()
