@@ -3,8 +3,9 @@
 Peers offer signed snapshots of their outer state (``NetworkTransport.publish_state``). A joining
 node first asks the peers named by ``--peers`` who they are (another run, model or method is
 refused at once), then adopts the newest snapshot ahead of it; a snapshot that trails the swarm
-once adopted (a slow download) is followed by a newer one, and finally the node counts its
-versions on to where the source has moved meanwhile. Every claim in a snapshot's record is a
+once adopted (it was old when picked) is followed by a newer one, unless the download itself took
+rounds (on a slow link the next would trail as far), and finally the node counts its versions on
+to where the source has moved meanwhile. Every claim in a snapshot's record is a
 claim until its bytes are checked; no single peer's report moves the ceiling or the lag.
 """
 
@@ -25,7 +26,7 @@ from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION
 from cgad.protocol.selection import Candidate
 
-__all__ = ["IncompatibleSwarm", "StateSync", "check_compatible"]
+__all__ = ["IncompatibleSwarm", "StateSync", "check_compatible", "settled"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,19 @@ SWARM_IDENTITY = (
 )
 # what a description or checkpoint from before a part of the identity existed meant by leaving it out
 IDENTITY_DEFAULTS = {"sync": "exchange"}
+
+
+def settled(newer_on_offer: bool, adoptions: int, behind: int, moved_while_downloading: int) -> bool:
+    """Whether a sync that has adopted a snapshot stops there (and counts its versions on)
+    rather than fetch a newer one: none is on offer, it has adopted enough in a row, it trails the
+    swarm by at most ``ADOPTED_LAG``, or its last download took longer than that many rounds (on
+    a slow link a newer snapshot would trail as far once here)."""
+    return (
+        not newer_on_offer
+        or adoptions >= MAX_ADOPTIONS
+        or behind <= ADOPTED_LAG
+        or moved_while_downloading > ADOPTED_LAG
+    )
 
 
 class IncompatibleSwarm(ValueError):
@@ -118,24 +132,26 @@ class StateSync:
         """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a
         fresh node, ``required``: any, within ``join_timeout``); the source and the round this
         node is at now, or None when nothing was adopted.
-        A snapshot that trails the swarm by more than ``ADOPTED_LAG`` versions once adopted (a
-        slow download, or an old snapshot) is followed by a newer one, up to ``MAX_ADOPTIONS``;
+        A snapshot that trails the swarm by more than ``ADOPTED_LAG`` versions once adopted (an
+        old snapshot) is followed by a newer one, up to ``MAX_ADOPTIONS``, unless the download
+        itself took longer than that many rounds (a slow link: the next would trail as far);
         then this peer's versions are counted on to the source's (``_fast_forward``)."""
         c = self.config
         give_up = time.monotonic() + (c.join_timeout if required else 10.0)
         failures: list[str] = []
         adopted: tuple[str, int] | None = None  # the last snapshot adopted: publisher, round
         adoptions = 0
+        grew = 0  # versions the swarm went on by during the last download
         while not self.leave.is_set():
             offers = self._worth_adopting(at_least_ours=required and adopted is None)
-            if adopted is not None and (
-                not offers or adoptions >= MAX_ADOPTIONS or self.behind() <= ADOPTED_LAG
-            ):
+            if adopted is not None and settled(bool(offers), adoptions, self.behind(), grew):
                 break
             for candidate in offers:
+                swarm_before = self._swarm_version()
                 snapshot_round = self._adopt(candidate, failures)
                 if snapshot_round is not None:
                     adopted, adoptions = (candidate.key.publisher, snapshot_round), adoptions + 1
+                    grew = self._swarm_version() - swarm_before
                     break
             else:
                 # no newer snapshot could be had: a fresh node keeps trying while time allows
@@ -169,6 +185,13 @@ class StateSync:
             return 0
         swarm = [statistics.median_low(column) for column in zip(*reports, strict=True)]
         return max(s - v for s, v in zip(swarm, self.loop.versions, strict=True))
+
+    def _swarm_version(self) -> int:
+        """The median over live peers of their reported (lowest) version; 0 with none."""
+        live = set(self.transport.live_peers())
+        progress = self.transport.swarm_progress()
+        reports = [min(p.versions) for pid, p in progress.items() if pid in live and p.versions]
+        return statistics.median_low(reports) if reports else 0
 
     def _worth_adopting(self, at_least_ours: bool) -> list[Candidate]:
         """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest

@@ -13,7 +13,7 @@ import torch
 from _netswarm import RUN, make_transport  # tests/ is on sys.path under pytest
 
 from cgad.node.config import JoinConfig
-from cgad.node.joining import IncompatibleSwarm, StateSync
+from cgad.node.joining import MAX_ADOPTIONS, IncompatibleSwarm, StateSync, settled
 from cgad.node.outer import OuterLoop
 from cgad.protocol.records import PROTOCOL_VERSION, fragment_key, progress_key
 
@@ -51,3 +51,19 @@ def test_the_same_version_passes_and_its_keys_name_it() -> None:
     # records of two versions never meet: their strict schemas would refuse each other's fields
     assert fragment_key(RUN, 3) == f"{RUN}_v{PROTOCOL_VERSION}_fragment3"
     assert progress_key(RUN) == f"{RUN}_v{PROTOCOL_VERSION}_progress"
+
+
+@pytest.mark.parametrize(
+    ("newer", "adoptions", "behind", "moved", "stops"),
+    [
+        (True, 1, 5, 0, False),  # an old snapshot, downloaded fast: fetch the newer one
+        (True, 1, 5, 4, True),  # the download itself took 4 rounds: the next would trail as far
+        (True, 1, 1, 0, True),  # close enough
+        (False, 1, 5, 0, True),  # nothing newer to have
+        (True, MAX_ADOPTIONS, 5, 0, True),  # enough in a row
+    ],
+)
+def test_a_joiner_chases_a_newer_snapshot_only_where_that_helps(
+    newer: bool, adoptions: int, behind: int, moved: int, stops: bool
+) -> None:
+    assert settled(newer, adoptions, behind, moved) is stops

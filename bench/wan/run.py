@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +70,9 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
     samples: list[dict[str, Any]] = []
     finals: dict[int, Any] = {}
     events = sorted(scenario["events"], key=lambda e: e["at"])
+    # the code the daemons run (they import it when they start): "-dirty" when it has changes
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude", "*"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip() or "unknown"  # fmt: skip
     shape_after = scenario.get("shape_after_join", False)
     with Testbed([Link() for _ in links] if shape_after else links) as bed:
 
@@ -130,7 +134,7 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
         testbed = bed.describe()
         logs = {i: node.log.read_text()[-4000:] for i, node in bed.nodes.items()}
         spread = phi_spread([workdir / f"n{i}" / "ckpt" for i in sorted(bed.nodes)])
-    result = {"scenario": scenario, "testbed": testbed, "samples": samples, "final": finals,
+    result = {"scenario": scenario, "commit": commit, "testbed": testbed, "samples": samples, "final": finals,
               "log_tails": logs, "phi_spread": spread, "cpu_seconds_by_process": cpu}  # fmt: skip
     result["checks"] = check(result)
     return result
