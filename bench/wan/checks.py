@@ -78,9 +78,9 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
         rule = expect["recovers"]
         index = rule["node"]
         node = up.get(index)
-        others = [s for i, s in up.items() if i != index]
-        if node is None or not others:
-            verdicts.append(_verdict("recovers", False, f"node {index} or its peers not up at the end"))
+        others = [s for i, s in up.items() if i != index and s["eval_loss"] is not None]
+        if node is None or not others or node["eval_loss"] is None or not node["versions"]:
+            verdicts.append(_verdict("recovers", False, f"node {index} not training at the end"))
         else:
             swarm_version = max(min(s["versions"]) for s in others)
             behind = swarm_version - min(node["versions"])
