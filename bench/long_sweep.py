@@ -66,6 +66,9 @@ METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
     "cga-nesterov": ("cga", {}, NESTEROV_CGA_GRID),
     "sgd (averaging)": ("sgd", {"outer_lr": 1.0}, None),
     "gossip": ("sgd", {"outer_lr": 1.0, "mixing": "gossip"}, None),
+    # the age weighting with gossip's drift removal: added when plain averaging + gossip led the
+    # delayed conditions on seed 0
+    "cga + gossip": ("cga", {"mixing": "gossip"}, None),
     "cgad": ("cgad", {}, ADAM_GRID),
     "pa-cgad": ("pa-cgad", {"fragments": 2}, None),  # at CGAD's tuned lr (TUNED_LIKE)
     "nesterov": ("nesterov", {}, [{"outer_lr": lr} for lr in (0.1, 0.3, 0.7)]),
