@@ -149,8 +149,10 @@ class NetworkTransport(Transport):
         self._logged_reasons: set[str] = set()
         self._holdings = ParseCache(parse_holdings)  # holders' records, parsed once while they stand
         self._live: dict[str, Progress] = {}
-        # peers seen live (and --peers), newest last: whom to ping when none is left
-        self._known: OrderedDict[str, None] = OrderedDict.fromkeys(_peer_ids(self.options.peers))
+        # whom to ping when no peer is left: --peers always, and the peers last seen live (newest
+        # last; bounded, as identities are free to make)
+        self._bootstrap_ids = _peer_ids(self.options.peers)
+        self._known: OrderedDict[str, None] = OrderedDict()
         self._rejoined_at = 0.0
         self._progress = Progress(
             peer_id=self.peer_id,
@@ -403,13 +405,13 @@ class NetworkTransport(Transport):
         self._rejoined_at = time.monotonic()
         assert self.dht_node is not None
         pings = []
-        for peer in self._known:
+        for peer in dict.fromkeys([*self._bootstrap_ids, *self._known]):
             with contextlib.suppress(Exception):  # an id that does not parse is not pinged
                 pings.append(self.dht_node.protocol.call_ping(PeerID.from_base58(peer), strict=False))
         replies = await asyncio.gather(*pings, return_exceptions=True)
         answered = sum(1 for reply in replies if reply is not None and not isinstance(reply, BaseException))
         if answered:
-            logger.info("no live peer: %d of %d known peers answered a ping", answered, len(self._known))
+            logger.info("no live peer: %d of %d known peers answered a ping", answered, len(pings))
 
     async def _poll_once(self) -> None:
         assert self.dht_node is not None
