@@ -162,6 +162,7 @@ class NetworkTransport(Transport):
             time=get_dht_time(),
         )
         self._closed = False
+        self._fetching_state = False  # set on the loop while a snapshot downloads
 
         # Codec work runs here, one torch thread: the kernels are memory-bound, and a second
         # OpenMP team beside the trainer's makes both spin on a busy machine (3x slower measured).
@@ -293,7 +294,21 @@ class NetworkTransport(Transport):
     def fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
         """A snapshot's bytes, verified against its publisher's record; blocks the caller.
         ``FragmentError("unavailable")`` says what failed and how far it got."""
-        return self._runner.call(self._fetcher.fetch(candidate, timeout, STATE_PASSES), timeout + 30)
+        return self._runner.call(self._fetch_state(candidate, timeout), timeout + 30)
+
+    async def _fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
+        # The state is what this peer needs before anything else: no fragment fetch shares the
+        # downlink with it (a 1 Mbit joiner's download ran at a quarter of its link beside them),
+        # and those under way stop; fragments fetched now would be of versions it is leaving.
+        self._fetching_state = True
+        for task, _ in list(self._in_flight.values()):
+            task.cancel()
+            self.stats.skipped["for_state"] += 1
+        try:
+            return await self._fetcher.fetch(candidate, timeout, STATE_PASSES)
+        finally:
+            self._fetching_state = False
+            self._dispatch()
 
     def reserve_state(self, candidate: Candidate, data: bytes | bytearray) -> None:
         """Serve a snapshot fetched from others onward (the next joiner finds one more holder)."""
@@ -457,8 +472,9 @@ class NetworkTransport(Transport):
         self._metered = (self._fetcher.bytes_in, bool(self._in_flight))
 
     def _dispatch(self) -> None:
-        """Start queued fetches, youngest first, while fewer than ``max_fetches`` run."""
-        if self._closed:
+        """Start queued fetches, youngest first, while fewer than ``max_fetches`` run (none while
+        a state download runs)."""
+        if self._closed or self._fetching_state:
             return
         self._meter()
         versions = self._progress.versions

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -152,6 +153,38 @@ def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
     with pytest.raises(FragmentError, match=r"every holder failed at 0.0 of 3.1 MB .*1 holder") as info:
         p3.fetch_state(gone, timeout=30)
     assert info.value.reason == "unavailable"
+
+
+@pytest.mark.timeout(90)
+def test_a_state_download_has_the_downlink_to_itself() -> None:
+    publisher = make_transport(upload_limit=2e6)  # 2 MB/s per stream: transfers take seconds
+    joiner = make_transport(peers=publisher.maddrs())
+    other = make_transport(peers=publisher.maddrs())  # (a snapshot's server holds its own back)
+    try:
+        publisher.publish(Fragment(key(publisher, 0, 0), torch.randn(BIG)), codec="fp32")  # 8 MiB
+        wait_for(lambda: any(got > 0 for got, _ in joiner.transfers().values()), what="the fragment fetch")
+        blob = os.urandom(16 << 20)
+        publisher.publish_state(blob, [0] * NUM_FRAGMENTS)
+        wait_for(lambda: joiner.state_offers(), what="the snapshot's record")
+        received_by_the_end: list[int] = []
+
+        def download() -> None:
+            assert bytes(joiner.fetch_state(joiner.state_offers()[0], timeout=30)) == blob
+            received_by_the_end.append(joiner.stats.received)
+
+        downloading = threading.Thread(target=download)
+        downloading.start()
+        time.sleep(0.5)  # a fragment announced while the 8 s download runs waits for its end
+        other.publish(Fragment(key(other, 5, 0), torch.randn(SMALL)))
+        downloading.join()
+        assert joiner.stats.skipped["for_state"] == 1  # the fragment fetch under way was stopped
+        assert received_by_the_end == [0]
+        [late] = collect(joiner, 5, 1)  # and it is fetched once the state is in
+        assert late.key == key(other, 5, 0)
+    finally:
+        other.close()
+        joiner.close()
+        publisher.close()
 
 
 @pytest.mark.timeout(60)
