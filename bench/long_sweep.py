@@ -13,8 +13,8 @@ Stages (the tuning seed is disjoint from the table's seeds):
  2. the table: every method in every condition, seeds 0-2, each at its own tuned setting.
 
 Runs go to a JSON-lines log as they finish (bench/results/long_sweep.runs.jsonl), so the sweep
-resumes where it stopped; `--stage 1` stops after tuning; `--report` writes the JSON, the PNG and
-the generated part of docs/RESULTS.md from what the log holds.
+resumes where it stopped; `--stage 1` stops after tuning; `--report` writes the JSON and the PNG
+from what the log holds.
 
     python bench/long_sweep.py [--jobs 2] [--stage 1|2] [--report]
 """
