@@ -146,13 +146,17 @@ class StateSync:
             offers = self._worth_adopting(at_least_ours=required and adopted is None)
             if adopted is not None and settled(bool(offers), adoptions, self.behind(), grew):
                 break
+            failed: set[str] = set()  # publishers whose newest offer failed: not their older ones
             for candidate in offers:
+                if candidate.key.publisher in failed:
+                    continue
                 swarm_before = self._swarm_version()
                 snapshot_round = self._adopt(candidate, failures)
                 if snapshot_round is not None:
                     adopted, adoptions = (candidate.key.publisher, snapshot_round), adoptions + 1
                     grew = self._swarm_version() - swarm_before
                     break
+                failed.add(candidate.key.publisher)
             else:
                 # no newer snapshot could be had: a fresh node keeps trying while time allows
                 settle = adopted is not None and (adoptions >= MAX_ADOPTIONS or not required)

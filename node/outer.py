@@ -106,6 +106,9 @@ class OuterLoop:
         # this turn's own pseudo-gradient per fragment, published and not yet applied; None when
         # the local block diverged and was discarded
         self._turn: dict[int, Fragment | None] = {}
+        # the latest finite Δ this node computed per fragment, shared or not: the yardstick
+        # peers' deltas are clipped around (robust.AroundOwn)
+        self._yardstick: dict[int, Fragment] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
@@ -140,12 +143,14 @@ class OuterLoop:
                     self.theta[i].copy_(self.phi[i])
                 self._turn[f] = None
                 return
+        key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
+        fragment = Fragment(key, own, tokens)
+        # a discarded block is still this node's own work: a yardstick no peer can move
+        self._yardstick[f] = fragment
         if not share and self.method.shares:
             self.counters.discarded += 1
             self._turn[f] = None
             return
-        key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
-        fragment = Fragment(key, own, tokens)
         self._turn[f] = fragment
         if not self.method.shares:
             return
@@ -217,14 +222,19 @@ class OuterLoop:
         as stale. A peer's token count is its own claim: it weighs at most ``TOKEN_CAP`` times this
         peer's own block. Counted, and kept in ``history``."""
         taken, deliveries = [], []
-        cap = TOKEN_CAP * max(own.tokens, 1) if own is not None else None
-        clip = self.options.aggregation == "clip"
-        # the reference to clip around: the own Δ, trusted; without one (the block diverged),
-        # the peers' coordinate-wise median, which no single peer moves far
-        reference = own.tensor if clip and own is not None else None
-        if clip and own is None and incoming:
-            reference = torch.stack([frag.tensor for frag, _ in incoming]).median(dim=0).values
-        around = AroundOwn(reference, self.options.clip_radius) if reference is not None else None
+        yardstick = self._yardstick.get(f)
+        cap = TOKEN_CAP * max(yardstick.tokens, 1) if yardstick is not None else None
+        # peers' deltas are judged against this node's own latest Δ of the fragment (this
+        # round's, or the discarded block's, or an earlier one's when this block diverged), never
+        # against anything the peers sent: with one honest peer and one attacker, any statistic
+        # of the deliveries is the attacker's to move
+        around = None
+        if self.options.aggregation == "clip":
+            if yardstick is None:  # no finite block of its own yet: nothing to judge peers by
+                self.counters.rejected["no_yardstick"] += sum(frag is not own for frag, _ in incoming)
+                incoming = [(frag, age) for frag, age in incoming if frag is own]
+            else:
+                around = AroundOwn(yardstick.tensor, self.options.clip_radius)
         for frag, age in incoming:
             scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
             if scale == 0.0:

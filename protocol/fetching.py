@@ -38,7 +38,15 @@ from cgad.protocol.records import Holdings
 from cgad.protocol.selection import Candidate
 from cgad.protocol.tls import channel_credentials, channel_options
 from cgad.protocol.transport import FragmentKey, TransportStats
-from cgad.protocol.wire import GRPC_FETCH, LIBP2P_DESCRIBE, LIBP2P_FETCH, ChunkAssembler, parse, split_chunk
+from cgad.protocol.wire import (
+    GRPC_FETCH,
+    LIBP2P_DESCRIBE,
+    LIBP2P_FETCH,
+    NOT_HELD,
+    ChunkAssembler,
+    parse,
+    split_chunk,
+)
 
 __all__ = ["MAX_DESCRIPTION", "Fetcher", "decode_and_check"]
 
@@ -90,16 +98,28 @@ class Fetcher:
         self.transfers[candidate.key] = assembler
         loop = asyncio.get_running_loop()
         started = loop.time()
+        gone: set[str] = set()  # holders that said they no longer keep these bytes
         try:
             async with asyncio.timeout(timeout):
                 for attempt in range(passes):
                     for holder in candidate.holders:
-                        data = await self.fetch_from(holder, assembler)
+                        if holder.peer_id in gone:
+                            continue
+                        try:
+                            data = await self.fetch_from(holder, assembler)
+                        except FragmentError as error:
+                            if error.reason != "not_held":
+                                raise
+                            gone.add(holder.peer_id)  # no later pass finds it there either
+                            continue
                         if data is not None:
                             return data
+                    if len(gone) == len(candidate.holders):
+                        break
                     if attempt + 1 < passes:
                         await asyncio.sleep(RETRY_SECONDS)
-            ending = "every holder failed"
+            everyone_gone = len(gone) == len(candidate.holders)
+            ending = "no holder keeps it any more" if everyone_gone else "every holder failed"
         except TimeoutError:
             ending = f"timed out after {timeout:.0f} s"
         finally:
@@ -140,7 +160,8 @@ class Fetcher:
         self, holder: Holdings, assembler: ChunkAssembler, paths: Sequence[str] | None = None
     ) -> bytearray | None:
         """Bytes from one holder over the first path that works, resuming where a previous holder
-        or stream stopped; None when this holder could not deliver."""
+        or stream stopped; None when this holder could not deliver, ``FragmentError("not_held")``
+        when it says it no longer keeps them."""
         for path in paths or self.options.paths:
             # a private swarm's bytes cross gRPC only encrypted (libp2p always is)
             plaintext_only = self.swarm_key is not None and holder.tls is None
@@ -163,6 +184,8 @@ class Fetcher:
                     if error.reason == "too_slow":  # what it sent stays: the next holder resumes it
                         self.reject("too_slow", f"from {holder.peer_id} over {path}: {error.detail}")
                         return None
+                    if error.reason == "not_held":  # the same answer over any other path
+                        raise
                     logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
                     break
                 except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
@@ -252,6 +275,8 @@ class Fetcher:
                 part = message.WhichOneof("part")
                 if first:
                     if part != "header":
+                        if message.error == NOT_HELD:
+                            raise FragmentError("not_held", NOT_HELD)
                         raise FragmentError(
                             "bad_header", message.error or "stream did not start with a header"
                         )

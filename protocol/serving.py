@@ -36,6 +36,7 @@ from cgad.protocol.wire import (
     CHUNK_BYTES,
     LIBP2P_DESCRIBE,
     LIBP2P_FETCH,
+    NOT_HELD,
     SERVICE,
     response_stream,
     serialized_response_stream,
@@ -162,7 +163,7 @@ class FragmentServer:
             return
         entry = self.store.get(request.content_hash)
         if entry is None:
-            yield self._refusal("not held here", serialized)
+            yield self._refusal(NOT_HELD, serialized)
             return
         state = entry.header.kind == pb.STATE
         if state and self.state_streams >= MAX_STATE_STREAMS:

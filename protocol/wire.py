@@ -38,6 +38,9 @@ CHUNK_BYTES = 1 << 20  # libp2p caps a message at 4 MiB; 1 MiB parts keep both p
 # can be streamed pre-serialized): the gRPC method paths and the libp2p protocol names.
 SERVICE = pb.DESCRIPTOR.services_by_name["FragmentService"].full_name
 GRPC_FETCH = f"/{SERVICE}/Fetch"
+# a holder's answer for bytes it no longer keeps (a newer snapshot replaced them): final, unlike
+# "busy", so a fetcher stops asking it
+NOT_HELD = "not held here"
 LIBP2P_FETCH = f"{SERVICE}.Fetch"
 LIBP2P_DESCRIBE = f"{SERVICE}.Describe"
 

@@ -10,8 +10,9 @@ import threading
 
 import pytest
 import torch
-from _netswarm import RUN, make_transport  # tests/ is on sys.path under pytest
+from _netswarm import RUN, make_transport, wait_for  # tests/ is on sys.path under pytest
 
+from cgad.node.checkpoint import pack
 from cgad.node.config import JoinConfig
 from cgad.node.joining import MAX_ADOPTIONS, IncompatibleSwarm, StateSync, settled
 from cgad.node.outer import OuterLoop
@@ -67,3 +68,28 @@ def test_a_joiner_chases_a_newer_snapshot_only_where_that_helps(
     newer: bool, adoptions: int, behind: int, moved: int, stops: bool
 ) -> None:
     assert settled(newer, adoptions, behind, moved) is stops
+
+
+def _snapshot(version: int, value: float) -> bytes:
+    with make_transport() as scratch:
+        outer = _sync(scratch, []).loop.state_dict()
+    outer["phi"] = [torch.full_like(p, value) for p in outer["phi"]]
+    outer["versions"] = [version] * len(outer["versions"])
+    return pack({"swarm": {**SWARM, "protocol": PROTOCOL_VERSION}, "outer": outer, "round": version})
+
+
+def test_a_peer_whose_snapshot_was_poisoned_is_not_tried_at_its_older_versions() -> None:
+    with (
+        make_transport() as honest,
+        make_transport(peers=honest.maddrs()) as poisoner,
+        make_transport(peers=honest.maddrs()) as joiner,
+    ):
+        # within the cutoff (4) of the peers' progress reports (0), so that every offer is worth trying
+        honest.publish_state(_snapshot(2, 1.0), [2])
+        for version in (3, 4):  # the publisher keeps its two newest: both on offer, both NaN
+            poisoner.publish_state(_snapshot(version, float("nan")), [version])
+        wait_for(lambda: len(joiner.state_offers()) == 3, what="three offers")
+        sync = _sync(joiner, honest.maddrs())
+        adopted = sync.sync(required=True)
+        assert adopted == (honest.peer_id, 2) and torch.equal(sync.loop.phi[0], torch.ones(4))
+        assert joiner.stats.rejected["bad_state"] == 1  # version 4 refused, version 3 never fetched

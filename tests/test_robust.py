@@ -86,7 +86,7 @@ def _step(aggregation: str, attack: float, **options: object) -> torch.Tensor:
     loop.publish(0, tokens=10)
     peer.publish(Fragment(FragmentKey("run", 0, 0, "peer"), torch.full((8,), -1.0) * attack, tokens=10))
     loop.apply(0)
-    return loop.phi[0], loop
+    return loop.phi[0].detach(), loop
 
 
 def test_one_scaled_peer_moves_the_mean_but_not_the_clipped_step():
@@ -108,3 +108,34 @@ def test_a_reversed_delivery_is_refused_and_blamed():
     assert torch.allclose(taken, torch.zeros(8)) and loop.counters.applied == 1
     mean, loop = _step("mean", -1.0)  # the plain mean screens nothing
     assert torch.allclose(mean, torch.zeros(8)) and not loop.counters.rejected
+
+
+def _discarded_round(attack: float, diverge: bool = False) -> OuterLoop:
+    """A round whose own block is kept from the step (the first after adopting a state, or one
+    that diverged): one honest peer sends −1s, an attacker −1s × ``attack`` with a huge token
+    claim."""
+    network = VirtualNetwork()
+    me, honest, attacker = network.join("me"), network.join("honest"), network.join("attacker")
+    loop = OuterLoop([torch.zeros(8)], OuterOptions(optimizer="sgd", outer_lr=1.0), me, "run")
+    loop.theta[0].add_(float("nan") if diverge else 1.0)
+    loop.publish(0, tokens=10, share=False)
+    honest.publish(Fragment(FragmentKey("run", 0, 0, "honest"), torch.full((8,), -1.0), tokens=10))
+    forged = Fragment(FragmentKey("run", 0, 0, "attacker"), torch.full((8,), -attack), tokens=2**62)
+    attacker.publish(forged)
+    loop.apply(0)
+    return loop
+
+
+def test_a_discarded_block_still_judges_the_peers_deltas():
+    # judged against the peers' own median, the attacker (one of two) would be the yardstick
+    loop = _discarded_round(1e6)
+    assert float(loop.phi[0].abs().max()) <= 3.0 + 1e-5  # within (1 + radius)·‖Δ_own‖
+    assert loop.counters.clipped == 1 and loop.counters.applied == 2
+    honest = _discarded_round(1.0)
+    assert torch.allclose(honest.phi[0], torch.ones(8))
+
+
+def test_without_any_block_of_its_own_a_node_takes_no_peer_delta():
+    loop = _discarded_round(1e6, diverge=True)
+    assert torch.equal(loop.phi[0], torch.zeros(8)) and loop.counters.applied == 0
+    assert loop.counters.rejected["no_yardstick"] == 2 and loop.counters.rejected["local_non_finite"] == 1

@@ -282,15 +282,21 @@ def test_a_locally_diverged_block_is_discarded_not_published():
     a, b = network.join("a"), network.join("b")
     loop = OuterLoop([torch.zeros(4)], OuterOptions(optimizer="sgd", outer_lr=1.0), a, "run")
     peer = OuterLoop([torch.zeros(4)], OuterOptions(optimizer="sgd", outer_lr=1.0), b, "run")
+    for node in (loop, peer):  # a first round in which both agree: φ moves to 0.5
+        node.theta[0].fill_(0.5)
+        node.publish(0, tokens=1)
+    for node in (loop, peer):
+        node.apply(0)
     loop.theta[0].copy_(torch.tensor([1.0, float("nan"), 0.0, 0.0]))
-    peer.theta[0].fill_(0.5)
+    peer.theta[0].fill_(1.0)
     peer.publish(0, tokens=1)
     loop.publish(0, tokens=1)
     assert loop.counters.rejected["local_non_finite"] == 1
     assert b.receive(0) == []  # nothing non-finite left the node
     loop.apply(0)
-    assert loop.versions == [1]  # the round still counts
-    torch.testing.assert_close(loop.theta[0], torch.full((4,), 0.5))  # the peer's progress applied
+    assert loop.versions == [2]  # the round still counts
+    # the peer's progress applied, judged against this node's Δ of the round before
+    torch.testing.assert_close(loop.theta[0], torch.full((4,), 1.0))
 
 
 def test_loaded_state_keeps_this_peers_hyperparameters():
