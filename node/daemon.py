@@ -469,6 +469,7 @@ class Node:
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
             "clipped": counters.clipped,
+            "clipped_params": counters.clipped_params,
             "discarded": counters.discarded,
             "phase_nudges": dict(self.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),

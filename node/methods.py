@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -268,7 +269,9 @@ class NoLoCoMethod(OuterMethod):
             return
         partner = loop.rng.choice(partners)
         phi = loop.fragment_phi(f)
-        mean_phi = [(a + b) / 2 for a, b in zip(phi, loop.unflatten(f, newest_phi[partner]), strict=True)]
+        mine = torch.cat([p.detach().flatten() for p in phi])
+        theirs = loop.held_params(f, mine, newest_phi[partner])
+        mean_phi = [(a + b) / 2 for a, b in zip(phi, loop.unflatten(f, theirs), strict=True)]
         mean_delta = [
             (a + b) / 2
             for a, b in zip(

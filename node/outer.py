@@ -78,6 +78,7 @@ class _Counters:
     age_sum: int = 0
     age_count: int = 0
     mixed: int = 0
+    clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
 
 
 class OuterLoop:
@@ -284,6 +285,23 @@ class OuterLoop:
     def numel(self, f: int) -> int:
         return sum(self.phi[i].numel() for i in self.fragments[f])
 
+    def held_params(self, f: int, anchor: Tensor, theirs: Tensor) -> Tensor:
+        """A peer's φ_f as this node mixes it in: within ``clip_radius`` × ‖own latest Δ_f‖ of
+        ``anchor`` (this node's φ_f where the two are compared), the same bound its deltas get,
+        so a far-off φ pulls no further than an honest round's drift; ``anchor`` itself when
+        there is no own Δ to measure by. As sent under ``--aggregation mean``."""
+        if self.options.aggregation != "clip":
+            return theirs
+        yardstick = self._yardstick.get(f)
+        if yardstick is None:
+            return anchor
+        bound = self.options.clip_radius * float(torch.linalg.vector_norm(yardstick.tensor.double()))
+        apart = float(torch.linalg.vector_norm((theirs - anchor).double()))
+        if apart <= bound:
+            return theirs
+        self.counters.clipped_params += 1
+        return anchor + (theirs - anchor) * (bound / apart)
+
     def _mixing_due(self, f: int) -> bool:
         o = self.options
         return (
@@ -308,7 +326,7 @@ class OuterLoop:
             o = self.options
             rate = o.mixing_rate * staleness_weight(self.versions[f] - s, o.alpha, o.cutoff)
             if rate > 0:
-                drift = mine[s] - partner.tensor
+                drift = mine[s] - self.held_params(f, mine[s], partner.tensor)
                 for p, d in zip(self.fragment_phi(f), self.unflatten(f, drift), strict=True):
                     p.data.sub_(d.to(p.dtype), alpha=rate)
                 self.counters.mixed += 1

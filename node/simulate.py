@@ -189,6 +189,7 @@ def simulate(
         "resyncs": sum(wk.resyncs for wk in workers),
         "mixed": sum(wk.loop.counters.mixed for wk in workers),
         "clipped": sum(wk.loop.counters.clipped for wk in honest),
+        "clipped_params": sum(wk.loop.counters.clipped_params for wk in honest),
         "mean_age": _mean([d.age for d in delivered if not d.own]),
         "age_counts": _age_counts([d for d in delivered if not d.own]),
         "wall_seconds": time.perf_counter() - started,

@@ -264,7 +264,10 @@ class NetworkTransport(Transport):
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}")
         assembler = ChunkAssembler(digest, byte_length)
-        data = self._runner.call(self._fetcher.fetch_from(holder, assembler, paths=(path,)), timeout)
+        try:
+            data = self._runner.call(self._fetcher.fetch_from(holder, assembler, paths=(path,)), timeout)
+        except FragmentError as error:  # not_held
+            raise FragmentError("unavailable", f"{holder.peer_id} does not keep it") from error
         if data is None:
             raise FragmentError("unavailable", f"{holder.peer_id} did not deliver over {path}")
         return data

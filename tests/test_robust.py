@@ -4,6 +4,8 @@ no further than an honest one could, and a reversed one is refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from cgad.node.config import OuterOptions
 from cgad.node.outer import OuterLoop
 from cgad.optim import AroundOwn
 from cgad.protocol.memory import VirtualNetwork
-from cgad.protocol.transport import Fragment, FragmentKey
+from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -139,3 +141,27 @@ def test_without_any_block_of_its_own_a_node_takes_no_peer_delta():
     loop = _discarded_round(1e6, diverge=True)
     assert torch.equal(loop.phi[0], torch.zeros(8)) and loop.counters.applied == 0
     assert loop.counters.rejected["no_yardstick"] == 2 and loop.counters.rejected["local_non_finite"] == 1
+
+
+@pytest.mark.parametrize(("optimizer", "mixing"), [("sgd", "gossip"), ("noloco", "none")])
+def test_a_far_off_phi_pulls_no_further_than_an_honest_rounds_drift(optimizer: str, mixing: str) -> None:
+    """A mixing partner's φ is held within clip_radius·‖Δ_own‖ of this node's, like its Δ."""
+
+    def mixed(aggregation: str) -> OuterLoop:
+        network = VirtualNetwork()
+        me, peer = network.join("me"), network.join("peer")
+        options = OuterOptions(optimizer=optimizer, outer_lr=1.0, mixing=mixing, aggregation=aggregation)
+        loop = OuterLoop([torch.zeros(8)], options, me, "run")
+        loop.theta[0].add_(1.0)  # own Δ −1s: ‖Δ‖ = √8, so a φ is held within 2√8 (2 per coordinate)
+        loop.publish(0, tokens=10)
+        key = FragmentKey("run", 0, 0, "peer")
+        peer.publish(Fragment(key, torch.full((8,), -1.0), tokens=10))  # an honest Δ
+        peer.publish(Fragment(replace(key, kind=Kind.PARAMS), torch.full((8,), 1e6), tokens=10))
+        loop.apply(0)
+        return loop
+
+    held, sent = mixed("clip"), mixed("mean")
+    assert float(sent.phi[0].detach().abs().max()) > 1e5  # the far-off φ has teeth unheld
+    # gossip: φ 1 after the step, then pulled half-way to a partner held at 2: 2; NoLoCo: the
+    # pair's mean φ (1) and Δ (−1) with a unit step: 2
+    assert float(held.phi[0].detach().abs().max()) <= 2.0 + 1e-5 and held.counters.clipped_params == 1
