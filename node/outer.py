@@ -13,7 +13,9 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
    family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
    Nesterov and SGD the token-weighted mean; Delayed Nesterov takes each delivery as one
    arrival; NoLoCo averages with one random peer of the round;
-4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters.
+4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters;
+   a peer behind the swarm's version then replays the peers' deltas of each version it missed
+   as a step of its own (``apply(swarm_version=)``).
 
 A peer that fell more than the cutoff behind the swarm should re-sync its state; the driver
 judges that from the swarm's progress records and does it with ``state_dict`` /
