@@ -4,8 +4,7 @@ Each pseudo-gradient Δ_i of a round (held in ``p.grad`` when ``accumulate`` is 
 τ_i and a weight w_i (the tokens behind it). With s_i = w_i·σ(τ_i):
 
     Δ̄ = Σ_i s_i·Δ_i / Σ_i s_i              (deliveries with σ = 0 are dropped: in neither sum)
-    τ̄ = Σ_i s_i·τ_i / Σ_i s_i;   μ' = max(0, μ − τ̄/(1 + τ̄))
-    b ← μ'·b + Δ̄;   u = Δ̄ + μ'·b (Nesterov) or Δ̄ (μ = 0)
+    b ← μ·b + Δ̄;   u = Δ̄ + μ·b (Nesterov) or Δ̄ (μ = 0)
     φ ← φ − lr·u
 
 At lr 1 and μ = 0 this is averaging, DiLoCo's outer step without momentum. The normalisation is
@@ -13,13 +12,6 @@ by Σ s_i, not Σ w_i: a stale delivery loses its share of the mean to the fresh
 shrinking the whole step, so a peer whose fellows' deliveries are all gated out continues from its
 own θ exactly (training alone, never worse), and with every delivery fresh it is plain averaging.
 ``merge`` (``cgad.optim.merging``) is the other normalisation, which the Adam family uses.
-
-The momentum is age-aware too. Stale updates already act as momentum (asynchrony with a mean
-delay τ̄ behaves like SGD with an implicit momentum of about τ̄/(1 + τ̄); Mitliagkas et al., 2016),
-so explicit momentum on top of them overshoots: in the long sweep, μ 0.5 was the best outer step
-without delay and worse than training alone under random delays up to 4 rounds. μ' takes off
-what the round's own lateness adds (τ̄ is the mean age of what the mean is made of): with every
-delivery fresh it is μ, from a mean age of μ/(1 − μ) on (1 round for μ 0.5) it is 0.
 """
 
 from __future__ import annotations
@@ -82,10 +74,8 @@ class CGA(Optimizer):
                 if "sum" not in state:
                     state["sum"] = torch.zeros_like(p, dtype=torch.float32)
                     state["total"] = 0.0
-                    state["age_total"] = 0.0
                 state["sum"].add_(p.grad.float(), alpha=scale)
                 state["total"] += scale
-                state["age_total"] = state.get("age_total", 0.0) + scale * age
                 taken = True
         return taken
 
@@ -108,13 +98,11 @@ class CGA(Optimizer):
                     steps = state.get("steps", 0)
                     if "momentum" not in state or (restart and steps and steps % restart == 0):
                         state["momentum"] = torch.zeros_like(mean)
-                    late = state["age_total"] / state["total"]
-                    mu_now = max(0.0, mu - late / (1.0 + late))
-                    buf = state["momentum"].mul_(mu_now).add_(mean)
-                    update = mean.add(buf, alpha=mu_now)
+                    buf = state["momentum"].mul_(mu).add_(mean)
+                    update = mean.add(buf, alpha=mu)
                     state["steps"] = steps + 1
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
                 # the sums live only within a round: dropped, they stay out of the state that
                 # checkpoints and joining peers carry (which is then the momentum, if any)
-                del state["sum"], state["total"], state["age_total"]
+                del state["sum"], state["total"]
         return loss
