@@ -283,11 +283,7 @@ class Node:
         if not self._adopted_block:
             return steps >= block + self._block_extra
         fragment = self.blocks % self.config.fragments
-        # the peers' fragments of the round they are in now (a joiner a round behind has theirs
-        # of the round it missed already: those end nothing, they are replayed)
-        swarm = self.state_sync.swarm_versions()
-        version = max(self.loop.versions[fragment], swarm[fragment] if swarm else 0)
-        peers_in = self.transport.arrived(fragment, version)
+        peers_in = self.transport.arrived(fragment, self.loop.versions[fragment])
         return adopted_block_over(steps, block, peers_in, bool(self.transport.live_peers()))
 
     @property
@@ -354,13 +350,8 @@ class Node:
         c = self.config
         if turn.awaited:
             self._align_phase(turn, self.transport.arrived(fragment, turn.version))
-        swarm = self.state_sync.swarm_versions()
         with self._outer_lock:  # carrying only when inner steps ran since the publish
-            self.loop.apply(
-                fragment,
-                carry=self.trainer.steps > self.block_start,
-                swarm_version=swarm[fragment] if swarm else None,
-            )
+            self.loop.apply(fragment, carry=self.trainer.steps > self.block_start)
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
@@ -480,7 +471,6 @@ class Node:
             "clipped": counters.clipped,
             "clipped_params": counters.clipped_params,
             "discarded": counters.discarded,
-            "replayed": counters.replayed,
             "phase_nudges": dict(self.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "downlink_bytes_per_second": self.transport.downlink_rate,

@@ -13,9 +13,7 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
    family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
    Nesterov and SGD the token-weighted mean; Delayed Nesterov takes each delivery as one
    arrival; NoLoCo averages with one random peer of the round;
-4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters;
-   a peer behind the swarm's version then replays the peers' deltas of each version it missed
-   as a step of its own (``apply(swarm_version=)``).
+4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters.
 
 A peer that fell more than the cutoff behind the swarm should re-sync its state; the driver
 judges that from the swarm's progress records and does it with ``state_dict`` /
@@ -81,7 +79,6 @@ class _Counters:
     age_count: int = 0
     mixed: int = 0
     clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
-    replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
 
 
 class OuterLoop:
@@ -166,18 +163,11 @@ class OuterLoop:
             if self._mixing_due(f):  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
 
-    def apply(self, f: int, carry: bool = False, swarm_version: int | None = None) -> list[Delivery]:
+    def apply(self, f: int, carry: bool = False) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since.
         θ_f then restarts from the new φ_f; with ``carry``, the inner steps taken since
         ``publish(f)`` are kept on top of it (θ_f ← φ_f' + θ_f − θ_f at publish): the driver may
-        let training run on while the round's fragments arrive, and apply the step late.
-
-        ``swarm_version``, the version of f that the swarm is at (a median over live peers'
-        reports, which no single peer moves), lets a peer that is behind catch up: the
-        deliveries of each version after its own, up to that one, are then taken as a step of
-        their own, in order, as the peers took them (a joiner whose snapshot is a round old
-        replays the round it missed instead of relabelling stale parameters as current). Without
-        it, deliveries from ahead are merged into the one step at age 0."""
+        let training run on while the round's fragments arrive, and apply the step late."""
         if f not in self._turn:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
         own = self._turn.pop(f)
@@ -215,15 +205,6 @@ class OuterLoop:
             incoming.append((frag, age))
         # outer parameters published by peers: taken by NoLoCo and gossip, drained otherwise
         peer_params = self.transport.receive(f, Kind.PARAMS)
-        # the versions to replay: contiguous from base + 1, at most up to the swarm's
-        replay: list[list[tuple[Fragment, int]]] = []
-        ahead = {frag.key.base_version for frag, _ in incoming if frag.key.base_version > base}
-        version = base + 1
-        while swarm_version is not None and version <= swarm_version and version in ahead:
-            replay.append([(frag, 0) for frag, _ in incoming if frag.key.base_version == version])
-            version += 1
-        replayed = {frag.key for batch in replay for frag, _ in batch}
-        incoming = [(frag, age) for frag, age in incoming if frag.key not in replayed]
         with torch.no_grad():
             taken, deliveries = self._take(f, incoming, own)
             if taken:
@@ -231,13 +212,6 @@ class OuterLoop:
             if self._mixing_due(f):
                 self._gossip(f, peer_params)
             self.versions[f] += 1
-            for batch in replay:
-                taken, caught_up = self._take(f, batch, None)
-                if taken:
-                    self.method.step(self, f, taken, [])
-                deliveries += caught_up
-                self.versions[f] += 1
-                self.counters.replayed += 1
             for n, i in enumerate(self.fragments[f]):
                 self.theta[i].copy_(self.phi[i] if progress is None else self.phi[i] + progress[n])
         return deliveries
