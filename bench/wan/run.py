@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -219,6 +220,9 @@ def main() -> None:
     why = available()
     if why:
         sys.exit(f"cannot build the testbed here: {why}")
+    # a SIGTERM (kill, timeout) unwinds like Ctrl-C, so that the testbed's teardown runs: by
+    # default Python dies at once and leaves the namespaces and the nodes in them running
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     try:  # a typo fails before any run
         scenarios = [load_scenario(path) for path in args.scenarios]
     except (OSError, ValueError) as error:
