@@ -232,4 +232,10 @@ def teardown_stale() -> None:
                 except (ProcessLookupError, ValueError):
                     pass
             _sh("ip", "netns", "del", name, check=False)
+    # a host end outlives its namespace while anything still holds that namespace open
+    for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        fields = line.split(":")
+        name = fields[1].strip().split("@")[0] if len(fields) > 1 else ""
+        if name.startswith(f"{PREFIX}-") and name != BRIDGE:
+            _sh("ip", "link", "del", name, check=False)
     _sh("ip", "link", "del", BRIDGE, check=False)
