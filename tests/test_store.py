@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.records import MAX_OFFERS, Offer
-from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
+from cgad.protocol.store import STATE_EXTRA, STATE_RESUME, FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind
 from cgad.protocol.wire import content_hash
 
@@ -131,3 +132,24 @@ def test_the_inbox_counts_publishers_of_a_version_or_newer_and_pops_by_kind() ->
     assert inbox.publishers(1, 0) == 0
     assert [f.key.publisher for f in inbox.pop(0, Kind.PARAMS)] == ["d"]
     assert len(inbox.pop(0, Kind.DELTA)) == 4 and inbox.publishers(0, 0) == 0
+
+
+def test_a_snapshot_being_downloaded_outlives_newer_ones_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FragmentStore(keep_own=2, keep_reserved=3)
+    own = [_entry(0, base, own=True, kind=Kind.STATE) for base in range(1, 8)]
+    for entry in own[:2]:
+        store.put(entry)
+    assert store.get(own[0].header.content_hash) is own[0]  # a joiner starts on version 1
+    for entry in own[2:5]:
+        store.put(entry)
+    # the newest two, and version 1 while its download may still resume
+    assert _held(store, own[:5]) == [own[0], own[3], own[4]]
+    clock = time.monotonic() + STATE_RESUME + 1
+    monkeypatch.setattr(time, "monotonic", lambda: clock)
+    store.put(own[5])  # long unread: it goes with the rest
+    assert _held(store, own[:6]) == [own[4], own[5]]
+    busy = FragmentStore(keep_own=2, keep_reserved=3)  # every snapshot read: the newest spared
+    for entry in own[:5]:
+        busy.put(entry)
+        busy.get(entry.header.content_hash)
+    assert _held(busy, own[:5]) == own[5 - 2 - STATE_EXTRA : 5]
