@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -269,8 +268,7 @@ class NoLoCoMethod(OuterMethod):
             return
         partner = loop.rng.choice(partners)
         phi = loop.fragment_phi(f)
-        mine = torch.cat([p.detach().flatten() for p in phi])
-        theirs = loop.held_params(f, mine, newest_phi[partner])
+        theirs = loop.held_params(f, loop.flat_phi(f), newest_phi[partner])
         mean_phi = [(a + b) / 2 for a, b in zip(phi, loop.unflatten(f, theirs), strict=True)]
         mean_delta = [
             (a + b) / 2

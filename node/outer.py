@@ -158,7 +158,7 @@ class OuterLoop:
         self.transport.publish(fragment)
         self.counters.published += 1
         if self.method.mixes_params or self._mixing_due(f):
-            params = torch.cat([self.phi[i].detach().flatten() for i in idx])
+            params = self.flat_phi(f)
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
             if self._mixing_due(f):  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
@@ -274,6 +274,10 @@ class OuterLoop:
     def fragment_phi(self, f: int) -> list[Tensor]:
         return [self.phi[i] for i in self.fragments[f]]
 
+    def flat_phi(self, f: int) -> Tensor:
+        """Fragment f's φ as one flat tensor (a copy), as peers receive it."""
+        return torch.cat([self.phi[i].detach().flatten() for i in self.fragments[f]])
+
     def unflatten(self, f: int, flat: Tensor) -> list[Tensor]:
         out, offset = [], 0
         for i in self.fragments[f]:
@@ -295,12 +299,10 @@ class OuterLoop:
         yardstick = self._yardstick.get(f)
         if yardstick is None:
             return anchor
-        bound = self.options.clip_radius * float(torch.linalg.vector_norm(yardstick.tensor.double()))
-        apart = float(torch.linalg.vector_norm((theirs - anchor).double()))
-        if apart <= bound:
-            return theirs
-        self.counters.clipped_params += 1
-        return anchor + (theirs - anchor) * (bound / apart)
+        scale = float(torch.linalg.vector_norm(yardstick.tensor, dtype=torch.float64))
+        _, held, clipped = AroundOwn(anchor, self.options.clip_radius, scale).judge(theirs)
+        self.counters.clipped_params += clipped
+        return held
 
     def _mixing_due(self, f: int) -> bool:
         o = self.options

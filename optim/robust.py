@@ -39,18 +39,22 @@ __all__ = ["AroundOwn"]
 
 class AroundOwn:
     """A round's yardstick: the own Δ, against which each peer's Δ of the round is judged.
-    Non-finite input is the caller's to refuse first (``ValueError`` here)."""
+    ``scale`` is what the radius counts in (default ‖reference‖): a peer's φ is judged around
+    this node's φ in norms of its own Δ. Non-finite input is the caller's to refuse first
+    (``ValueError`` here)."""
 
-    def __init__(self, reference: Tensor, radius: float) -> None:
+    def __init__(self, reference: Tensor, radius: float, scale: float | None = None) -> None:
         if not math.isfinite(radius) or radius < 0:
             raise ValueError(f"radius must be finite and >= 0, got {radius}")
+        if scale is not None and not (math.isfinite(scale) and scale >= 0):
+            raise ValueError(f"scale must be finite and >= 0, got {scale}")
         self.reference = reference
         # in float64: a finite fp32 tensor of 1e20s has a norm that overflows fp32
         self._reference64 = reference.detach().reshape(-1).double()
         self._norm_sq = float(torch.dot(self._reference64, self._reference64))
         if not math.isfinite(self._norm_sq):
             raise ValueError("AroundOwn needs a finite reference")
-        self.bound = radius * math.sqrt(self._norm_sq)
+        self.bound = radius * (math.sqrt(self._norm_sq) if scale is None else scale)
 
     def judge(self, delivery: Tensor) -> tuple[float, Tensor, bool]:
         """The delivery's cosine with the reference (1.0 when either is zero: no direction to

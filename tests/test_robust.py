@@ -63,6 +63,15 @@ def test_bad_arguments_are_refused():
         clip_around(own, torch.full((4,), float("inf")), radius=1.0)
     with pytest.raises(ValueError, match="finite"):
         clip_around(torch.full((4,), float("nan")), own, radius=1.0)
+    with pytest.raises(ValueError, match="scale"):
+        AroundOwn(own, 1.0, scale=float("inf"))
+
+
+def test_the_radius_counts_in_the_given_scale():
+    """Around a φ of norm 100, in norms of a Δ of norm 0.5: a φ 2 away is held at 2 × 0.5 = 1."""
+    phi = torch.full((4,), 50.0)
+    _, held, clipped = AroundOwn(phi, 2.0, scale=0.5).judge(phi + torch.tensor([2.0, 0, 0, 0]))
+    assert clipped and torch.allclose(held, phi + torch.tensor([1.0, 0, 0, 0]))
 
 
 def test_cosine_matches_float64_and_has_no_direction_at_zero():
