@@ -138,6 +138,7 @@ class Node:
             self.resyncs = 0
             self.unshared_blocks = 0  # blocks still to be kept from peers after adopting a state
             self._adopted_block = False  # the block under way began with an adopted state
+            self._adopted_from: str | None = None  # whose state, until the first outer step after
             self.started_from = "scratch"  # where the outer state came from: scratch, checkpoint, peer ID
             self.resumed = False  # restarted from this node's own checkpoint
             self._leave = threading.Event()
@@ -243,6 +244,8 @@ class Node:
             return False
         peer, self.round = adopted[0], max(self.round, adopted[1])
         self.started_from = f"peer {peer}"
+        # the first outer step catches up with the versions the source went on to meanwhile
+        self._adopted_from = peer
         # The inner optimizer's moments do not travel with a snapshot: the first steps after an
         # adoption are large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 ->
         # 6.19 when three joiners' first deltas arrived). Their round only warms the moments up:
@@ -283,7 +286,11 @@ class Node:
         if not self._adopted_block:
             return steps >= block + self._block_extra
         fragment = self.blocks % self.config.fragments
-        peers_in = self.transport.arrived(fragment, self.loop.versions[fragment])
+        # the peers' fragments of the round they are in now (a joiner a round behind has theirs
+        # of the round it missed already: those end nothing, they are replayed)
+        swarm = self.state_sync.swarm_versions(self._adopted_from)
+        version = max(self.loop.versions[fragment], swarm[fragment] if swarm else 0)
+        peers_in = self.transport.arrived(fragment, version)
         return adopted_block_over(steps, block, peers_in, bool(self.transport.live_peers()))
 
     @property
@@ -350,8 +357,14 @@ class Node:
         c = self.config
         if turn.awaited:
             self._align_phase(turn, self.transport.arrived(fragment, turn.version))
+        swarm = self.state_sync.swarm_versions(self._adopted_from)
+        self._adopted_from = None  # caught up with the source once; the median rules after
         with self._outer_lock:  # carrying only when inner steps ran since the publish
-            self.loop.apply(fragment, carry=self.trainer.steps > self.block_start)
+            self.loop.apply(
+                fragment,
+                carry=self.trainer.steps > self.block_start,
+                swarm_version=swarm[fragment] if swarm else None,
+            )
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         if fragment == c.fragments - 1:
             self.round += 1
@@ -471,6 +484,8 @@ class Node:
             "clipped": counters.clipped,
             "clipped_params": counters.clipped_params,
             "discarded": counters.discarded,
+            "replayed": counters.replayed,
+            "held_ahead": counters.held_ahead,
             "phase_nudges": dict(self.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "downlink_bytes_per_second": self.transport.downlink_rate,

@@ -167,7 +167,7 @@ class StateSync:
             peer, snapshot_round = adopted
             moved = self._fast_forward(peer)
             logger.info(
-                "adopted the outer state of %s at versions %s (%d moved on while it downloaded)",
+                "adopted the outer state of %s at versions %s (%d counted on to the source's)",
                 peer, self.loop.versions, moved,
             )  # fmt: skip
             return peer, snapshot_round + moved
@@ -179,15 +179,29 @@ class StateSync:
             raise ConnectionError(f"could not download the swarm's state: {why}")
         return None
 
-    def behind(self) -> int:
-        """How far this peer's slowest fragment trails the swarm: the median over live peers of
-        their reported versions (so no single peer's claim moves it), fragment by fragment."""
+    def swarm_versions(self, source: str | None = None) -> list[int] | None:
+        """The swarm's version of each fragment: the median (low) over live peers of their
+        reported versions, so no single peer's claim moves it; None with no live peer.
+        ``source``, the peer whose snapshot this node has just adopted, raises it to that peer's
+        own report: its state was taken as the swarm's, and so is how far it went on since (at
+        the start, three joiners a round behind the first node are the median's majority)."""
+        progress = self.transport.swarm_progress()
         live = set(self.transport.live_peers())
-        reports = [p.versions for pid, p in self.transport.swarm_progress().items() if pid in live]
+        reports = [p.versions for pid, p in progress.items() if pid in live]
         reports = [v for v in reports if len(v) == len(self.loop.versions)]
         if not reports:
-            return 0
+            return None
         swarm = [statistics.median_low(column) for column in zip(*reports, strict=True)]
+        told = progress.get(source) if source in live else None
+        if told is None or len(told.versions) != len(swarm):
+            return swarm
+        return [max(s, v) for s, v in zip(swarm, told.versions, strict=True)]
+
+    def behind(self) -> int:
+        """How far this peer's slowest fragment trails the swarm's (``swarm_versions``)."""
+        swarm = self.swarm_versions()
+        if swarm is None:
+            return 0
         return max(s - v for s, v in zip(swarm, self.loop.versions, strict=True))
 
     def _swarm_version(self) -> int:
@@ -252,13 +266,16 @@ class StateSync:
     def _fast_forward(self, peer: str) -> int:
         """Versions the source moved on while its state downloaded (from its latest progress
         record), counted on here so that this peer's versions and ages agree with the swarm's
-        instead of trailing it for good; bounded by the history horizon (the record is the
-        peer's own claim)."""
+        instead of trailing it for good, when they are more than ``ADOPTED_LAG``: the
+        parameters are then that many rounds stale under current labels, which a slow link
+        cannot avoid. Fewer are caught up with their content instead: the peers' deltas of the
+        missed versions are replayed as outer steps (``OuterLoop.apply``). Bounded by the
+        history horizon (the record is the peer's own claim)."""
         latest = self.transport.swarm_progress().get(peer)
         if latest is None or len(latest.versions) != len(self.loop.versions):
             return 0
         moved = max(b - a for a, b in zip(self.loop.versions, latest.versions, strict=True))
-        if not 0 < moved <= self.config.history_versions:
+        if not ADOPTED_LAG < moved <= self.config.history_versions:
             return 0
         with self.outer_lock:
             self.loop.fast_forward(latest.versions)

@@ -29,6 +29,8 @@ COUNTERS = {  # status key -> (metric name, help); Prometheus adds the _total su
     "clipped": ("clipped", "peers' fragments clipped around this node's own"),
     "clipped_params": ("clipped_params", "peers' outer parameters held near this node's before mixing"),
     "discarded": ("discarded", "own blocks discarded after adopting a state (inner optimizer warm-up)"),
+    "replayed": ("replayed", "extra outer steps on versions this node had missed (catching up)"),
+    "held_ahead": ("held_ahead", "peers' deltas of a version this node had not reached, held for that step"),
     "resyncs": ("resyncs", "times this node adopted a peer's state after falling behind"),
     "bytes_in": ("received_bytes", "fragment and snapshot bytes fetched"),
     "bytes_out": ("sent_bytes", "fragment and snapshot bytes served"),

@@ -13,7 +13,9 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
    family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
    Nesterov and SGD the token-weighted mean; Delayed Nesterov takes each delivery as one
    arrival; NoLoCo averages with one random peer of the round;
-4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters.
+4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters;
+   a peer behind the swarm's version then replays the peers' deltas of each version it missed
+   as a step of its own (``apply(swarm_version=)``).
 
 A peer that fell more than the cutoff behind the swarm should re-sync its state; the driver
 judges that from the swarm's progress records and does it with ``state_dict`` /
@@ -70,7 +72,7 @@ class _Counters:
     dropped_stale: int = 0
     clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)
     discarded: int = 0  # own blocks kept from peers and from the own step (after adopting a state)
-    from_future: int = 0
+    held_ahead: int = 0  # peers' deltas of a version this peer had not reached, kept for it
     rejected: Counter[str] = field(default_factory=Counter)
     applied_by_peer: Counter[str] = field(default_factory=Counter)
     applied_by_age: Counter[int] = field(default_factory=Counter)  # peers' deliveries taken
@@ -79,6 +81,7 @@ class _Counters:
     age_count: int = 0
     mixed: int = 0
     clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
+    replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
 
 
 class OuterLoop:
@@ -110,6 +113,8 @@ class OuterLoop:
         # the latest finite Δ this node computed per fragment, shared or not: the yardstick
         # peers' deltas are clipped around (robust.AroundOwn)
         self._yardstick: dict[int, Fragment] = {}
+        # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
+        self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
@@ -163,11 +168,19 @@ class OuterLoop:
             if self._mixing_due(f):  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
 
-    def apply(self, f: int, carry: bool = False) -> list[Delivery]:
+    def apply(self, f: int, carry: bool = False, swarm_version: int | None = None) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since.
         θ_f then restarts from the new φ_f; with ``carry``, the inner steps taken since
         ``publish(f)`` are kept on top of it (θ_f ← φ_f' + θ_f − θ_f at publish): the driver may
-        let training run on while the round's fragments arrive, and apply the step late."""
+        let training run on while the round's fragments arrive, and apply the step late.
+
+        ``swarm_version``, the version of f that the swarm is at (a median over live peers'
+        reports, which no single peer moves), lets a peer that is behind catch up: the
+        deliveries of each version after its own, up to that one, are then taken as a step of
+        their own, in order, as the peers took them (a joiner whose snapshot is a round old
+        replays the round it missed instead of relabelling stale parameters as current). The
+        other deliveries from ahead are held for the step of their own version, where they are
+        fresh: a Δ computed from φ(v+1) added to φ(v) is neither this step's nor that one's."""
         if f not in self._turn:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
         own = self._turn.pop(f)
@@ -182,7 +195,9 @@ class OuterLoop:
         )
         base = self.versions[f]
         incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
-        arrived = self.transport.receive(f)
+        waiting = self._ahead.pop(f, [])
+        arrived = waiting + self.transport.receive(f)
+        ahead: list[Fragment] = []
         for frag in arrived if self.method.shares else ():
             if frag.tensor.numel() != self.numel(f):
                 self.counters.rejected["bad_shape"] += 1
@@ -198,13 +213,25 @@ class OuterLoop:
                 self.counters.rejected["non_finite"] += 1
                 self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue
-            age = base - frag.key.base_version
-            if age < 0:  # a peer ahead of us: fresh information, and a hint that we lag
-                self.counters.from_future += 1
-                age = 0
-            incoming.append((frag, age))
+            if frag.key.base_version > base:  # a peer ahead of us: replayed or held, below
+                ahead.append(frag)
+            else:
+                incoming.append((frag, base - frag.key.base_version))
         # outer parameters published by peers: taken by NoLoCo and gossip, drained otherwise
         peer_params = self.transport.receive(f, Kind.PARAMS)
+        # the versions to replay: contiguous from base + 1, at most up to the swarm's
+        replay: list[list[tuple[Fragment, int]]] = []
+        version = base + 1
+        while swarm_version is not None and version <= swarm_version:
+            batch = [(frag, 0) for frag in ahead if frag.key.base_version == version]
+            if not batch:
+                break
+            replay.append(batch)
+            version += 1
+        held = [frag for frag in ahead if frag.key.base_version >= version]
+        self.counters.held_ahead += len({id(frag) for frag in held} - {id(frag) for frag in waiting})
+        if held:
+            self._ahead[f] = held
         with torch.no_grad():
             taken, deliveries = self._take(f, incoming, own)
             if taken:
@@ -212,6 +239,13 @@ class OuterLoop:
             if self._mixing_due(f):
                 self._gossip(f, peer_params)
             self.versions[f] += 1
+            for batch in replay:
+                taken, caught_up = self._take(f, batch, None)
+                if taken:
+                    self.method.step(self, f, taken, [])
+                deliveries += caught_up
+                self.versions[f] += 1
+                self.counters.replayed += 1
             for n, i in enumerate(self.fragments[f]):
                 self.theta[i].copy_(self.phi[i] if progress is None else self.phi[i] + progress[n])
         return deliveries

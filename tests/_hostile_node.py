@@ -2,8 +2,9 @@
 forges every pseudo-gradient it publishes (node/attacks.py); with ``future:N`` its progress
 records also claim to be N versions ahead, so that a careless peer would re-sync from it. With
 ``poison-state`` it publishes honest fragments but offers snapshots of its outer state whose
-parameters are all NaN, claiming to be as far ahead as a joiner lets a claim be (just within the
-cutoff past the median of the swarm's reports), so that a joiner tries them first.
+parameters are all NaN, claiming to be two versions past the median of the swarm's reports: the
+newest on offer, and within the cutoff a joiner allows past the median even when its view of the
+reports lags the poisoner's by a round, so that a joiner tries them first.
 
     python tests/_hostile_node.py ATTACK[+poison-state] [join flags...]
 """
@@ -25,14 +26,14 @@ from cgad.node.daemon import Node
 
 
 def poison_state(node: Node) -> None:
-    """Offer NaN parameters as this node's state, as far ahead of the swarm as passes a joiner's
-    check (anchored on the swarm's median, not on this node's own versions, which may lag)."""
+    """Offer NaN parameters as this node's state, ahead of every honest snapshot and within a
+    joiner's check (anchored on the swarm's median, not on this node's own versions, which may lag)."""
 
     def publish_state() -> None:
         with node._outer_lock:
             outer = node.loop.state_dict()
         reports = [min(p.versions) for p in node.transport.swarm_progress().values() if p.versions]
-        claim = statistics.median_high(reports) + int(node.config.cutoff) - 1 if reports else 0
+        claim = statistics.median_high(reports) + 2 if reports else 0
         lead = max(1, claim - min(outer["versions"])) if reports else 3
         outer["phi"] = [torch.full_like(p, float("nan")) for p in outer["phi"]]
         outer["versions"] = [v + lead for v in outer["versions"]]

@@ -93,3 +93,30 @@ def test_a_peer_whose_snapshot_was_poisoned_is_not_tried_at_its_older_versions()
         adopted = sync.sync(required=True)
         assert adopted == (honest.peer_id, 2) and torch.equal(sync.loop.phi[0], torch.ones(4))
         assert joiner.stats.rejected["bad_state"] == 1  # version 4 refused, version 3 never fetched
+
+
+def test_the_swarms_version_is_the_median_and_a_just_adopted_sources_own_report() -> None:
+    """At the start the joiners adopt the first node's version 0 while it goes on to 1: they are
+    the median's majority, yet the version to catch up to is the source's (it is the state they
+    took); no other single peer's claim moves it."""
+    with make_transport() as first:
+        with (
+            make_transport(peers=first.maddrs()) as joiner,
+            make_transport(peers=first.maddrs()) as claimer,
+            make_transport(peers=first.maddrs()) as me,
+        ):
+            first.report_progress([1], 60, 0.0)
+            joiner.report_progress([0], 10, 0.0)
+            claimer.report_progress([900], 10, 0.0)
+            me.report_progress([0], 10, 0.0)
+            sync = _sync(me, first.maddrs())
+            # ``me`` is not counted: the median_low of 0, 1 and 900 (waited for: the records
+            # reach ``me`` over the DHT at their own pace)
+            wait_for(lambda: sync.swarm_versions() == [1], what="the median of the three peers' reports")
+            assert sync.swarm_versions(joiner.peer_id) == [1]
+            joiner.report_progress([0], 20, 0.0)
+            claimer.report_progress([0], 20, 0.0)  # three honest joiners at 0 now
+            first.report_progress([2], 110, 0.0)
+            wait_for(lambda: sync.swarm_versions(first.peer_id) == [2], what="the source's own report")
+            wait_for(lambda: sync.swarm_versions() == [0], what="the median of 0, 0 and 2")
+            assert sync.swarm_versions(joiner.peer_id) == [0]

@@ -26,3 +26,38 @@ def test_an_unshared_block_is_discarded_and_the_next_one_is_shared():
     loop.publish(0, tokens=10)
     [got] = peer.receive(0, Kind.DELTA)
     assert got.key.publisher == "me" and got.key.base_version == 1 and loop.counters.published == 1
+
+
+def _behind_by_one(swarm_version: int | None) -> OuterLoop:
+    """A peer at version 0 whose two peers sent their deltas of versions 0 and 1 (the round it
+    missed while its snapshot downloaded, and the round the swarm is in)."""
+    network = VirtualNetwork()
+    me = network.join("me")
+    peers = [network.join(name) for name in ("a", "b")]
+    loop = OuterLoop([torch.zeros(8)], OuterOptions(optimizer="sgd", outer_lr=1.0), me, "run")
+    loop.theta[0].add_(1.0)  # its own Δ (−1s): the yardstick the peers' deltas are judged by
+    loop.publish(0, tokens=10, share=False)  # the block after adopting: kept to itself
+    for peer in peers:
+        for version, delta in ((0, -1.0), (1, -2.0)):
+            key = FragmentKey("run", 0, version, peer.peer_id)
+            peer.publish(Fragment(key, torch.full((8,), delta), tokens=10))
+    loop.apply(0, swarm_version=swarm_version)
+    return loop
+
+
+def test_a_peer_behind_replays_the_versions_it_missed_up_to_the_swarms() -> None:
+    caught_up = _behind_by_one(swarm_version=1)
+    # two steps, as the peers took them: −(−1) then −(−2)
+    assert torch.equal(caught_up.phi[0], torch.full((8,), 3.0)) and caught_up.versions == [2]
+    assert caught_up.counters.replayed == 1 and caught_up.counters.applied == 4
+    # without the swarm's word (or with a swarm still at 0, whatever one peer claims) this step
+    # takes version 0's deltas only; version 1's are held for the next step, where they are fresh
+    for swarm_version in (None, 0):
+        held = _behind_by_one(swarm_version)
+        assert torch.equal(held.phi[0], torch.full((8,), 1.0)) and held.versions == [1]
+        assert held.counters.replayed == 0 and held.counters.held_ahead == 2
+        held.theta[0].copy_(held.phi[0] + 2.0)  # its own Δ of version 1 (−2s), like the peers'
+        held.publish(0, tokens=10)
+        held.apply(0)
+        assert torch.equal(held.phi[0], torch.full((8,), 3.0)) and held.versions == [2]
+        assert held.counters.held_ahead == 2 and held.counters.applied_by_age == {0: 4}
