@@ -169,6 +169,8 @@ def _add_join(subparsers: argparse._SubParsersAction) -> None:
     )
     join.add_argument("--dry-run", action="store_true", default=False,
                       help="validate the whole configuration, print it, and exit")  # fmt: skip
+    join.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
+                      help="how much this node logs (debug: every failed fetch and why)")  # fmt: skip
     _add_config_flags(join, JoinConfig)
     join.set_defaults(handler=_cmd_join)
 
@@ -182,7 +184,9 @@ def _cmd_join(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(config.model_dump(), indent=1))
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # this package's loggers only: debug from hivemind and gRPC would drown what says why
+    logging.getLogger("cgad").setLevel(args.log_level.upper())
     from cgad.node.daemon import Node
 
     node = Node(config)

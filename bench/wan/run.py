@@ -13,6 +13,7 @@ node's final status, the checks' verdicts) and a PNG of held-out loss against wa
 per node.
 
     sudo .venv/bin/python bench/wan/run.py bench/wan/scenarios/10mbit-4.json [more.json ...] [--minutes M]
+        [--keep-logs DIR]
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ def main() -> None:
     parser.add_argument("scenarios", nargs="+", help="scenario files, run one after another")
     parser.add_argument("--minutes", type=float, help="override each scenario's duration")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--keep-logs", metavar="DIR", help="copy each node's whole log to DIR/<scenario>/")
     args = parser.parse_args()
     why = available()
     if why:
@@ -236,6 +238,9 @@ def main() -> None:
             scenario["minutes"] = args.minutes
         with tempfile.TemporaryDirectory(prefix="cgad-wan-") as tmp:
             result = run(scenario, Path(tmp), executable)
+            if args.keep_logs:  # everything but checkpoints and identity keys
+                shutil.copytree(tmp, Path(args.keep_logs) / scenario["name"], dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("ckpt", "*.key"))  # fmt: skip
         (out / f"{scenario['name']}.json").write_text(json.dumps(result, indent=1) + "\n")
         png = plot(result, out / f"{scenario['name']}.png")
         for index, status in sorted(result["final"].items()):
