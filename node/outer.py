@@ -418,3 +418,7 @@ class OuterLoop:
                 p.copy_(q)
                 t.copy_(q)
         self.versions = versions
+        # held deltas of versions the adopted state has passed are in it already
+        self._ahead = {
+            f: [d for d in held if d.key.base_version >= versions[f]] for f, held in self._ahead.items()
+        }

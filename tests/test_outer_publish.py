@@ -61,3 +61,15 @@ def test_a_peer_behind_replays_the_versions_it_missed_up_to_the_swarms() -> None
         held.apply(0)
         assert torch.equal(held.phi[0], torch.full((8,), 3.0)) and held.versions == [2]
         assert held.counters.held_ahead == 2 and held.counters.applied_by_age == {0: 4}
+
+
+def test_held_deltas_that_an_adopted_state_has_passed_are_dropped() -> None:
+    loop = _behind_by_one(None)  # version 1's two deltas held
+    state = loop.state_dict()
+    state["versions"] = [2]  # a peer's state that has taken version 1 already
+    loop.load_state_dict(state)
+    loop.theta[0].copy_(loop.phi[0] + 1.0)
+    loop.publish(0, tokens=10)
+    loop.apply(0)
+    # only its own Δ (−1s): the held deltas of version 1 are in the adopted state already
+    assert torch.equal(loop.phi[0], torch.full((8,), 2.0)) and loop.counters.applied_by_age == {0: 2}
