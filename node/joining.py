@@ -216,8 +216,12 @@ class StateSync:
         first; none claiming to be more than the cutoff past the median of live peers' reports
         (a claim, until the bytes are checked, and no single peer moves the median)."""
         mine = min(self.loop.versions)
-        reports = [min(p.versions) for p in self.transport.swarm_progress().values() if p.versions]
-        ceiling = statistics.median_high(reports) + self.config.cutoff if reports else float("inf")
+        # the peers' reports, not this node's own: a fresh joiner's 0 would pull the median down
+        live = set(self.transport.live_peers())
+        progress = self.transport.swarm_progress()
+        reports = [min(p.versions) for pid, p in progress.items() if pid in live and p.versions]
+        # with no peer's report in view, no claim is believed past this node's own version
+        ceiling = (statistics.median_high(reports) if reports else mine) + self.config.cutoff
         return [
             c
             for c in self.transport.state_offers()

@@ -2,9 +2,11 @@
 forges every pseudo-gradient it publishes (node/attacks.py); with ``future:N`` its progress
 records also claim to be N versions ahead, so that a careless peer would re-sync from it. With
 ``poison-state`` it publishes honest fragments but offers snapshots of its outer state whose
-parameters are all NaN, claiming to be two versions past the median of the swarm's reports: the
-newest on offer, and within the cutoff a joiner allows past the median even when its view of the
-reports lags the poisoner's by a round, so that a joiner tries them first.
+parameters are all NaN, claiming to be a version short of the cutoff past the median of the
+swarm's reports: the newest on offer for the next rounds, and within what a joiner allows past
+the median even when its view lags the poisoner's by a version, so that a joiner tries them
+first. (The test publishes them every few rounds: with rounds of a second, a snapshot replaced
+every round is gone before a joiner that read its record asks for it.)
 
     python tests/_hostile_node.py ATTACK[+poison-state] [join flags...]
 """
@@ -33,7 +35,7 @@ def poison_state(node: Node) -> None:
         with node._outer_lock:
             outer = node.loop.state_dict()
         reports = [min(p.versions) for p in node.transport.swarm_progress().values() if p.versions]
-        claim = statistics.median_high(reports) + 2 if reports else 0
+        claim = statistics.median_high(reports) + int(node.config.cutoff) - 1 if reports else 0
         lead = max(1, claim - min(outer["versions"])) if reports else 3
         outer["phi"] = [torch.full_like(p, float("nan")) for p in outer["phi"]]
         outer["versions"] = [v + lead for v in outer["versions"]]

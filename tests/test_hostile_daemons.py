@@ -26,9 +26,11 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
     # two honest nodes are enough: a delivery is judged against the node's own Δ, not a vote
     started.append(NodeProcess("honest1", workdir, peers, SHORT))
     # the attackers send fp32, so that nothing in the encoding stops what they send
-    # the scaler also offers snapshots of NaN parameters that claim the newest version
+    # the scaler also offers snapshots of NaN parameters that claim the newest version, every
+    # third round, so that each stays on offer for a few of these one-second rounds
     fp32 = [*SHORT, "--codec", "fp32"]
-    scaler = NodeProcess("scaler", workdir, peers, fp32, hostile="scale:1e6+poison-state")
+    every_third = [*fp32, "--state-every", "3"]
+    scaler = NodeProcess("scaler", workdir, peers, every_third, hostile="scale:1e6+poison-state")
     claimer = NodeProcess("claimer", workdir, peers, fp32, hostile="future:1000")
     started += [scaler, claimer]
     scaler_id, claimer_id = scaler.status()["peer_id"], claimer.status()["peer_id"]
