@@ -52,6 +52,20 @@ MAX_GRPC_STREAMS = 64  # gRPC refuses further calls at once (RESOURCE_EXHAUSTED)
 FRAGMENT_HOLD = 5.0  # seconds a fragment chunk waits at most while a snapshot streams
 
 
+def _not_a_hang_up(record: logging.LogRecord) -> bool:
+    """gRPC logs a traceback (``ExecuteBatchError``) when it cannot write to a stream whose client
+    has gone; fetchers cancel streams all the time (a fragment too old, a state download that
+    replaces fragment fetches), so that is no error of this peer's."""
+    return (
+        record.exc_info is None
+        or record.exc_info[0] is None
+        or record.exc_info[0].__name__ != "ExecuteBatchError"
+    )
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_not_a_hang_up)
+
+
 class FragmentServer:
     """Serves what ``store`` holds."""
 

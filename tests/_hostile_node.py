@@ -3,10 +3,8 @@ forges every pseudo-gradient it publishes (node/attacks.py); with ``future:N`` i
 records also claim to be N versions ahead, so that a careless peer would re-sync from it. With
 ``poison-state`` it publishes honest fragments but offers snapshots of its outer state whose
 parameters are all NaN, claiming to be a version short of the cutoff past the median of the
-swarm's reports: the newest on offer for the next rounds, and within what a joiner allows past
-the median even when its view lags the poisoner's by a version, so that a joiner tries them
-first. (The test publishes them every few rounds: with rounds of a second, a snapshot replaced
-every round is gone before a joiner that read its record asks for it.)
+swarm's reports: the newest on offer, and within what a joiner allows past the median even when
+its view lags the poisoner's by a version, so that a joiner tries them first.
 
     python tests/_hostile_node.py ATTACK[+poison-state] [join flags...]
 """

@@ -1,7 +1,7 @@
 """Hostile peers among real `cgad-node join` daemons on 127.0.0.1: two honest nodes keep
 training while one node publishes pseudo-gradients scaled by 1e6 (and offers snapshots of NaN
 parameters) and another claims (in its fragments and in its progress records) to be 1000
-versions ahead; a late joiner refuses the poisoned snapshot."""
+versions ahead; a late joiner never adopts the poisoned snapshot."""
 
 import math
 import subprocess
@@ -26,11 +26,9 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
     # two honest nodes are enough: a delivery is judged against the node's own Δ, not a vote
     started.append(NodeProcess("honest1", workdir, peers, SHORT))
     # the attackers send fp32, so that nothing in the encoding stops what they send
-    # the scaler also offers snapshots of NaN parameters that claim the newest version, every
-    # third round, so that each stays on offer for a few of these one-second rounds
+    # the scaler also offers snapshots of NaN parameters that claim the newest version
     fp32 = [*SHORT, "--codec", "fp32"]
-    every_third = [*fp32, "--state-every", "3"]
-    scaler = NodeProcess("scaler", workdir, peers, every_third, hostile="scale:1e6+poison-state")
+    scaler = NodeProcess("scaler", workdir, peers, fp32, hostile="scale:1e6+poison-state")
     claimer = NodeProcess("claimer", workdir, peers, fp32, hostile="future:1000")
     started += [scaler, claimer]
     scaler_id, claimer_id = scaler.status()["peer_id"], claimer.status()["peer_id"]
@@ -58,15 +56,16 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
         assert status["rejected_by_peer"].get(claimer_id, 0) >= 1, status["rejected_by_peer"]
         assert claimer_id not in status["started_from"]  # never adopted the claimer's state
         assert node.proc.poll() is None
-    # a joiner tries the poisoned snapshot first (it claims the newest version), refuses it, and
-    # adopts a sound one instead
+    # a joiner never adopts the poisoned snapshot, which claims the newest version. Whether it is
+    # tried at all here is timing (with one-second rounds its record may name a blob already
+    # replaced, or honest ones may have caught up with its claim); the refusal itself, counted
+    # bad_state, is tested deterministically in test_joining.py.
     joiner = NodeProcess("joiner", workdir, peers, SHORT)
     started.append(joiner)
     joined = joiner.wait(lambda s: s["round"] >= 1, "the joiner training", timeout=300)
     # a sound snapshot: an honest node's, or the claimer's (it forges fragments and progress
     # records, not its state), never the poisoner's
     assert joined["started_from"].startswith("peer ") and scaler_id not in joined["started_from"], joined
-    assert joined["rejected"].get("bad_state", 0) >= 1, joined["rejected"]
     assert all(math.isfinite(loss) for _, loss in joined["eval_history"]), joined["eval_history"]
 
     # what a volunteer reads: the refusals and where the applied fragments came from, and their ages
