@@ -179,23 +179,28 @@ class StateSync:
             raise ConnectionError(f"could not download the swarm's state: {why}")
         return None
 
+    def _live_reports(self) -> dict[str, list[int]]:
+        """The versions each live peer reports (this node's own report is not among them), for
+        as many fragments as this node has."""
+        live = set(self.transport.live_peers())
+        return {
+            pid: p.versions
+            for pid, p in self.transport.swarm_progress().items()
+            if pid in live and len(p.versions) == len(self.loop.versions)
+        }
+
     def swarm_versions(self, source: str | None = None) -> list[int] | None:
         """The swarm's version of each fragment: the median (low) over live peers of their
         reported versions, so no single peer's claim moves it; None with no live peer.
         ``source``, the peer whose snapshot this node has just adopted, raises it to that peer's
         own report: its state was taken as the swarm's, and so is how far it went on since (at
         the start, three joiners a round behind the first node are the median's majority)."""
-        progress = self.transport.swarm_progress()
-        live = set(self.transport.live_peers())
-        reports = [p.versions for pid, p in progress.items() if pid in live]
-        reports = [v for v in reports if len(v) == len(self.loop.versions)]
+        reports = self._live_reports()
         if not reports:
             return None
-        swarm = [statistics.median_low(column) for column in zip(*reports, strict=True)]
-        told = progress.get(source) if source in live else None
-        if told is None or len(told.versions) != len(swarm):
-            return swarm
-        return [max(s, v) for s, v in zip(swarm, told.versions, strict=True)]
+        swarm = [statistics.median_low(column) for column in zip(*reports.values(), strict=True)]
+        told = reports.get(source) if source is not None else None
+        return swarm if told is None else [max(s, v) for s, v in zip(swarm, told, strict=True)]
 
     def behind(self) -> int:
         """How far this peer's slowest fragment trails the swarm's (``swarm_versions``)."""
@@ -205,21 +210,16 @@ class StateSync:
         return max(s - v for s, v in zip(swarm, self.loop.versions, strict=True))
 
     def _swarm_version(self) -> int:
-        """The median over live peers of their reported (lowest) version; 0 with none."""
-        live = set(self.transport.live_peers())
-        progress = self.transport.swarm_progress()
-        reports = [min(p.versions) for pid, p in progress.items() if pid in live and p.versions]
-        return statistics.median_low(reports) if reports else 0
+        """The swarm's slowest fragment's version (``swarm_versions``); 0 with no live peer."""
+        return min(self.swarm_versions() or [0])
 
     def _worth_adopting(self, at_least_ours: bool) -> list[Candidate]:
         """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest
         first; none claiming to be more than the cutoff past the median of live peers' reports
-        (a claim, until the bytes are checked, and no single peer moves the median)."""
+        (a claim, until the bytes are checked, and no single peer moves the median; this node's
+        own report is not counted: a fresh joiner's 0 would pull the median down)."""
         mine = min(self.loop.versions)
-        # the peers' reports, not this node's own: a fresh joiner's 0 would pull the median down
-        live = set(self.transport.live_peers())
-        progress = self.transport.swarm_progress()
-        reports = [min(p.versions) for pid, p in progress.items() if pid in live and p.versions]
+        reports = [min(versions) for versions in self._live_reports().values() if versions]
         # with no peer's report in view, no claim is believed past this node's own version
         ceiling = (statistics.median_high(reports) if reports else mine) + self.config.cutoff
         return [

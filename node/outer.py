@@ -174,8 +174,9 @@ class OuterLoop:
         ``publish(f)`` are kept on top of it (θ_f ← φ_f' + θ_f − θ_f at publish): the driver may
         let training run on while the round's fragments arrive, and apply the step late.
 
-        ``swarm_version``, the version of f that the swarm is at (a median over live peers'
-        reports, which no single peer moves), lets a peer that is behind catch up: the
+        ``swarm_version``, the version of f that the swarm is at (the driver's word: a median
+        over live peers' reports, which no single peer moves, or the source's own report at the
+        first step after adopting its state), lets a peer that is behind catch up: the
         deliveries of each version after its own, up to that one, are then taken as a step of
         their own, in order, as the peers took them (a joiner whose snapshot is a round old
         replays the round it missed instead of relabelling stale parameters as current). The
@@ -195,10 +196,8 @@ class OuterLoop:
         )
         base = self.versions[f]
         incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
-        waiting = self._ahead.pop(f, [])
-        arrived = waiting + self.transport.receive(f)
-        ahead: list[Fragment] = []
-        for frag in arrived if self.method.shares else ():
+        fresh: list[Fragment] = []  # checked once here; held ones were checked when they came
+        for frag in self.transport.receive(f) if self.method.shares else ():
             if frag.tensor.numel() != self.numel(f):
                 self.counters.rejected["bad_shape"] += 1
                 self.counters.rejected_by_peer[frag.key.publisher] += 1
@@ -213,7 +212,10 @@ class OuterLoop:
                 self.counters.rejected["non_finite"] += 1
                 self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue
-            if frag.key.base_version > base:  # a peer ahead of us: replayed or held, below
+            fresh.append(frag)
+        ahead: list[Fragment] = []  # from peers ahead of this one: replayed or held, below
+        for frag in self._ahead.pop(f, []) + fresh:
+            if frag.key.base_version > base:
                 ahead.append(frag)
             else:
                 incoming.append((frag, base - frag.key.base_version))
@@ -229,7 +231,7 @@ class OuterLoop:
             replay.append(batch)
             version += 1
         held = [frag for frag in ahead if frag.key.base_version >= version]
-        self.counters.held_ahead += len({id(frag) for frag in held} - {id(frag) for frag in waiting})
+        self.counters.held_ahead += sum(frag.key.base_version >= version for frag in fresh)
         if held:
             self._ahead[f] = held
         with torch.no_grad():
