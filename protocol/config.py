@@ -135,7 +135,9 @@ class NetworkOptions(BaseModel):
     max_norm: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="refuse a fragment whose L2 norm is larger"
     )
-    poll_interval: Seconds = Field(1.0, description="seconds between looks at the DHT")
+    poll_interval: Seconds = Field(
+        1.0, description="seconds between looks at the DHT (up to 4x that where rounds are long: 8 per round)"
+    )
     record_ttl: float = Field(
         120.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a holdings record lives in the DHT"
     )

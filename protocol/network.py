@@ -62,7 +62,7 @@ from cgad.protocol.records import (
     run_validator,
     state_key,
 )
-from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
+from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, poll_pause
 from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
@@ -414,7 +414,10 @@ class NetworkTransport(Transport):
                 raise
             except Exception:
                 logger.exception("polling the DHT failed; retrying")
-            await asyncio.sleep(self.options.poll_interval)
+            versions = self._progress.versions
+            await asyncio.sleep(
+                poll_pause(self.options.poll_interval, self._version_clock.seconds_per_version, len(versions))
+            )
 
     async def _rejoin(self) -> None:
         """Ping the peers this one knew. After a partition both sides have dropped each other

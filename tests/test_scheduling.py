@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from cgad.protocol.records import Holdings, Identity, Offer
-from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
+from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, poll_pause
 from cgad.protocol.selection import Candidate
 from cgad.protocol.transport import FragmentKey, Kind
 
@@ -122,3 +122,12 @@ def test_what_the_node_calls_too_old_follows_its_method():
     assert method("cgad").stale_after(options) == 3
     assert method("adam-decay").stale_after(options) is None  # no gate: every age counts a little
     assert method("sgd").stale_after(options) is None
+
+
+def test_polls_follow_the_time_between_announcements():
+    assert poll_pause(1.0, None, 1) == 1.0  # no round measured yet
+    assert poll_pause(1.0, 2.0, 1) == 1.0  # short rounds: never faster than the interval
+    assert poll_pause(1.0, 17.0, 1) == 17.0 / 8  # H = 50 on the testbed: 8 looks a round
+    assert poll_pause(1.0, 17.0, 4) == 1.0  # four fragments: an announcement every 4.25 s
+    assert poll_pause(1.0, 600.0, 1) == 4.0  # and never slower than 4 intervals
+    assert poll_pause(0.5, 600.0, 1) == 2.0
