@@ -63,7 +63,7 @@ NESTEROV_CGA_GRID = [{"outer_lr": lr, "cga_momentum": mu} for lr, mu in ((0.7, 0
 METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
     "local": ("local", {}, None),
     "cga": ("cga", {}, None),
-    "cga-nesterov": ("cga", {}, NESTEROV_CGA_GRID),
+    "cga + momentum": ("cga", {}, NESTEROV_CGA_GRID),  # μ scaled by the running freshness
     "sgd (averaging)": ("sgd", {"outer_lr": 1.0}, None),
     "gossip": ("sgd", {"outer_lr": 1.0, "mixing": "gossip"}, None),
     # the age weighting with gossip's drift removal: added when plain averaging + gossip led the

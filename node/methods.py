@@ -120,6 +120,7 @@ class CGAMethod(OuterMethod):
             alpha=options.alpha,
             cutoff=options.cutoff,
             restart_every=options.restart_every,
+            freshness=0.0,
         )
 
     def step(
@@ -128,7 +129,18 @@ class CGAMethod(OuterMethod):
         for c in taken:
             loop.set_grad(f, c.delta)
             loop.optimizer.accumulate(age=c.age, weight=max(c.tokens, 1))
-        loop.optimizer.step()
+        loop.optimizer.step(fresh_share=fresh_share(taken, len(loop.transport.live_peers())))
+
+
+def fresh_share(taken: Sequence[Contribution], live_peers: int) -> float | None:
+    """The share of the live peers whose Δ of this round arrived at age 0, what CGA's momentum
+    follows; None for a step without the own Δ (a replayed version: peers' deltas relabelled as
+    fresh, not a round this node saw)."""
+    if not any(c.own for c in taken):
+        return None
+    fresh = len({c.publisher for c in taken if not c.own and c.age == 0})
+    expected = max(live_peers, fresh)
+    return fresh / expected if expected else 0.0
 
 
 class _AdamFamily(OuterMethod):

@@ -4,7 +4,7 @@ Each pseudo-gradient Δ_i of a round (held in ``p.grad`` when ``accumulate`` is 
 τ_i and a weight w_i (the tokens behind it). With s_i = w_i·σ(τ_i):
 
     Δ̄ = Σ_i s_i·Δ_i / Σ_i s_i              (deliveries with σ = 0 are dropped: in neither sum)
-    b ← μ·b + Δ̄;   u = Δ̄ + μ·b (Nesterov) or Δ̄ (μ = 0)
+    b ← μ'·b + Δ̄;   u = Δ̄ + μ'·b (Nesterov) or Δ̄ (μ = 0)
     φ ← φ − lr·u
 
 At lr 1 and μ = 0 this is averaging, DiLoCo's outer step without momentum. The normalisation is
@@ -12,6 +12,14 @@ by Σ s_i, not Σ w_i: a stale delivery loses its share of the mean to the fresh
 shrinking the whole step, so a peer whose fellows' deliveries are all gated out continues from its
 own θ exactly (training alone, never worse), and with every delivery fresh it is plain averaging.
 ``merge`` (``cgad.optim.merging``) is the other normalisation, which the Adam family uses.
+
+Momentum helps where a round's deliveries are fresh and hurts where they come late: asynchrony
+already acts as momentum (a delivery τ rounds old repeats a direction the step took before), and
+the two compound into overshoot. So μ' follows how fresh the rounds are. A step given
+``fresh_share`` (the share of the live peers whose Δ of this round arrived at age 0) updates a
+running freshness r ← ρ·r + (1 − ρ)·share, and every step takes μ' = μ·r. r starts at
+``freshness`` (1: μ' = μ for as long as no share is given; the daemon starts at 0: no momentum
+before any peer has been seen on time, and none for a peer alone).
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from .defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
 from .staleness import check_age, staleness_weight
 
 __all__ = ["CGA"]
+
+FRESHNESS_DECAY = 0.5  # ρ: the running freshness is half this round's share, half the past's
 
 
 class CGA(Optimizer):
@@ -44,6 +54,7 @@ class CGA(Optimizer):
         alpha: float = DEFAULT_ALPHA,
         cutoff: float = DEFAULT_CUTOFF,
         restart_every: int = 0,
+        freshness: float = 1.0,
     ) -> None:
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -51,8 +62,11 @@ class CGA(Optimizer):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if not isinstance(restart_every, int) or restart_every < 0:
             raise ValueError(f"restart_every must be an integer >= 0 (0 = never), got {restart_every!r}")
+        if not 0.0 <= freshness <= 1.0:
+            raise ValueError(f"freshness must be in [0, 1], got {freshness}")
         staleness_weight(0, alpha, cutoff)  # validates alpha and cutoff with their own messages
         defaults = dict(lr=lr, momentum=momentum, alpha=alpha, cutoff=cutoff, restart_every=restart_every)
+        defaults["freshness"] = freshness
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -80,21 +94,29 @@ class CGA(Optimizer):
         return taken
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """Move every parameter with accumulated deliveries by its mean; clear the sums."""
+    def step(self, closure: Any = None, *, fresh_share: float | None = None) -> Any:
+        """Move every parameter with accumulated deliveries by its mean; clear the sums. With
+        ``fresh_share`` in [0, 1] the momentum follows the running freshness (module docstring)."""
+        if fresh_share is not None and not 0.0 <= fresh_share <= 1.0:
+            raise ValueError(f"fresh_share must be in [0, 1], got {fresh_share}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            mu, restart = group["momentum"], group["restart_every"]
-            for p in group["params"]:
+            stepping = [p for p in group["params"] if self.state[p].get("total")]
+            if not stepping:  # a fragment that is not this round's keeps its freshness too
+                continue
+            group.setdefault("freshness", self.defaults["freshness"])  # a state saved before it existed
+            if fresh_share is not None:
+                rho = FRESHNESS_DECAY
+                group["freshness"] = rho * group["freshness"] + (1 - rho) * fresh_share
+            mu, restart = group["momentum"] * group["freshness"], group["restart_every"]
+            for p in stepping:
                 state = self.state[p]
-                if not state.get("total"):
-                    continue
                 mean = state["sum"].div_(state["total"])
                 update = mean
-                if mu:
+                if group["momentum"]:
                     steps = state.get("steps", 0)
                     if "momentum" not in state or (restart and steps and steps % restart == 0):
                         state["momentum"] = torch.zeros_like(mean)

@@ -14,57 +14,105 @@ def sigma(age, alpha, cutoff):
     return gate * math.exp(-alpha * age)
 
 
-def reference(phi0, rounds, lr, momentum, alpha, cutoff, restart_every=0):
-    """Float64, written out: the weighted mean, then Nesterov (or plain) SGD."""
+def reference(phi0, rounds, lr, momentum, alpha, cutoff, restart_every=0, shares=None, freshness=1.0):
+    """Float64, written out: the weighted mean, then Nesterov (or plain) SGD; with ``shares`` (one
+    per round) the momentum is scaled by the running freshness."""
     phi = [p.double().clone() for p in phi0]
     buf = [torch.zeros_like(p) for p in phi]
     steps = 0
-    for deliveries in rounds:
+    for n, deliveries in enumerate(rounds):
         scales = [w * sigma(a, alpha, cutoff) for _, a, w in deliveries]
         if sum(scales) == 0:
             continue
+        if shares is not None:
+            freshness = 0.5 * freshness + 0.5 * shares[n]
+        mu = momentum * freshness
         if restart_every and steps and steps % restart_every == 0:
             buf = [torch.zeros_like(p) for p in phi]
         for i in range(len(phi)):
             weighted = [s * d[i].double() for (d, _, _), s in zip(deliveries, scales, strict=True)]
             mean = sum(weighted) / sum(scales)
             if momentum:
-                buf[i] = momentum * buf[i] + mean
-                phi[i] = phi[i] - lr * (mean + momentum * buf[i])
+                buf[i] = mu * buf[i] + mean
+                phi[i] = phi[i] - lr * (mean + mu * buf[i])
             else:
                 phi[i] = phi[i] - lr * mean
         steps += 1
     return phi
 
 
-def drive(phi0, rounds, **hyper):
+def drive(phi0, rounds, shares=None, **hyper):
     params = [torch.nn.Parameter(p.clone()) for p in phi0]
     opt = CGA(params, **hyper)
-    for deliveries in rounds:
+    for n, deliveries in enumerate(rounds):
         for delta, age, weight in deliveries:
             for p, d in zip(params, delta, strict=True):
                 p.grad = d.clone()
             opt.accumulate(age=age, weight=weight)
-        opt.step()
+        opt.step(fresh_share=None if shares is None else shares[n])
     return params
+
+
+def random_rounds(seed, count=20):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    return [
+        [([torch.randn(7, 3) * 0.1, torch.randn(11) * 0.1], rng.choice([0, 1, 2, 3, 5]), rng.randint(1, 500))
+         for _ in range(rng.randint(1, 4))]
+        for _ in range(count)
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("restart_every", [0, 3])
 def test_matches_the_float64_reference_over_mixed_ages(momentum, restart_every):
-    rng = random.Random(5)
-    torch.manual_seed(5)
     phi0 = [torch.randn(7, 3), torch.randn(11)]
-    rounds = [
-        [([torch.randn(7, 3) * 0.1, torch.randn(11) * 0.1], rng.choice([0, 1, 2, 3, 5]), rng.randint(1, 500))
-         for _ in range(rng.randint(1, 4))]
-        for _ in range(20)
-    ]  # fmt: skip
+    rounds = random_rounds(5)
     hyper = dict(lr=0.8, momentum=momentum, alpha=0.4, cutoff=4.0, restart_every=restart_every)
     got = drive(phi0, rounds, **hyper)
     want = reference(phi0, rounds, **hyper)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.detach().double(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_follows_the_running_freshness():
+    phi0 = [torch.randn(7, 3), torch.randn(11)]
+    rounds = random_rounds(6)
+    shares = [random.Random(n).choice([0.0, 1 / 3, 2 / 3, 1.0]) for n in range(len(rounds))]
+    hyper = dict(lr=1.0, momentum=0.5, alpha=0.4, cutoff=4.0, freshness=0.0)
+    got = drive(phi0, rounds, shares=shares, **hyper)
+    want = reference(phi0, rounds, shares=shares, **hyper)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.detach().double(), w, rtol=1e-5, atol=1e-6)
+    # and the scaling matters: the same rounds with fixed momentum end elsewhere
+    fixed = reference(phi0, rounds, lr=1.0, momentum=0.5, alpha=0.4, cutoff=4.0)
+    assert not torch.allclose(got[0].detach().double(), fixed[0], atol=1e-4)
+
+
+def test_a_node_never_seeing_a_fresh_peer_takes_no_momentum():
+    """Shares of 0 from the start (alone, or every delivery late): exactly μ = 0's steps."""
+    phi0 = [torch.randn(7, 3), torch.randn(11)]
+    rounds = random_rounds(7)
+    got = drive(phi0, rounds, shares=[0.0] * len(rounds), lr=1.0, momentum=0.9, freshness=0.0)
+    want = drive(phi0, rounds, lr=1.0, momentum=0.0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_freshness_moves_only_in_the_groups_that_step_and_survives_a_state_dict():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    opt = CGA([{"params": [a]}, {"params": [b]}], momentum=0.5, freshness=0.0)
+    a.grad = torch.ones(3)
+    opt.accumulate()
+    opt.step(fresh_share=1.0)
+    assert [g["freshness"] for g in opt.param_groups] == [0.5, 0.0]
+    again = CGA([{"params": [a]}, {"params": [b]}], momentum=0.5, freshness=0.0)
+    again.load_state_dict(opt.state_dict())
+    assert [g["freshness"] for g in again.param_groups] == [0.5, 0.0]
+    with pytest.raises(ValueError, match="fresh_share"):
+        opt.step(fresh_share=1.5)
+    with pytest.raises(ValueError, match="freshness"):
+        CGA([a], freshness=-0.1)
 
 
 def test_lr_one_on_fresh_deliveries_is_plain_averaging():

@@ -73,3 +73,19 @@ def test_held_deltas_that_an_adopted_state_has_passed_are_dropped() -> None:
     loop.apply(0)
     # only its own Δ (−1s): the held deltas of version 1 are in the adopted state already
     assert torch.equal(loop.phi[0], torch.full((8,), 2.0)) and loop.counters.applied_by_age == {0: 2}
+
+
+def test_cga_momentum_follows_the_share_of_live_peers_whose_delta_came_fresh() -> None:
+    """Two live peers, one delivers this round's Δ on time: share 1/2, freshness 0 → 0.25; a
+    version replayed from peers ahead (no own Δ in it) leaves the freshness alone."""
+    network = VirtualNetwork()
+    me, a, _ = network.join("me"), network.join("a"), network.join("b")
+    options = OuterOptions(optimizer="cga", cga_momentum=0.5)
+    loop = OuterLoop([torch.zeros(8)], options, me, "run")
+    loop.theta[0].add_(1.0)
+    loop.publish(0, tokens=10)
+    a.publish(Fragment(FragmentKey("run", 0, 0, "a"), torch.full((8,), -1.0), tokens=10))
+    a.publish(Fragment(FragmentKey("run", 0, 1, "a"), torch.full((8,), -1.0), tokens=10))
+    loop.apply(0, swarm_version=2)
+    assert loop.counters.replayed == 1 and loop.versions[0] == 2
+    assert loop.optimizer.param_groups[0]["freshness"] == 0.25
