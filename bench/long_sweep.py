@@ -16,7 +16,9 @@ Runs go to a JSON-lines log as they finish (bench/results/long_sweep.runs.jsonl)
 resumes where it stopped; `--stage 1` stops after tuning; `--report` writes the JSON and the PNG
 from what the log holds.
 
-    python bench/long_sweep.py [--jobs 2] [--stage 1|2] [--report]
+`--rerun COND...` runs those conditions' table cells again after a change to what they simulate.
+
+    python bench/long_sweep.py [--jobs 2] [--stage 1|2] [--report] [--rerun COND ...]
 """
 
 from __future__ import annotations
@@ -124,11 +126,15 @@ def load_log() -> dict[str, dict]:
     return done
 
 
-def run_all(jobs: list[tuple[str, str, int, dict]], workers: int, desc: str) -> dict[str, dict]:
-    """Run what the log does not hold yet (each run once, however many cells share it); return
-    the records of all ``jobs`` by key."""
+def run_all(
+    jobs: list[tuple[str, str, int, dict]], workers: int, desc: str, rerun: frozenset[str] = frozenset()
+) -> dict[str, dict]:
+    """Run what the log does not hold yet (each run once, however many cells share it), and the
+    runs of the ``rerun`` conditions again (their new records replace the old ones on reading;
+    the old stay in the log with the commit that made them); return the records of all ``jobs``
+    by key."""
     done = load_log()
-    todo = list({run_key(*j): j for j in jobs if run_key(*j) not in done}.values())
+    todo = list({run_key(*j): j for j in jobs if run_key(*j) not in done or j[1] in rerun}.values())
     commit = _commit()  # runs of one table may span sessions: each says which code made it
     if todo:
         RESULTS.mkdir(parents=True, exist_ok=True)
@@ -205,6 +211,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     parser.add_argument("--stage", type=int, choices=(1, 2), default=2, help="stop after this stage")
     parser.add_argument("--report", action="store_true", help="only write the report from the log")
+    parser.add_argument(
+        "--rerun", nargs="+", default=[], choices=list(CONDITIONS), help="run these conditions' cells again"
+    )
     args = parser.parse_args()
 
     tuning = [
@@ -226,7 +235,7 @@ def main() -> None:
         if c in chosen.get(m, {})
     ]
     if not args.report and args.stage == 2:
-        run_all(table, args.jobs, "2/2 table")
+        run_all(table, args.jobs, "2/2 table", rerun=frozenset(args.rerun))
     write_report(chosen, table)
 
 

@@ -131,7 +131,7 @@ def simulate(
             wk.carried = 0 if last else c.apply_delay
             _train(wk, wk.carried, c, progress)
             wk.transport.advance(wk.clock, wk.round)
-            deliveries = wk.loop.apply(f, carry=wk.carried > 0)
+            deliveries = wk.loop.apply(f, carry=wk.carried > 0, swarm_version=_swarm_version(wk, workers, f))
             if not wk.hostile:
                 delivered.extend(deliveries)
             wk.block += 1
@@ -187,6 +187,7 @@ def simulate(
         "dropped_stale": sum(wk.loop.counters.dropped_stale for wk in workers),
         "dropped_in_flight": sum(s.rejected["dropped_in_flight"] for s in stats),
         "resyncs": sum(wk.resyncs for wk in workers),
+        "replayed": sum(wk.loop.counters.replayed for wk in workers),
         "mixed": sum(wk.loop.counters.mixed for wk in workers),
         "clipped": sum(wk.loop.counters.clipped for wk in honest),
         "clipped_params": sum(wk.loop.counters.clipped_params for wk in honest),
@@ -263,6 +264,14 @@ def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_
     leader = max(live, key=lambda o: min(o.loop.versions))
     if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff and leader.round < c.rounds:
         _adopt_leader(wk, leader, c, eval_batches)
+
+
+def _swarm_version(wk: _Worker, workers: list[_Worker], f: int) -> int | None:
+    """Fragment f's version in the swarm as a daemon sees it (``StateSync.swarm_versions``): the
+    median (low) of the other live workers' versions, up to which a worker behind replays the
+    deltas it holds from ahead; None with no other worker up."""
+    live = [o.loop.versions[f] for o in workers if o is not wk and o.transport.alive and o.away_since is None]
+    return statistics.median_low(live) if live else None
 
 
 def _trusted_live(wk: _Worker, workers: list[_Worker]) -> list[_Worker]:
