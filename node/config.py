@@ -120,7 +120,13 @@ class OuterOptions(_Part):
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam family: first-moment decay")
     beta2: float = Field(0.95, ge=0, lt=1, description="Adam family: second-moment decay")
     momentum: float = Field(0.9, ge=0, lt=1, description="Nesterov family: momentum")
-    cga_momentum: float = Field(0.0, ge=0, lt=1, description="CGA: Nesterov momentum on the averaged step")
+    cga_momentum: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="CGA: Nesterov momentum on the averaged step, scaled by the running share of peers "
+        "whose deltas arrive fresh (0: plain averaging)",
+    )
     noloco_beta: float = Field(0.5, ge=0, lt=1, description="NoLoCo: momentum β")
     restart_every: int = Field(
         0, ge=0, description="reset the outer optimizer's state every N steps (0: never)"

@@ -493,6 +493,7 @@ class Node:
             "bytes_out": self.transport.stats.bytes_sent,
             "fetches_waiting": self.transport.fetches_waiting,
             "mean_age": self.loop.mean_age(),
+            "outer_momentum": self.loop.method.momentum_now(self.loop.optimizer),
             "resyncs": self.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
             "started_from": self.started_from,

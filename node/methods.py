@@ -84,6 +84,10 @@ class OuterMethod:
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         raise NotImplementedError
 
+    def momentum_now(self, optimizer: Optimizer) -> float | None:
+        """The momentum the next step takes where it follows the run (CGA), else None."""
+        return None
+
     def step(
         self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
     ) -> None:
@@ -122,6 +126,10 @@ class CGAMethod(OuterMethod):
             restart_every=options.restart_every,
             freshness=0.0,
         )
+
+    def momentum_now(self, optimizer: Optimizer) -> float | None:
+        groups = optimizer.param_groups
+        return sum(g["momentum"] * g.get("freshness", 1.0) for g in groups) / len(groups)
 
     def step(
         self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]

@@ -18,6 +18,7 @@ GAUGES = {
     "tokens_per_second": "inner training throughput over the last round",
     "peers": "live peers seen in the swarm",
     "mean_age": "mean age in rounds of applied peer fragments",
+    "outer_momentum": "momentum of the next outer step (cga: --cga-momentum x the running freshness)",
     "fetches_waiting": "fragment fetches waiting for a slot",
 }
 COUNTERS = {  # status key -> (metric name, help); Prometheus adds the _total suffix

@@ -37,7 +37,8 @@ def status_report(s: dict[str, Any]) -> str:
         f"training   round {s['round']}, inner step {s['inner_step']}, versions {s['versions']}",
         f"loss       train {_number(s['loss'])}, held-out {_number(s['eval_loss'])}",
         f"speed      {s['tokens_per_second']:.0f} tokens/s",
-        f"swarm      {s['peers']} live peer(s); {s['resyncs']} re-sync(s)",
+        f"swarm      {s['peers']} live peer(s); {s['resyncs']} re-sync(s)"
+        + ("" if s.get("outer_momentum") is None else f"; outer momentum {s['outer_momentum']:.2f}"),
         f"exchange   {s['published']} published, {s['applied']} applied, {s['dropped_stale']} too old,"
         f" {s['clipped']} clipped; downlink {'-' if rate is None else f'{rate / 1e6:.2f} MB/s'},"
         f" {s['fetches_waiting']} fetch(es) waiting",

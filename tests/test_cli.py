@@ -79,6 +79,8 @@ def test_the_status_summary_reads_a_fresh_node_and_a_busy_one() -> None:
             "applied_by_peer": {"QmA": 5, "QmB": 2}, "applied_by_age": {"0": 4, "1": 2, "3": 1}}  # fmt: skip
     text = status_report(busy)
     assert "1h02m05s" in text and "future 3" in text and "  QmA  5" in text
+    assert "outer momentum" not in text
+    assert "outer momentum 0.47" in status_report({**busy, "outer_momentum": 0.47})
     assert "    0  " + "#" * 40 + " 4" in text and "    3  " + "#" * 10 + " 1" in text
 
 
