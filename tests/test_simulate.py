@@ -99,9 +99,14 @@ def test_cgad_gate_drops_deliveries_at_the_cutoff(corpus):
 
 
 @pytest.mark.slow
-def test_slow_worker_fragments_arrive_older(corpus):
+def test_slow_worker_fragments_arrive_older_and_it_replays_to_keep_up(corpus):
     record = run(corpus, optimizer="cgad", stragglers=[1.0, 1.0, 2.0], rounds=6)
-    assert max(int(a) for a in record["age_counts"]) >= 2
+    ages = {int(a) for a in record["age_counts"]}
+    # a worker at half speed publishes a round late; it takes the versions it missed by replaying
+    # its peers' deltas (as a daemon behind the swarm's median does), so it stays a round behind
+    # instead of falling further back each round
+    assert max(ages) >= 1 and record["replayed"] >= 1
+    assert max(ages) <= 2, record["age_counts"]
 
 
 @pytest.mark.slow
@@ -407,7 +412,9 @@ def test_a_peer_claiming_huge_token_counts_weighs_at_most_twice_the_own_block():
     network = VirtualNetwork()
     a, b = network.join("a"), network.join("b")
     # the plain merge, so that only the token cap is at work (clipping would also hold 3.0 in)
-    loop = OuterLoop([torch.zeros(1)], OuterOptions(optimizer="cga", aggregation="mean"), a, "run")
+    # and no momentum, so the step is the merge
+    options = OuterOptions(optimizer="cga", aggregation="mean", cga_momentum=0.0)
+    loop = OuterLoop([torch.zeros(1)], options, a, "run")
     b.publish(Fragment(FragmentKey("run", 0, 0, "b"), torch.full((1,), 3.0), tokens=2**62))
     loop.theta[0].fill_(-0.5)  # own Δ = +0.5, 100 tokens
     loop.sync(0, tokens=100)
