@@ -101,6 +101,7 @@ def simulate(
     events = [(block_steps * c.step_time * wk.speed, wk.index) for wk in workers]
     heapq.heapify(events)
     delivered: list[Delivery] = []
+    momenta: list[float] = []  # the momentum each honest outer step went on with (cga's follows freshness)
     swarm = _SwarmView(copy.deepcopy(base_model), eval_batches)
     started = time.perf_counter()
     while events:
@@ -134,6 +135,9 @@ def simulate(
             deliveries = wk.loop.apply(f, carry=wk.carried > 0, swarm_version=_swarm_version(wk, workers, f))
             if not wk.hostile:
                 delivered.extend(deliveries)
+                momentum = wk.loop.method.momentum_now(wk.loop.optimizer)
+                if momentum is not None:
+                    momenta.append(momentum)
             wk.block += 1
             if f == blocks_per_round - 1:
                 wk.round += 1
@@ -192,6 +196,7 @@ def simulate(
         "clipped": sum(wk.loop.counters.clipped for wk in honest),
         "clipped_params": sum(wk.loop.counters.clipped_params for wk in honest),
         "mean_age": _mean([d.age for d in delivered if not d.own]),
+        "mean_outer_momentum": _mean(momenta) if momenta else None,
         "age_counts": _age_counts([d for d in delivered if not d.own]),
         "wall_seconds": time.perf_counter() - started,
         "config": c.model_dump(),
