@@ -134,8 +134,11 @@ def run_all(
     the old stay in the log with the commit that made them); return the records of all ``jobs``
     by key."""
     done = load_log()
-    again = [j for j in jobs if SAME_AS.get((j[0], j[1]), j[1]) in rerun]
-    todo = list({run_key(*j): j for j in [*jobs, *again] if run_key(*j) not in done or j in again}.values())
+
+    def due(job: tuple[str, str, int, dict]) -> bool:
+        return run_key(*job) not in done or SAME_AS.get((job[0], job[1]), job[1]) in rerun
+
+    todo = list({run_key(*j): j for j in jobs if due(j)}.values())
     commit = _commit()  # runs of one table may span sessions: each says which code made it
     if todo:
         RESULTS.mkdir(parents=True, exist_ok=True)

@@ -128,8 +128,8 @@ class CGAMethod(OuterMethod):
         )
 
     def momentum_now(self, optimizer: Optimizer) -> float | None:
-        groups = optimizer.param_groups
-        return sum(g["momentum"] * g.get("freshness", 1.0) for g in groups) / len(groups)
+        assert isinstance(optimizer, CGA)
+        return optimizer.momentum_now()
 
     def step(
         self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]

@@ -240,9 +240,7 @@ def _catch_up(wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: l
     and the rounds it skips count at the loss of the state it adopted."""
     if not wk.loop.method.shares or wk.round >= c.rounds:
         return False
-    live = [
-        o for o in workers if o is not wk and o.transport.alive and o.away_since is None and not o.hostile
-    ]
+    live = _trusted_live(wk, workers)
     if not live:
         return False
     median = statistics.median_low(min(o.loop.versions) for o in live)
@@ -261,9 +259,7 @@ def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_
     wk.away_since = None
     wk.clock = now
     wk.transport.set_alive(True)
-    live = [
-        o for o in workers if o is not wk and o.transport.alive and o.away_since is None and not o.hostile
-    ]
+    live = _trusted_live(wk, workers)
     if not live or not wk.loop.method.shares:  # a worker training alone adopts nobody's state
         return
     leader = max(live, key=lambda o: min(o.loop.versions))
@@ -275,15 +271,18 @@ def _swarm_version(wk: _Worker, workers: list[_Worker], f: int) -> int | None:
     """Fragment f's version in the swarm as a daemon sees it (``StateSync.swarm_versions``): the
     median (low) of the other live workers' versions, up to which a worker behind replays the
     deltas it holds from ahead; None with no other worker up."""
-    live = [o.loop.versions[f] for o in workers if o is not wk and o.transport.alive and o.away_since is None]
+    live = [o.loop.versions[f] for o in _live_others(wk, workers)]  # an attacker's report too, as a daemon's
     return statistics.median_low(live) if live else None
+
+
+def _live_others(wk: _Worker, workers: list[_Worker]) -> list[_Worker]:
+    """The other workers up now (not away after churn)."""
+    return [o for o in workers if o is not wk and o.transport.alive and o.away_since is None]
 
 
 def _trusted_live(wk: _Worker, workers: list[_Worker]) -> list[_Worker]:
     """The other workers up now whose state ``wk`` may adopt (an attacker's never)."""
-    return [
-        o for o in workers if o is not wk and o.transport.alive and o.away_since is None and not o.hostile
-    ]
+    return [o for o in _live_others(wk, workers) if not o.hostile]
 
 
 def _adopt_leader(wk: _Worker, leader: _Worker, c: SimConfig, eval_batches: list) -> None:

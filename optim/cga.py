@@ -93,6 +93,14 @@ class CGA(Optimizer):
                 taken = True
         return taken
 
+    def _freshness(self, group: dict[str, Any]) -> float:
+        # a state saved before the running freshness existed starts from the constructor's
+        return group.setdefault("freshness", self.defaults["freshness"])
+
+    def momentum_now(self) -> float:
+        """The momentum μ' the next step takes without a new share (the mean over groups)."""
+        return sum(g["momentum"] * self._freshness(g) for g in self.param_groups) / len(self.param_groups)
+
     @torch.no_grad()
     def step(self, closure: Any = None, *, fresh_share: float | None = None) -> Any:
         """Move every parameter with accumulated deliveries by its mean; clear the sums. With
@@ -107,11 +115,10 @@ class CGA(Optimizer):
             stepping = [p for p in group["params"] if self.state[p].get("total")]
             if not stepping:  # a fragment that is not this round's keeps its freshness too
                 continue
-            group.setdefault("freshness", self.defaults["freshness"])  # a state saved before it existed
             if fresh_share is not None:
                 rho = FRESHNESS_DECAY
-                group["freshness"] = rho * group["freshness"] + (1 - rho) * fresh_share
-            mu, restart = group["momentum"] * group["freshness"], group["restart_every"]
+                group["freshness"] = rho * self._freshness(group) + (1 - rho) * fresh_share
+            mu, restart = group["momentum"] * self._freshness(group), group["restart_every"]
             for p in stepping:
                 state = self.state[p]
                 mean = state["sum"].div_(state["total"])

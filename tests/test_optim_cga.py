@@ -109,6 +109,13 @@ def test_freshness_moves_only_in_the_groups_that_step_and_survives_a_state_dict(
     again = CGA([{"params": [a]}, {"params": [b]}], momentum=0.5, freshness=0.0)
     again.load_state_dict(opt.state_dict())
     assert [g["freshness"] for g in again.param_groups] == [0.5, 0.0]
+    assert again.momentum_now() == 0.5 * (0.5 + 0.0) / 2
+    # a state saved before the freshness existed: the loading optimizer's own start (0), not 1
+    old = opt.state_dict()
+    for group in old["param_groups"]:
+        del group["freshness"]
+    again.load_state_dict(old)
+    assert again.momentum_now() == 0.0
     with pytest.raises(ValueError, match="fresh_share"):
         opt.step(fresh_share=1.5)
     with pytest.raises(ValueError, match="freshness"):
