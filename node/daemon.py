@@ -482,6 +482,7 @@ class Node:
             "rejected": rejected,
             "dropped_stale": counters.dropped_stale,
             "clipped": counters.clipped,
+            "tokens_capped": counters.tokens_capped,
             "clipped_params": counters.clipped_params,
             "discarded": counters.discarded,
             "replayed": counters.replayed,

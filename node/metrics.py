@@ -28,6 +28,7 @@ COUNTERS = {  # status key -> (metric name, help); Prometheus adds the _total su
     "applied": ("applied", "peers' fragments applied by the outer optimizer"),
     "dropped_stale": ("dropped_stale", "fragments too old to count"),
     "clipped": ("clipped", "peers' fragments clipped around this node's own"),
+    "tokens_capped": ("tokens_capped", "peers' token claims cut to twice this node's own"),
     "clipped_params": ("clipped_params", "peers' outer parameters held near this node's before mixing"),
     "discarded": ("discarded", "own blocks discarded after adopting a state (inner optimizer warm-up)"),
     "replayed": ("replayed", "extra outer steps on versions this node had missed (catching up)"),

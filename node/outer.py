@@ -71,6 +71,7 @@ class _Counters:
     applied: int = 0
     dropped_stale: int = 0
     clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)
+    tokens_capped: int = 0  # peers' token claims cut to TOKEN_CAP × the own block's
     discarded: int = 0  # own blocks kept from peers and from the own step (after adopting a state)
     held_ahead: int = 0  # peers' deltas of a version this peer had not reached, kept for it
     rejected: Counter[str] = field(default_factory=Counter)
@@ -278,7 +279,6 @@ class OuterLoop:
                 self.counters.dropped_stale += 1
                 continue
             is_own = frag is own
-            tokens = frag.tokens if cap is None or is_own else min(frag.tokens, cap)
             delta = frag.tensor
             if around is not None and not is_own:
                 cosine, delta, clipped = around.judge(delta)
@@ -287,6 +287,10 @@ class OuterLoop:
                     self.counters.rejected_by_peer[frag.key.publisher] += 1
                     continue
                 self.counters.clipped += clipped
+            tokens = frag.tokens
+            if cap is not None and not is_own and tokens > cap:
+                tokens = cap
+                self.counters.tokens_capped += 1
             taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own))
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
             if not is_own:

@@ -194,6 +194,7 @@ def simulate(
         "replayed": sum(wk.loop.counters.replayed for wk in workers),
         "mixed": sum(wk.loop.counters.mixed for wk in workers),
         "clipped": sum(wk.loop.counters.clipped for wk in honest),
+        "tokens_capped": sum(wk.loop.counters.tokens_capped for wk in honest),
         "clipped_params": sum(wk.loop.counters.clipped_params for wk in honest),
         "mean_age": _mean([d.age for d in delivered if not d.own]),
         "mean_outer_momentum": _mean(momenta) if momenta else None,

@@ -70,7 +70,8 @@ def test_the_status_summary_reads_a_fresh_node_and_a_busy_one() -> None:
         "peer_id": "QmMe", "run_id": "r", "optimizer": "cga", "device": "cpu", "uptime": 5.0,
         "started_from": "scratch", "resumed": False, "round": 0, "inner_step": 0, "versions": [0],
         "loss": None, "eval_loss": 8.3, "tokens_per_second": 0.0, "peers": 0, "resyncs": 0,
-        "published": 0, "applied": 0, "dropped_stale": 0, "clipped": 0, "downlink_bytes_per_second": None,
+        "published": 0, "applied": 0, "dropped_stale": 0, "clipped": 0, "tokens_capped": 0,
+        "downlink_bytes_per_second": None,
         "fetches_waiting": 0, "rejected": {}, "skipped": {}, "mean_age": 0.0,
     }  # fmt: skip
     text = status_report(fresh)

@@ -20,7 +20,7 @@ HOSTILE = {
 STATUS_KEYS = {
     "peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
     "published", "applied", "rejected", "dropped_stale", "mean_age", "clipped", "skipped",
-    "cpu_seconds_by_thread", "outer_momentum",
+    "cpu_seconds_by_thread", "outer_momentum", "tokens_capped",
 }  # fmt: skip
 
 

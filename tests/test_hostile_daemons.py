@@ -1,7 +1,9 @@
 """Hostile peers among real `cgad-node join` daemons on 127.0.0.1: two honest nodes keep
 training while one node publishes pseudo-gradients scaled by 1e6 (and offers snapshots of NaN
 parameters) and another claims (in its fragments and in its progress records) to be 1000
-versions ahead; a late joiner never adopts the poisoned snapshot."""
+versions ahead; a late joiner never adopts the poisoned snapshot. In a second swarm, peers that
+reverse their pseudo-gradients, replace them with noise ten times their size, or claim a trillion
+tokens for each block are refused, clipped and capped while the honest ones train on."""
 
 import math
 import subprocess
@@ -75,3 +77,51 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
     assert summary.returncode == 0, summary.stderr
     assert "future" in summary.stdout and scaler_id in summary.stdout, summary.stdout
     assert "ages of applied fragments" in summary.stdout, summary.stdout
+
+
+@pytest.mark.timeout(900)
+def test_honest_nodes_train_on_beside_a_reversing_a_noisy_and_a_token_inflating_peer(daemons):
+    workdir, started = daemons
+    first = NodeProcess("honest0", workdir, [], SHORT)
+    started.append(first)
+    peers = first.maddrs()
+    started.append(NodeProcess("honest1", workdir, peers, SHORT))
+    fp32 = [*SHORT, "--codec", "fp32"]
+    attackers = {
+        kind: NodeProcess(kind.split(":")[0], workdir, peers, fp32, hostile=kind)
+        for kind in ("signflip", "noise:10", "tokens:1000000000000")
+    }
+    started += attackers.values()
+    ids = {kind: node.status()["peer_id"] for kind, node in attackers.items()}
+    honest = started[:2]
+    for node in attackers.values():
+        node.wait(lambda status: status["published"] >= 2, f"{node.name} publishing", timeout=600)
+    marks = [node.status()["round"] for node in honest]
+
+    def judged(mark: int) -> Callable[[dict], bool]:
+        def enough(status: dict) -> bool:
+            flipped = status["rejected_by_peer"].get(ids["signflip"], 0)
+            inflated = status["applied_by_peer"].get(ids["tokens:1000000000000"], 0)
+            return status["round"] >= max(mark + 2, ROUNDS) and flipped >= 2 and inflated >= 2
+
+        return enough
+
+    finals = [
+        node.wait(judged(mark), "two more rounds of judged deliveries", timeout=600)
+        for node, mark in zip(honest, marks, strict=True)
+    ]
+    for node, status in zip(honest, finals, strict=True):
+        losses = [loss for _, loss in status["eval_history"]]
+        assert all(math.isfinite(loss) for loss in losses), f"{node.name}: {losses}"
+        assert losses[-1] < FRESH_LOSS - 0.5, f"{node.name} stopped learning: {losses}"
+        # a reversed Δ points against the node's own: refused, counted 'opposed'
+        assert status["rejected"].get("opposed", 0) >= 2, f"{node.name}: {status['rejected']}"
+        # noise ten times a Δ's norm: what of it passes the cosine test is clipped to the radius
+        noisy = ids["noise:10"]
+        judged_noise = status["applied_by_peer"].get(noisy, 0) + status["rejected_by_peer"].get(noisy, 0)
+        assert judged_noise >= 1 and status["clipped"] >= status["applied_by_peer"].get(noisy, 0), status
+        # an honest Δ with a trillion-token claim is taken, at twice the node's own weight at most
+        assert status["tokens_capped"] >= 2, f"{node.name}: {status['tokens_capped']}"
+        assert status["started_from"] == "scratch" or status["started_from"].startswith("peer ")
+        assert not any(peer in status["started_from"] for peer in ids.values()), status["started_from"]
+        assert node.proc.poll() is None

@@ -420,6 +420,7 @@ def test_a_peer_claiming_huge_token_counts_weighs_at_most_twice_the_own_block():
     loop.sync(0, tokens=100)
     # weights 100 (own) and 200 (capped claim): Δ̄ = (100·0.5 + 200·3) / 300
     torch.testing.assert_close(loop.phi[0].detach(), torch.tensor([-(100 * 0.5 + 200 * 3.0) / 300]))
+    assert loop.counters.tokens_capped == 1
 
 
 @pytest.mark.slow
