@@ -11,6 +11,10 @@ the receiver's clock or when its nonce was seen before (a replay).
 The key file holds a header line and 64 hex digits; it is created readable by its owner only
 (``SwarmKey.create``) and a key file others can read is warned about when loaded.
 
+An allowlist (``--allow``) is the other fence: ``AllowedCallers`` answers DHT RPCs only from the
+listed peers (libp2p authenticates each caller's peer id), so an unlisted peer can neither store
+records in this node's DHT nor read them from it.
+
 Threads: a ``NonceLedger`` is touched by the event-loop thread that verifies requests.
 """
 
@@ -24,14 +28,19 @@ import secrets
 import stat
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+from hivemind.p2p import P2PContext
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.crypto import RSAPublicKey
 
 from cgad.protocol.files import atomic_write
 
-__all__ = ["DESCRIBE_PURPOSE", "FETCH_PURPOSE", "NonceLedger", "SwarmAuthorizer", "SwarmKey", "SwarmKeyError"]
+__all__ = [
+    "DESCRIBE_PURPOSE", "FETCH_PURPOSE", "AllowedCallers", "NonceLedger", "SwarmAuthorizer", "SwarmKey",
+    "SwarmKeyError",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +183,26 @@ class SwarmAuthorizer(AuthorizerBase):
         return response.auth.nonce == request.auth.nonce and hmac.compare_digest(
             bytes(response.auth.signature), expected
         )
+
+
+class AllowedCallers:
+    """A servicer's RPC handlers (``rpc_*``) answering only callers in ``allowed``; any other
+    caller's request is never handled: ``refused`` is called and the caller gets an error."""
+
+    def __init__(self, servicer: Any, allowed: frozenset[str], refused: Callable[[], None]) -> None:
+        self._servicer = servicer
+        self._allowed = allowed
+        self._refused = refused
+
+    def __getattr__(self, name: str) -> Any:
+        handler = getattr(self._servicer, name)
+        if not name.startswith("rpc_"):
+            return handler
+
+        async def checked(request: Any, context: P2PContext) -> Any:
+            if context.remote_id.to_base58() not in self._allowed:
+                self._refused()
+                raise PermissionError("not in this peer's --allow")
+            return await handler(request, context)
+
+        return checked

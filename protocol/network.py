@@ -39,10 +39,12 @@ from typing import TypeVar
 
 import torch
 from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
-from cgad.protocol.auth import SwarmAuthorizer, SwarmKey
+from cgad.protocol.auth import AllowedCallers, SwarmAuthorizer, SwarmKey
 from cgad.protocol.codec import Codec
 from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.errors import FragmentError
@@ -372,11 +374,25 @@ class NetworkTransport(Transport):
                 f"no peer at --peers answered ({error}); is the address right, and if"
                 f" the swarm is private, is this node's key its key? (it has {has})"
             ) from None
+        if self._allow:
+            await self._answer_only_allowed(self.dht_node.protocol)
         await self._server.start(self.p2p)
         self._runner.spawn(self._poll_forever())
         self._publisher.dht_node = self.dht_node
         if not self.observer:
             self._runner.spawn(self._publisher.refresh_forever(self.num_fragments))
+
+    async def _answer_only_allowed(self, protocol: DHTProtocol) -> None:
+        """Re-register the DHT's handlers behind ``--allow``: hivemind's authorizer hook sees a
+        request but not its sender, so the check wraps the handlers, which get the caller's
+        libp2p-authenticated peer id."""
+
+        def refused() -> None:
+            self.stats.rejected["not_allowed"] += 1
+
+        await protocol.remove_p2p_handlers(self.p2p)
+        servicer = AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer)
+        await protocol.add_p2p_handlers(self.p2p, AllowedCallers(servicer, self._allow, refused))
 
     async def _stop(self) -> None:
         await self._runner.cancel_tasks()

@@ -16,12 +16,16 @@ import grpc
 import pytest
 import torch
 from _netswarm import RUN, SMALL, collect, key, make_transport, settle, wait_for
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from cgad.protocol import FragmentError
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import CLOCK_SKEW, FETCH_PURPOSE, NonceLedger, SwarmKey, SwarmKeyError
 from cgad.protocol.config import NetworkOptions
+from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import Holdings, Identity, fragment_key
 from cgad.protocol.tls import TLS_NAME, ServerCertificate
 from cgad.protocol.transport import Fragment
@@ -172,9 +176,11 @@ def test_an_allowlist_ignores_and_refuses_every_other_peer(tmp_path: Path) -> No
     bob_id = Identity.load_or_create(str(bob_key)).peer_id
     with make_transport(FRAGMENTS, allow=[bob_id]) as alice:
         assert alice.grpc_endpoint is None  # gRPC callers are anonymous: libp2p only
+        with pytest.raises(ConnectionError, match="no peer at --peers answered"):
+            make_transport(FRAGMENTS, peers=alice.maddrs())  # alice's DHT does not answer eve
         with (
             make_transport(FRAGMENTS, identity=str(bob_key), peers=alice.maddrs()) as bob,
-            make_transport(FRAGMENTS, peers=alice.maddrs()) as eve,
+            make_transport(FRAGMENTS, peers=bob.maddrs()) as eve,  # bob, with no allowlist, does
         ):
             assert bob.peer_id == bob_id
             eve.publish(Fragment(key(eve, 4, 0), torch.randn(SMALL), 10))
@@ -203,6 +209,27 @@ def test_an_allowlist_ignores_and_refuses_every_other_peer(tmp_path: Path) -> No
             assert alice.stats.rejected["not_allowed"] > refused
             with pytest.raises(FragmentError):
                 eve.describe(alice.peer_id)
+            # nor get an answer from alice's DHT; bob does (a refusal by alice's record validator
+            # for a store under a key no run uses: False, where eve gets no answer at all, None)
+            refused = alice.stats.rejected["not_allowed"]
+            assert _store_junk(eve, alice.peer_id) is None and _find(eve, alice.peer_id) is None
+            assert alice.stats.rejected["not_allowed"] >= refused + 2
+            assert _store_junk(bob, alice.peer_id) == [False] and _find(bob, alice.peer_id) is not None
+
+
+def _store_junk(caller: NetworkTransport, peer_id: str) -> list[bool] | None:
+    """Ask peer_id's DHT to keep bytes under a key no run uses: what each DHT node answers."""
+    assert caller.dht_node is not None
+    store = caller.dht_node.protocol.call_store(
+        PeerID.from_base58(peer_id), [DHTID.generate(source="junk")], [b"junk"], get_dht_time() + 60
+    )
+    return caller._runner.call(store, timeout=20)
+
+
+def _find(caller: NetworkTransport, peer_id: str) -> dict | None:
+    assert caller.dht_node is not None
+    find = caller.dht_node.protocol.call_find(PeerID.from_base58(peer_id), [DHTID.generate(source="junk")])
+    return caller._runner.call(find, timeout=20)
 
 
 def test_an_allowlist_entry_that_is_no_peer_id_names_itself() -> None:
