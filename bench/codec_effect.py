@@ -30,6 +30,9 @@ CELLS = [  # (codec, optimizer, delay, aggregation)
     ("fp32", "cga", "0", "clip"),
     ("fp32", "cga", "1", "clip"),
     ("4bit", "cga", "1", "clip"),  # the daemon's defaults
+    ("2bit", "cga", "0", "mean"),
+    ("2bit", "cga", "1", "mean"),
+    ("2bit", "cga", "1", "clip"),  # the daemon's defaults on a link too slow for 4bit
 ]
 
 

@@ -235,7 +235,7 @@ class SimOptions(_Part):
     delay: str = Field("0", description="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
     drop: float = Field(0.0, ge=0, lt=1, description="probability a delivery is lost")
     bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
-    codec: Literal["fp32", "fp16", "int8", "4bit"] = Field(
+    codec: Literal["fp32", "fp16", "int8", "4bit", "2bit"] = Field(
         "fp32",
         description="pseudo-gradient encoding on the virtual wire, with error feedback for int8 and "
         "4bit as a daemon's (fp32: exact; a daemon sends 4bit by default)",
@@ -348,7 +348,9 @@ class DemoConfig(_Schedule, TrainingOptions, OuterOptions):
     nodes: Positive = Field(3, description="nodes to start")
     minutes: PositiveFloat = Field(5.0, description="how long they train")
     out: str = Field(".", description="folder for the PNG and the nodes' logs and checkpoints")
-    codec: Literal["fp32", "fp16", "int8", "4bit"] = Field("fp16", description="pseudo-gradient encoding")
+    codec: Literal["fp32", "fp16", "int8", "4bit", "2bit"] = Field(
+        "fp16", description="pseudo-gradient encoding"
+    )
     inner_steps: Positive = Field(20, description="H: inner steps per outer round")
     inner_lr: PositiveFloat = Field(1e-3, description="inner AdamW learning rate")
     batch_size: Positive = Field(4, description="sequences per inner step")

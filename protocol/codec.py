@@ -14,6 +14,10 @@ Codecs:
   nearest FP4 E2M1 number {0, 0.5, 1, 1.5, 2, 3, 4, 6} with a sign bit (the OCP MX element format
   that Streaming DiLoCo exchanges), two values per byte, low nibble first. 4.5 bits per value.
   Blocks whose absmax is below ``_TINY`` encode as zeros.
+- ``2bit``: blocks of 64 values, one fp32 scale per block (the block's RMS), each value a sign bit
+  and a magnitude bit choosing 0.4528 or 1.5104 times the scale (the Lloyd-Max levels of a unit
+  Gaussian, split at 0.9816), four values per byte, the first in the low bits. 2.5 bits per
+  value: for links where 4bit's bytes do not fit a round (error feedback carries what it drops).
 
 All work is whole-tensor torch/numpy kernels (no per-element Python): the lossy codecs map values
 to codes through lookup tables, so each encodes and decodes at memory speed. ``decode`` checks
@@ -47,6 +51,7 @@ class Codec(enum.StrEnum):
     FP16 = "fp16"
     INT8 = "int8"
     FP4 = "4bit"
+    TWO_BIT = "2bit"
 
 
 MAGIC = b"CGFR"
@@ -55,11 +60,14 @@ MAX_NDIM = 8
 MAX_NUMEL = 1 << 34  # 64 GiB of fp32: larger than any fragment, small enough to bound arithmetic
 _FIXED = struct.Struct("<4sBBBBIQQ")
 _CRC = struct.Struct("<I")
-_CODEC_IDS = {Codec.FP32: 0, Codec.FP16: 1, Codec.INT8: 2, Codec.FP4: 3}
+_CODEC_IDS = {Codec.FP32: 0, Codec.FP16: 1, Codec.INT8: 2, Codec.FP4: 3, Codec.TWO_BIT: 4}
 _CODECS_BY_ID = {v: k for k, v in _CODEC_IDS.items()}
 _DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
-_BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64}
+_BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64, Codec.TWO_BIT: 64}
+LOSSY = (Codec.INT8, Codec.FP4, Codec.TWO_BIT)
+# the largest code of each lossy codec, in block scales: a scale beyond fp32's max / this decodes to Inf
+_TOP_LEVEL = {Codec.INT8: 127.0, Codec.FP4: 6.0, Codec.TWO_BIT: 1.5104}
 _FP16_MAX = 65504.0
 # Below this absmax a block is all zeros: its reciprocal scale would overflow fp32.
 _TINY = 1e-30
@@ -88,6 +96,20 @@ def _fp4_tables() -> tuple[np.ndarray, np.ndarray]:
 
 _FP4_PAIR_TO_BYTE, _FP4_BYTE_TO_PAIR = _fp4_tables()
 
+_TWO_BIT_LEVELS = (0.4528, 1.5104)  # Lloyd-Max for N(0, 1) with four levels
+_TWO_BIT_SPLIT = 0.9816
+
+
+def _two_bit_table() -> np.ndarray:
+    """Each packed byte's four values (code: magnitude bit | sign bit << 1), as one 16-byte word."""
+    code_value = [(-1.0 if code & 2 else 1.0) * _TWO_BIT_LEVELS[code & 1] for code in range(4)]
+    quads = [[code_value[(byte >> (2 * i)) & 3] for i in range(4)] for byte in range(256)]
+    table = np.array(quads, dtype=np.float32)
+    return table.view(np.dtype((np.void, 16))).reshape(256)
+
+
+_TWO_BIT_BYTE_TO_QUAD = _two_bit_table()
+
 
 def _payload_size(codec: Codec, numel: int) -> int:
     block = _BLOCK[codec]
@@ -96,7 +118,7 @@ def _payload_size(codec: Codec, numel: int) -> int:
     if codec is Codec.FP16:
         return numel * 2
     blocks = -(-numel // block)
-    per_block = block if codec is Codec.INT8 else block // 2
+    per_block = {Codec.INT8: block, Codec.FP4: block // 2, Codec.TWO_BIT: block // 4}[codec]
     return blocks * (4 + per_block)
 
 
@@ -140,17 +162,17 @@ def _blocks(flat: Tensor, block: int) -> Tensor:
     return padded.view(-1, block)
 
 
-def _quantize(flat: Tensor, codec: Codec, levels: float) -> tuple[Tensor, np.ndarray]:
-    """Per-block scales (absmax / (127 or 6)) and the codes: for int8, ``round`` of
-    value·127/absmax; for 4bit, the quarter-step buckets ``trunc`` of value·24/absmax, two to a
-    byte through the E2M1 table."""
+def _quantize(flat: Tensor, codec: Codec) -> tuple[Tensor, np.ndarray]:
+    """Per-block scales and the codes: for int8, ``round`` of value·127/absmax (scale absmax /
+    127); for 4bit, the quarter-step buckets ``trunc`` of value·24/absmax, two to a byte through
+    the E2M1 table (scale absmax / 6); for 2bit, sign and magnitude bits (scale the block's RMS)."""
     block = _BLOCK[codec]
     padded_numel = -(-flat.numel() // block) * block
     scales = torch.empty(padded_numel // block, dtype=torch.float32)
     if codec is Codec.INT8:
         codes = np.empty(padded_numel, dtype=np.int8)
     else:
-        codes = np.empty(padded_numel // 2, dtype=np.uint8)
+        codes = np.empty(padded_numel // (2 if codec is Codec.FP4 else 4), dtype=np.uint8)
     for start in range(0, padded_numel, _SLICE_VALUES):
         stop = min(start + _SLICE_VALUES, padded_numel)
         blocks = _blocks(flat[start:stop], block)
@@ -158,6 +180,11 @@ def _quantize(flat: Tensor, codec: Codec, levels: float) -> tuple[Tensor, np.nda
         absmax = torch.abs(blocks, out=work).amax(dim=1)
         if absmax.numel() and not math.isfinite(float(absmax.max())):
             raise FragmentError("non_finite", "tensor holds NaN or Inf")
+        if codec is Codec.TWO_BIT:
+            out = codes[start // 4 : stop // 4]
+            scales[start // block : stop // block] = _two_bit_codes(blocks, absmax, work, out)
+            continue
+        levels = 127.0 if codec is Codec.INT8 else 24.0
         multiplier = torch.where(absmax > _TINY, levels / absmax, 0.0)
         torch.mul(blocks, multiplier[:, None], out=work)
         scales[start // block : stop // block] = torch.where(
@@ -172,6 +199,19 @@ def _quantize(flat: Tensor, codec: Codec, levels: float) -> tuple[Tensor, np.nda
             pairs = buckets.numpy().view(np.uint16)
             np.take(_FP4_PAIR_TO_BYTE, pairs, out=codes[start // 2 : stop // 2], mode="clip")
     return scales, codes
+
+
+def _two_bit_codes(blocks: Tensor, absmax: Tensor, work: Tensor, out: np.ndarray) -> Tensor:
+    """Pack ``blocks`` (rows of 64) into ``out`` as 2bit codes; return the rows' scales (RMS).
+    Values are divided by the absmax first, so squaring never overflows."""
+    torch.mul(blocks, torch.where(absmax > _TINY, 1.0 / absmax, 0.0)[:, None], out=work)
+    unit_rms = work.square().mean(dim=1).sqrt_()
+    codes = (work.abs() > (_TWO_BIT_SPLIT * unit_rms)[:, None]).to(torch.uint8)
+    codes.view(-1).bitwise_or_((work.view(-1) < 0).to(torch.uint8) << 1)
+    quads = codes.view(-1, 4)
+    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+    out[:] = packed.numpy()
+    return torch.where(absmax > _TINY, absmax * unit_rms, 0.0)
 
 
 def encode(tensor: Tensor, codec: Codec | str) -> bytes:
@@ -200,7 +240,7 @@ def encode(tensor: Tensor, codec: Codec | str) -> bytes:
                 raise FragmentError("non_finite", f"values in [{low}, {high}] do not fit {codec}")
         parts = [(flat if codec is Codec.FP32 else flat.to(torch.float16)).numpy()]
     else:
-        scales, codes = _quantize(flat, codec, 127.0 if codec is Codec.INT8 else 24.0)
+        scales, codes = _quantize(flat, codec)
         parts = [scales.numpy(), codes]
 
     payload_len = sum(part.nbytes for part in parts)
@@ -260,10 +300,12 @@ def _parse_header(data: bytes | memoryview) -> tuple[Codec, torch.dtype, tuple[i
     return codec, dtype, shape, numel, payload_offset
 
 
-def _decode_scales(data: bytes | memoryview, offset: int, count: int) -> Tensor:
+def _decode_scales(data: bytes | memoryview, offset: int, count: int, codec: Codec) -> Tensor:
     scales = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=count, offset=offset).copy())
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise FragmentError("non_finite", "a block scale is negative, NaN or Inf")
+    ceiling = torch.finfo(torch.float32).max / _TOP_LEVEL[codec]
+    # NaN fails both comparisons
+    if count and not (float(scales.min()) >= 0 and float(scales.max()) <= ceiling):
+        raise FragmentError("non_finite", "a block scale is negative, NaN, Inf, or so large it overflows")
     return scales
 
 
@@ -288,15 +330,18 @@ def decode(data: bytes | bytearray | memoryview) -> Tensor:
     else:
         block = _BLOCK[codec]
         nblocks = -(-numel // block)
-        scales = _decode_scales(data, offset, nblocks)
+        scales = _decode_scales(data, offset, nblocks, codec)
         codes_offset = offset + 4 * nblocks
         blocks = torch.empty(nblocks, block, dtype=torch.float32)
         if codec is Codec.INT8:
             codes = np.frombuffer(data, dtype=np.int8, count=nblocks * block, offset=codes_offset)
             blocks.numpy().reshape(-1)[:] = codes
-        else:
+        elif codec is Codec.FP4:
             packed = np.frombuffer(data, dtype=np.uint8, count=nblocks * block // 2, offset=codes_offset)
             blocks.numpy().view(np.uint64).reshape(-1)[:] = _FP4_BYTE_TO_PAIR[packed]
+        else:
+            packed = np.frombuffer(data, dtype=np.uint8, count=nblocks * block // 4, offset=codes_offset)
+            blocks.numpy().view(np.dtype((np.void, 16))).reshape(-1)[:] = _TWO_BIT_BYTE_TO_QUAD[packed]
         flat = blocks.mul_(scales[:, None]).view(-1)[:numel]
     return flat.to(dtype).view(shape)
 
@@ -330,10 +375,10 @@ def encode_delta(
     tensor: Tensor, codec: Codec, residuals: dict[int, ErrorFeedback] | None, fragment: int
 ) -> bytes:
     """A pseudo-gradient of ``fragment`` as its publisher sends it: through the fragment's
-    ``ErrorFeedback`` in ``residuals`` when the codec is lossy (int8, 4bit), else encoded as it
-    is; ``residuals`` None turns error feedback off. The daemon's publisher and the simulator's
+    ``ErrorFeedback`` in ``residuals`` when the codec is lossy (int8, 4bit, 2bit), else encoded as
+    it is; ``residuals`` None turns error feedback off. The daemon's publisher and the simulator's
     virtual wire both encode this way."""
-    if residuals is None or codec not in (Codec.INT8, Codec.FP4):
+    if residuals is None or codec not in LOSSY:
         return encode(tensor, codec)
     feedback = residuals.get(fragment)
     if feedback is None or feedback.codec is not codec:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["CODEC_NAMES", "PATHS", "CodecName", "NetworkOptions", "Port", "check_multiaddr"]
 
-CodecName = Literal["fp32", "fp16", "int8", "4bit"]
+CodecName = Literal["fp32", "fp16", "int8", "4bit", "2bit"]
 CODEC_NAMES: tuple[str, ...] = CodecName.__args__
 PATHS = ("grpc", "libp2p")
 Port = Annotated[int, Field(ge=0, le=65535)]

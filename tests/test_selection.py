@@ -174,7 +174,7 @@ def test_offers_the_record_shows_unusable_are_refused_once(changes: dict, reason
 
 
 def test_check_offer_passes_a_well_formed_offer() -> None:
-    for codec in ("fp32", "fp16", "int8", "4bit"):
+    for codec in ("fp32", "fp16", "int8", "4bit", "2bit"):
         assert check_offer(_offer(ALICE, codec=codec, length=encoded_size(NUMEL, codec)), NUMEL) is None
     assert check_offer(_offer(ALICE), NUMEL - 1) == Rejection(
         "bad_shape", f"{NUMEL} values, expected {NUMEL - 1}"
