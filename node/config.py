@@ -137,13 +137,25 @@ class OuterOptions(_Part):
         "inner steps, each with its own version and outer-optimizer state (Streaming DiLoCo); "
         "for every method",
     )
-    mixing: Literal["none", "gossip"] = Field(
-        "none", description="gossip: also pull φ toward a random peer's, by their drift at a common version"
+    mixing: Literal["none", "gossip", "late"] = Field(
+        "none",
+        description="gossip: also pull φ toward a random peer's, by their drift at a common version; "
+        "late (cga): the same, by as much as the peers' deltas come late (1 − cga's running freshness), "
+        "with φ sent only in rounds where they do",
     )
     mixing_period: Positive = Field(1, description="outer rounds between gossip mixes")
     mixing_rate: float = Field(
         0.5, gt=0, le=1, description="gossip: the share of the drift from the partner's φ removed per mix"
     )
+
+    @model_validator(mode="after")
+    def _late_mixing_follows_cga(self) -> Any:
+        if self.mixing == "late" and self.optimizer != "cga":
+            raise ValueError(
+                f"--mixing late follows cga's running freshness; with --optimizer {self.optimizer} "
+                "use --mixing gossip"
+            )
+        return self
 
 
 class NodeOptions(_Part):

@@ -88,6 +88,11 @@ class OuterMethod:
         """The momentum the next step takes where it follows the run (CGA), else None."""
         return None
 
+    def freshness(self, optimizer: Optimizer, f: int) -> float:
+        """Fragment f's running share of peers heard fresh (CGA keeps it; ``--mixing late``
+        follows it)."""
+        raise NotImplementedError(f"{self.name} keeps no running freshness")
+
     def step(
         self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
     ) -> None:
@@ -130,6 +135,10 @@ class CGAMethod(OuterMethod):
     def momentum_now(self, optimizer: Optimizer) -> float | None:
         assert isinstance(optimizer, CGA)
         return optimizer.momentum_now()
+
+    def freshness(self, optimizer: Optimizer, f: int) -> float:
+        assert isinstance(optimizer, CGA)
+        return optimizer.freshness(f)
 
     def step(
         self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]

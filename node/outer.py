@@ -41,6 +41,9 @@ from cgad.optim import AroundOwn, staleness_weight
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
+# --mixing late sends φ_f in a round only when the peers' deltas have been this late (1 − r):
+# below it the pull would be a quarter of --mixing-rate or less, not worth φ's bytes
+LATE_SHARE = 0.25
 TOKEN_CAP = 2  # a delivery weighs at most this many times the receiver's own block (claims are cheap)
 
 __all__ = ["Delivery", "OuterLoop", "strided_fragments"]
@@ -239,7 +242,7 @@ class OuterLoop:
             taken, deliveries = self._take(f, incoming, own)
             if taken:
                 self.method.step(self, f, taken, peer_params)
-            if self._mixing_due(f):
+            if self._mixes_now(f):
                 self._gossip(f, peer_params)
             self.versions[f] += 1
             for batch in replay:
@@ -345,16 +348,31 @@ class OuterLoop:
         return held
 
     def _mixing_due(self, f: int) -> bool:
+        """Whether this round's φ_f goes out for mixing (decided at publish)."""
         o = self.options
-        return (
-            o.mixing == "gossip" and not self.method.mixes_params and self.versions[f] % o.mixing_period == 0
-        )
+        if o.mixing == "none" or self.method.mixes_params:
+            return False
+        if o.mixing == "late":
+            return self._lateness(f) >= LATE_SHARE
+        return self.versions[f] % o.mixing_period == 0
+
+    def _mixes_now(self, f: int) -> bool:
+        """Whether fragment f mixes at this step: late mixing wherever its φ went out this round
+        (the step has moved the freshness since), gossip at its period."""
+        if self.options.mixing == "late":
+            return self.versions[f] in self._phi_published.get(f, {})
+        return self._mixing_due(f)
+
+    def _lateness(self, f: int) -> float:
+        """1 − fragment f's running freshness: how late the peers' deltas have been coming."""
+        return 1.0 - self.method.freshness(self.optimizer, f)
 
     def _gossip(self, f: int, params: list[Fragment]) -> None:
         """Pull fragment f's φ toward one random peer's, by the difference between the two at a
         version both published: φ_f ← φ_f − μ·σ(V − s)·(φ_f(s) − φ_peer(s)). Measured at the
         same version, a peer's φ that is s rounds old still says how far apart the two drifted,
-        never how far behind it is; so a late φ does not drag this peer back to where it was."""
+        never how far behind it is; so a late φ does not drag this peer back to where it was. With
+        ``--mixing late`` the pull is scaled by the lateness 1 − r as well."""
         mine = self._phi_published.get(f, {})
         newest: dict[str, Fragment] = {}
         for p in params:
@@ -367,6 +385,8 @@ class OuterLoop:
             s = partner.key.base_version
             o = self.options
             rate = o.mixing_rate * staleness_weight(self.versions[f] - s, o.alpha, o.cutoff)
+            if o.mixing == "late":
+                rate *= self._lateness(f)
             if rate > 0:
                 drift = mine[s] - self.held_params(f, mine[s], partner.tensor)
                 for p, d in zip(self.fragment_phi(f), self.unflatten(f, drift), strict=True):

@@ -97,6 +97,10 @@ class CGA(Optimizer):
         # a state saved before the running freshness existed starts from the constructor's
         return group.setdefault("freshness", self.defaults["freshness"])
 
+    def freshness(self, group: int) -> float:
+        """The running freshness r of param group ``group`` (1: every round's peers came fresh)."""
+        return self._freshness(self.param_groups[group])
+
     def momentum_now(self) -> float:
         """The momentum μ' the next step takes without a new share (the mean over groups)."""
         return sum(g["momentum"] * self._freshness(g) for g in self.param_groups) / len(self.param_groups)

@@ -4,6 +4,7 @@ import copy
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
 from cgad.optim import CGAD
 from cgad.protocol.memory import Delay, VirtualNetwork
-from cgad.protocol.transport import Fragment, FragmentKey
+from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 SMALL = dict(batch_size=2, seq_len=32, eval_batches=2, inner_lr=1e-3)
@@ -383,6 +384,44 @@ def test_gossip_mixing_runs_in_the_simulator(corpus):
     synced_mixed = run(corpus, optimizer="sgd", outer_lr=1.0, rounds=3, mixing="gossip")
     assert synced_mixed["mixed"] > 0
     assert synced_mixed["losses"] == pytest.approx(synced["losses"], rel=1e-5)
+
+
+def test_late_mixing_sends_phi_while_peers_come_late_and_pulls_by_how_late():
+    network = VirtualNetwork()
+    me, peer = network.join("me"), network.join("peer")
+    options = OuterOptions(optimizer="cga", mixing="late", cga_momentum=0.0)
+    loop = OuterLoop([torch.zeros(4)], options, me, "run")
+
+    def round_(fresh: bool, drift: float = 0.0) -> bool:
+        """One round: own Δ −1; the peer's Δ −1 at age 0 (when ``fresh``) and its φ ``drift``
+        away from this node's; whether this node's φ went out."""
+        version = loop.versions[0]
+        loop.theta[0].copy_(loop.phi[0] + 1.0)
+        before = loop.phi[0].detach().clone()
+        loop.publish(0, tokens=10)
+        sent = bool(peer.receive(0, Kind.PARAMS))
+        key = FragmentKey("run", 0, version, "peer")
+        if fresh:
+            peer.publish(Fragment(key, torch.full((4,), -1.0), tokens=10))
+        peer.publish(Fragment(replace(key, kind=Kind.PARAMS), before + drift, tokens=10))
+        loop.apply(0)
+        return sent
+
+    # nobody heard on time yet (r 0): φ goes out; the peer's Δ comes fresh (r ½), and the pull
+    # is mixing_rate (½) × lateness (½) of the drift: the step to 1, then a quarter of −0.4
+    assert round_(fresh=True, drift=0.4)
+    torch.testing.assert_close(loop.phi[0].detach(), torch.full((4,), 1.1))
+    assert loop.counters.mixed == 1
+    assert round_(fresh=True) and round_(fresh=True)  # lateness ½, then ¼: still sent
+    assert not round_(fresh=True)  # lateness ⅛: φ stays home, no mix
+    assert loop.counters.mixed == 3
+    assert not round_(fresh=False)  # the peer's Δ missing: lateness 1/16 → 0.53
+    assert round_(fresh=True)
+
+
+def test_late_mixing_needs_cga_and_says_so():
+    with pytest.raises(ValueError, match="--mixing late follows cga's running freshness"):
+        SimConfig(optimizer="nesterov", mixing="late")
 
 
 def test_fragments_mean_one_thing_for_every_method():
