@@ -64,13 +64,13 @@ NESTEROV_CGA_GRID = [{"outer_lr": lr, "cga_momentum": mu} for lr, mu in ((0.7, 0
 # name in the tables -> (optimizer, fixed settings, grid of settings to tune over or None)
 METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
     "local": ("local", {}, None),
-    "cga": ("cga", {}, None),
+    "cga": ("cga", {"cga_momentum": 0.0}, None),  # without momentum
     "cga + momentum": ("cga", {}, NESTEROV_CGA_GRID),  # μ scaled by the running freshness
     "sgd (averaging)": ("sgd", {"outer_lr": 1.0}, None),
     "gossip": ("sgd", {"outer_lr": 1.0, "mixing": "gossip"}, None),
     # the age weighting with gossip's drift removal: added when plain averaging + gossip led the
     # delayed conditions on seed 0
-    "cga + gossip": ("cga", {"mixing": "gossip"}, None),
+    "cga + gossip": ("cga", {"mixing": "gossip", "cga_momentum": 0.0}, None),
     # the default's momentum (following freshness) with gossip, every round or as late as deltas come
     "cga + momentum + gossip": ("cga", {"mixing": "gossip", "cga_momentum": 0.5}, None),
     "cga + late gossip": ("cga", {"mixing": "late", "cga_momentum": 0.5}, None),
