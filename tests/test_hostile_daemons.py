@@ -17,21 +17,43 @@ pytestmark = pytest.mark.integration
 ROUNDS = 5
 # half the usual block: five daemons share the machine, and what is tested is per round
 SHORT = ["--inner-steps", "8"]
+# the attackers send fp32, so that nothing in the encoding stops what they send
+FP32 = [*SHORT, "--codec", "fp32"]
+
+
+def _two_honest(workdir, started: list) -> list[str]:
+    """Start two honest nodes, the second joining the first; return the first's addresses. Two
+    are enough: a delivery is judged against the node's own Δ, not a vote."""
+    first = NodeProcess("honest0", workdir, [], SHORT)
+    started.append(first)
+    peers = first.maddrs()
+    started.append(NodeProcess("honest1", workdir, peers, SHORT))
+    return peers
+
+
+def _two_more_rounds(honest: list, judged: Callable[[dict], bool], what: str) -> list[dict]:
+    """Each honest node's status once it has trained two more rounds (and ROUNDS at least) and
+    ``judged`` holds of it; its held-out losses all finite and below an untrained model's."""
+    marks = [node.status()["round"] for node in honest]
+    finals = []
+    for node, mark in zip(honest, marks, strict=True):
+        status = node.wait(
+            lambda s, mark=mark: s["round"] >= max(mark + 2, ROUNDS) and judged(s), what, timeout=600
+        )
+        losses = [loss for _, loss in status["eval_history"]]
+        assert all(math.isfinite(loss) for loss in losses), f"{node.name}: {losses}"
+        assert losses[-1] < FRESH_LOSS - 0.5, f"{node.name} stopped learning: {losses}"
+        finals.append(status)
+    return finals
 
 
 @pytest.mark.timeout(900)
 def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemons):
     workdir, started = daemons
-    first = NodeProcess("honest0", workdir, [], SHORT)
-    started.append(first)
-    peers = first.maddrs()
-    # two honest nodes are enough: a delivery is judged against the node's own Δ, not a vote
-    started.append(NodeProcess("honest1", workdir, peers, SHORT))
-    # the attackers send fp32, so that nothing in the encoding stops what they send
+    peers = _two_honest(workdir, started)
     # the scaler also offers snapshots of NaN parameters that claim the newest version
-    fp32 = [*SHORT, "--codec", "fp32"]
-    scaler = NodeProcess("scaler", workdir, peers, fp32, hostile="scale:1e6+poison-state")
-    claimer = NodeProcess("claimer", workdir, peers, fp32, hostile="future:1000")
+    scaler = NodeProcess("scaler", workdir, peers, FP32, hostile="scale:1e6+poison-state")
+    claimer = NodeProcess("claimer", workdir, peers, FP32, hostile="future:1000")
     started += [scaler, claimer]
     scaler_id, claimer_id = scaler.status()["peer_id"], claimer.status()["peer_id"]
     honest = started[:2]
@@ -39,19 +61,8 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
     # both attackers joined (from an honest snapshot) and have sent forged fragments for a while
     claimer.wait(lambda status: status["published"] >= 2, "the claimer publishing", timeout=600)
     scaler.wait(lambda status: status["published"] >= 2, "the scaler publishing", timeout=600)
-    marks = [node.status()["round"] for node in honest]
-
-    def through(mark: int) -> Callable[[dict], bool]:
-        return lambda status: status["round"] >= max(mark + 2, ROUNDS) and status["clipped"] >= 2
-
-    finals = [
-        node.wait(through(mark), "two more rounds", timeout=600)
-        for node, mark in zip(honest, marks, strict=True)
-    ]
+    finals = _two_more_rounds(honest, lambda status: status["clipped"] >= 2, "two more rounds")
     for node, status in zip(honest, finals, strict=True):
-        losses = [loss for _, loss in status["eval_history"]]
-        assert all(math.isfinite(loss) for loss in losses), f"{node.name}: {losses}"
-        assert losses[-1] < FRESH_LOSS - 0.5, f"{node.name} stopped learning: {losses}"
         assert status["applied_by_peer"].get(scaler_id, 0) >= 2, f"{node.name}: {status['applied_by_peer']}"
         assert status["rejected"].get("future", 0) >= 1, f"{node.name}: {status['rejected']}"
         assert claimer_id not in status["applied_by_peer"], "a far-future delta was applied"
@@ -82,13 +93,9 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
 @pytest.mark.timeout(900)
 def test_honest_nodes_train_on_beside_a_reversing_a_noisy_and_a_token_inflating_peer(daemons):
     workdir, started = daemons
-    first = NodeProcess("honest0", workdir, [], SHORT)
-    started.append(first)
-    peers = first.maddrs()
-    started.append(NodeProcess("honest1", workdir, peers, SHORT))
-    fp32 = [*SHORT, "--codec", "fp32"]
+    peers = _two_honest(workdir, started)
     attackers = {
-        kind: NodeProcess(kind.split(":")[0], workdir, peers, fp32, hostile=kind)
+        kind: NodeProcess(kind.split(":")[0], workdir, peers, FP32, hostile=kind)
         for kind in ("signflip", "noise:10", "tokens:1000000000000")
     }
     started += attackers.values()
@@ -96,24 +103,13 @@ def test_honest_nodes_train_on_beside_a_reversing_a_noisy_and_a_token_inflating_
     honest = started[:2]
     for node in attackers.values():
         node.wait(lambda status: status["published"] >= 2, f"{node.name} publishing", timeout=600)
-    marks = [node.status()["round"] for node in honest]
 
-    def judged(mark: int) -> Callable[[dict], bool]:
-        def enough(status: dict) -> bool:
-            flipped = status["rejected_by_peer"].get(ids["signflip"], 0)
-            inflated = status["applied_by_peer"].get(ids["tokens:1000000000000"], 0)
-            return status["round"] >= max(mark + 2, ROUNDS) and flipped >= 2 and inflated >= 2
+    def judged(status: dict) -> bool:
+        flipped = status["rejected_by_peer"].get(ids["signflip"], 0)
+        return flipped >= 2 and status["applied_by_peer"].get(ids["tokens:1000000000000"], 0) >= 2
 
-        return enough
-
-    finals = [
-        node.wait(judged(mark), "two more rounds of judged deliveries", timeout=600)
-        for node, mark in zip(honest, marks, strict=True)
-    ]
+    finals = _two_more_rounds(honest, judged, "two more rounds of judged deliveries")
     for node, status in zip(honest, finals, strict=True):
-        losses = [loss for _, loss in status["eval_history"]]
-        assert all(math.isfinite(loss) for loss in losses), f"{node.name}: {losses}"
-        assert losses[-1] < FRESH_LOSS - 0.5, f"{node.name} stopped learning: {losses}"
         # a reversed Δ points against the node's own: refused, counted 'opposed'
         assert status["rejected"].get("opposed", 0) >= 2, f"{node.name}: {status['rejected']}"
         # noise ten times a Δ's norm: what of it passes the cosine test is clipped to the radius
