@@ -31,8 +31,10 @@ __all__ = ["IncompatibleSwarm", "StateSync", "check_compatible", "settled"]
 logger = logging.getLogger(__name__)
 
 # bytes per second a state download may not fall below on average: its timeout is a minute
-# plus its size at this rate (100 kB/s, 0.8 Mbit/s: a slow volunteer's link)
-MIN_STATE_RATE = 100e3
+# plus its size at this rate. Joiners share the source's uplink: three of them through one 2 Mbit
+# link got 69 kB/s each, and a limit of 100 kB/s cut one off at 95% of its 15 MB. A stalled or
+# trickling sender is dropped by the fetcher long before this (chunk timeout, `too_slow`).
+MIN_STATE_RATE = 20e3
 MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays ahead
 # versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
 # for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
