@@ -186,13 +186,12 @@ class SwarmAuthorizer(AuthorizerBase):
 
 
 class AllowedCallers:
-    """A servicer's RPC handlers (``rpc_*``) answering only callers in ``allowed``; any other
-    caller's request is never handled: ``refused`` is called and the caller gets an error."""
+    """A servicer's RPC handlers (``rpc_*``) answering only the callers ``allowed`` admits (it
+    also counts the refusals); any other caller's request is never handled and gets an error."""
 
-    def __init__(self, servicer: Any, allowed: frozenset[str], refused: Callable[[], None]) -> None:
+    def __init__(self, servicer: Any, allowed: Callable[[P2PContext], bool]) -> None:
         self._servicer = servicer
         self._allowed = allowed
-        self._refused = refused
 
     def __getattr__(self, name: str) -> Any:
         handler = getattr(self._servicer, name)
@@ -200,8 +199,7 @@ class AllowedCallers:
             return handler
 
         async def checked(request: Any, context: P2PContext) -> Any:
-            if context.remote_id.to_base58() not in self._allowed:
-                self._refused()
+            if not self._allowed(context):
                 raise PermissionError("not in this peer's --allow")
             return await handler(request, context)
 

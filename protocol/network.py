@@ -385,14 +385,10 @@ class NetworkTransport(Transport):
     async def _answer_only_allowed(self, protocol: DHTProtocol) -> None:
         """Re-register the DHT's handlers behind ``--allow``: hivemind's authorizer hook sees a
         request but not its sender, so the check wraps the handlers, which get the caller's
-        libp2p-authenticated peer id."""
-
-        def refused() -> None:
-            self.stats.rejected["not_allowed"] += 1
-
+        libp2p-authenticated peer id: the same check the fragment server makes."""
         await protocol.remove_p2p_handlers(self.p2p)
         servicer = AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer)
-        await protocol.add_p2p_handlers(self.p2p, AllowedCallers(servicer, self._allow, refused))
+        await protocol.add_p2p_handlers(self.p2p, AllowedCallers(servicer, self._server.caller_allowed))
 
     async def _stop(self) -> None:
         await self._runner.cancel_tasks()

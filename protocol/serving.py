@@ -199,15 +199,16 @@ class FragmentServer:
             else:
                 self._no_state.set()
 
-    def _caller_allowed(self, context: P2PContext) -> bool:
-        """Whether a libp2p caller (libp2p authenticates its peer id) is in ``--allow``."""
+    def caller_allowed(self, context: P2PContext) -> bool:
+        """Whether a libp2p caller (libp2p authenticates its peer id) is in ``--allow``; a refusal
+        is counted ``not_allowed``. The DHT's handlers ask this too (``AllowedCallers``)."""
         if not self.options.allow or context.remote_id.to_base58() in self.options.allow:
             return True
         self.stats.rejected["not_allowed"] += 1
         return False
 
     async def _describe(self, request: pb.DescribeRequest, context: P2PContext) -> pb.DescribeResponse:
-        if not self._caller_allowed(context) or not self._authorized(request, DESCRIBE_PURPOSE):
+        if not self.caller_allowed(context) or not self._authorized(request, DESCRIBE_PURPOSE):
             return pb.DescribeResponse()  # an outsider learns nothing, not even the run id
         return pb.DescribeResponse(run_id=self.options.run_id, swarm_json=self.description)
 
@@ -216,7 +217,7 @@ class FragmentServer:
             yield message
 
     async def _fetch_libp2p(self, request: pb.FetchRequest, context: P2PContext) -> Outgoing:
-        if not self._caller_allowed(context):
+        if not self.caller_allowed(context):
             yield self._refusal("not allowed: this peer trains only with the peers it lists", False)
             return
         async for message in self._fetch(request, serialized=False):
