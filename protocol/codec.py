@@ -203,11 +203,13 @@ def _quantize(flat: Tensor, codec: Codec) -> tuple[Tensor, np.ndarray]:
 
 def _two_bit_codes(blocks: Tensor, absmax: Tensor, work: Tensor, out: np.ndarray) -> Tensor:
     """Pack ``blocks`` (rows of 64) into ``out`` as 2bit codes; return the rows' scales (RMS).
-    Values are divided by the absmax first, so squaring never overflows."""
+    Values are divided by the absmax first, so the norm never overflows; ``work`` then holds the
+    magnitudes, so that no other float buffer of the slice's size is allocated."""
     torch.mul(blocks, torch.where(absmax > _TINY, 1.0 / absmax, 0.0)[:, None], out=work)
-    unit_rms = work.square().mean(dim=1).sqrt_()
-    codes = (work.abs() > (_TWO_BIT_SPLIT * unit_rms)[:, None]).to(torch.uint8)
-    codes.view(-1).bitwise_or_((work.view(-1) < 0).to(torch.uint8) << 1)
+    unit_rms = torch.linalg.vector_norm(work, dim=1).div_(math.sqrt(work.shape[1]))
+    negative = work < 0
+    codes = (work.abs_() > (_TWO_BIT_SPLIT * unit_rms)[:, None]).to(torch.uint8)
+    codes.bitwise_or_(negative.to(torch.uint8) << 1)
     quads = codes.view(-1, 4)
     packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
     out[:] = packed.numpy()
