@@ -249,8 +249,8 @@ class SimOptions(_Part):
     bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
     codec: Literal["fp32", "fp16", "int8", "4bit", "2bit"] = Field(
         "fp32",
-        description="pseudo-gradient encoding on the virtual wire, with error feedback for int8 and "
-        "4bit as a daemon's (fp32: exact; a daemon sends 4bit by default)",
+        description="pseudo-gradient encoding on the virtual wire, with error feedback for int8, 4bit "
+        "and 2bit as a daemon's (fp32: exact; a daemon sends 4bit by default)",
     )
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
     apply_delay: int = Field(
