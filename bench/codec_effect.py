@@ -33,6 +33,9 @@ CELLS = [  # (codec, optimizer, delay, aggregation)
     ("2bit", "cga", "0", "mean"),
     ("2bit", "cga", "1", "mean"),
     ("2bit", "cga", "1", "clip"),  # the daemon's defaults on a link too slow for 4bit
+    ("sparse", "cga", "0", "mean"),
+    ("sparse", "cga", "0", "clip"),
+    ("sparse", "cga", "1", "clip"),  # top-k: 7x fewer bytes than 4bit
 ]
 
 
@@ -61,6 +64,7 @@ def run_cell(cell: tuple[str, str, str, str, int]) -> dict:
         "seed": seed,
         "final_loss": record["final_loss"],
         "clipped": record["clipped"],
+        "bytes_sent": record["bytes_sent"],
     }
 
 
@@ -83,7 +87,7 @@ def main() -> None:
     )
     for r in results:
         print(
-            f"{r['optimizer']:6} delay {r['delay']} {r['codec']:5} {r['aggregation']:5} seed {r['seed']}:"
+            f"{r['optimizer']:6} delay {r['delay']} {r['codec']:6} {r['aggregation']:5} seed {r['seed']}:"
             f" {r['final_loss']:.3f}"
         )
     OUT.parent.mkdir(parents=True, exist_ok=True)

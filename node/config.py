@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cgad.optim.defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
-from cgad.protocol.config import NetworkOptions, Port
+from cgad.protocol.config import CodecName, NetworkOptions, Port
 
 __all__ = [
     "ADMIN_PORT",
@@ -247,10 +247,10 @@ class SimOptions(_Part):
     delay: str = Field("0", description="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
     drop: float = Field(0.0, ge=0, lt=1, description="probability a delivery is lost")
     bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
-    codec: Literal["fp32", "fp16", "int8", "4bit", "2bit"] = Field(
+    codec: CodecName = Field(
         "fp32",
-        description="pseudo-gradient encoding on the virtual wire, with error feedback for int8, 4bit "
-        "and 2bit as a daemon's (fp32: exact; a daemon sends 4bit by default)",
+        description="pseudo-gradient encoding on the virtual wire, with error feedback for the lossy "
+        "ones as a daemon's (fp32: exact; a daemon sends 4bit by default)",
     )
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
     apply_delay: int = Field(
@@ -360,9 +360,7 @@ class DemoConfig(_Schedule, TrainingOptions, OuterOptions):
     nodes: Positive = Field(3, description="nodes to start")
     minutes: PositiveFloat = Field(5.0, description="how long they train")
     out: str = Field(".", description="folder for the PNG and the nodes' logs and checkpoints")
-    codec: Literal["fp32", "fp16", "int8", "4bit", "2bit"] = Field(
-        "fp16", description="pseudo-gradient encoding"
-    )
+    codec: CodecName = Field("fp16", description="pseudo-gradient encoding")
     inner_steps: Positive = Field(20, description="H: inner steps per outer round")
     inner_lr: PositiveFloat = Field(1e-3, description="inner AdamW learning rate")
     batch_size: Positive = Field(4, description="sequences per inner step")

@@ -124,7 +124,9 @@ class Node:
                 if c.sync == "allreduce"
                 else None
             )
-            self.loop = OuterLoop(params, c, self.exchange or self.transport, c.run_id, seed=seed)
+            self.loop = OuterLoop(
+                params, c, self.exchange or self.transport, c.run_id, seed=seed, sparse=c.codec == "sparse"
+            )
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
             self.block_start = 0  # the inner step at which the current block began

@@ -3,7 +3,8 @@
 This is the code both the daemon and the simulator run. At fragment f's turn:
 
 1. Δ_f = φ_f − θ_f, the pseudo-gradient of the inner steps since f's last sync, is published,
-   tagged with the version it started from (``versions[f]``) and the tokens behind it;
+   tagged with the version it started from (``versions[f]``) and the tokens behind it (with the
+   ``sparse`` codec, its top-k and what earlier rounds left out: error feedback kept here);
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
    τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0; with ``--aggregation clip``
    (the default) a peer's Δ pointing against the own one is refused (``opposed``) and the rest
@@ -38,6 +39,7 @@ from torch import Tensor
 from cgad.node.config import OuterOptions
 from cgad.node.methods import Contribution, method
 from cgad.optim import AroundOwn, staleness_weight
+from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode_delta
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -98,7 +100,12 @@ class OuterLoop:
         transport: Transport,
         run_id: str,
         seed: int = 0,
+        sparse: bool = False,
     ) -> None:
+        """``sparse``: the transport sends deltas with the ``sparse`` codec (top-k). The loop
+        then picks what is sent itself, with the error feedback, so that peers' deltas, sparse
+        too, are judged against the own Δ as sent: against the dense one they would sit about
+        its whole norm away by their support alone and be clipped."""
         self.theta = params
         self.options = options
         self.method = method(options.optimizer)
@@ -121,6 +128,8 @@ class OuterLoop:
         self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
+        # with ``sparse``: per fragment, the own progress not sent yet (the error feedback)
+        self._unsent: dict[int, ErrorFeedback] | None = {} if sparse else None
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -155,8 +164,14 @@ class OuterLoop:
                 return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         fragment = Fragment(key, own, tokens)
+        sent = fragment
+        if self._unsent is not None and self.method.shares:
+            # the own step still takes the whole Δ_f (waiting for its top-k would delay the own
+            # progress by rounds); peers get the top-k of Δ_f and of what earlier rounds left out
+            kept = encode_delta(own, Codec.SPARSE, self._unsent if share else None, f)
+            sent = Fragment(key, decode(kept), tokens)
         # a discarded block is still this node's own work: a yardstick no peer can move
-        self._yardstick[f] = fragment
+        self._yardstick[f] = sent
         if not share and self.method.shares:
             self.counters.discarded += 1
             self._turn[f] = None
@@ -164,7 +179,7 @@ class OuterLoop:
         self._turn[f] = fragment
         if not self.method.shares:
             return
-        self.transport.publish(fragment)
+        self.transport.publish(sent)
         self.counters.published += 1
         if self.method.mixes_params or self._mixing_due(f):
             params = self.flat_phi(f)

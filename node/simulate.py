@@ -92,7 +92,8 @@ def simulate(
         transport = (
             ForgingTransport(transports[w], attack, seed=c.seed * 17 + w) if hostile else transports[w]
         )
-        loop = OuterLoop(list(model.parameters()), c, transport, run_id="sim", seed=c.seed * 31 + w)
+        params = list(model.parameters())
+        loop = OuterLoop(params, c, transport, "sim", seed=c.seed * 31 + w, sparse=c.codec == "sparse")
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
     honest = [wk for wk in workers if not wk.hostile]
 

@@ -18,6 +18,11 @@ Codecs:
   and a magnitude bit choosing 0.4528 or 1.5104 times the scale (the Lloyd-Max levels of a unit
   Gaussian, split at 0.9816), four values per byte, the first in the low bits. 2.5 bits per
   value: for links where 4bit's bytes do not fit a round (error feedback carries what it drops).
+- ``sparse``: blocks of 256 values, of which only the 8 largest in magnitude are sent (top-k, 1
+  in 32): one fp32 scale per block (the kept absmax / 127), the kept positions as 8 strictly
+  increasing uint8 indices, then their values as int8; every other value decodes as 0. 0.625 bits
+  per value, 7x fewer bytes than 4bit: error feedback sends what a round leaves out once it has
+  grown large enough to be among a block's largest (SparseLoCo's top-k with error feedback).
 
 All work is whole-tensor torch/numpy kernels (no per-element Python): the lossy codecs map values
 to codes through lookup tables, so each encodes and decodes at memory speed. ``decode`` checks
@@ -52,6 +57,7 @@ class Codec(enum.StrEnum):
     INT8 = "int8"
     FP4 = "4bit"
     TWO_BIT = "2bit"
+    SPARSE = "sparse"
 
 
 MAGIC = b"CGFR"
@@ -60,14 +66,15 @@ MAX_NDIM = 8
 MAX_NUMEL = 1 << 34  # 64 GiB of fp32: larger than any fragment, small enough to bound arithmetic
 _FIXED = struct.Struct("<4sBBBBIQQ")
 _CRC = struct.Struct("<I")
-_CODEC_IDS = {Codec.FP32: 0, Codec.FP16: 1, Codec.INT8: 2, Codec.FP4: 3, Codec.TWO_BIT: 4}
+_CODEC_IDS = {Codec.FP32: 0, Codec.FP16: 1, Codec.INT8: 2, Codec.FP4: 3, Codec.TWO_BIT: 4, Codec.SPARSE: 5}
 _CODECS_BY_ID = {v: k for k, v in _CODEC_IDS.items()}
 _DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
-_BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64, Codec.TWO_BIT: 64}
-LOSSY = (Codec.INT8, Codec.FP4, Codec.TWO_BIT)
+_BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64, Codec.TWO_BIT: 64, Codec.SPARSE: 256}
+LOSSY = (Codec.INT8, Codec.FP4, Codec.TWO_BIT, Codec.SPARSE)
+SPARSE_KEPT = 8  # values sent per block of 256 by ``sparse``
 # the largest code of each lossy codec, in block scales: a scale beyond fp32's max / this decodes to Inf
-_TOP_LEVEL = {Codec.INT8: 127.0, Codec.FP4: 6.0, Codec.TWO_BIT: 1.5104}
+_TOP_LEVEL = {Codec.INT8: 127.0, Codec.FP4: 6.0, Codec.TWO_BIT: 1.5104, Codec.SPARSE: 127.0}
 _FP16_MAX = 65504.0
 # Below this absmax a block is all zeros: its reciprocal scale would overflow fp32.
 _TINY = 1e-30
@@ -118,8 +125,8 @@ def _payload_size(codec: Codec, numel: int) -> int:
     if codec is Codec.FP16:
         return numel * 2
     blocks = -(-numel // block)
-    per_block = {Codec.INT8: block, Codec.FP4: block // 2, Codec.TWO_BIT: block // 4}[codec]
-    return blocks * (4 + per_block)
+    code_bytes = {Codec.INT8: block, Codec.FP4: block // 2, Codec.TWO_BIT: block // 4}
+    return blocks * (4 + code_bytes.get(codec, 2 * SPARSE_KEPT))
 
 
 def encoded_size(numel: int, codec: Codec | str, ndim: int = 1) -> int:
@@ -171,6 +178,8 @@ def _quantize(flat: Tensor, codec: Codec) -> tuple[Tensor, np.ndarray]:
     scales = torch.empty(padded_numel // block, dtype=torch.float32)
     if codec is Codec.INT8:
         codes = np.empty(padded_numel, dtype=np.int8)
+    elif codec is Codec.SPARSE:  # every block's indices, then every block's values
+        codes = np.empty(padded_numel // block * 2 * SPARSE_KEPT, dtype=np.uint8)
     else:
         codes = np.empty(padded_numel // (2 if codec is Codec.FP4 else 4), dtype=np.uint8)
     for start in range(0, padded_numel, _SLICE_VALUES):
@@ -183,6 +192,13 @@ def _quantize(flat: Tensor, codec: Codec) -> tuple[Tensor, np.ndarray]:
         if codec is Codec.TWO_BIT:
             out = codes[start // 4 : stop // 4]
             scales[start // block : stop // block] = _two_bit_codes(blocks, absmax, work, out)
+            continue
+        if codec is Codec.SPARSE:
+            first, last = start // block * SPARSE_KEPT, stop // block * SPARSE_KEPT
+            values = codes[codes.size // 2 :].view(np.int8)
+            scales[start // block : stop // block] = _sparse_codes(
+                blocks, work, codes[first:last], values[first:last]
+            )
             continue
         levels = 127.0 if codec is Codec.INT8 else 24.0
         multiplier = torch.where(absmax > _TINY, levels / absmax, 0.0)
@@ -214,6 +230,19 @@ def _two_bit_codes(blocks: Tensor, absmax: Tensor, work: Tensor, out: np.ndarray
     packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
     out[:] = packed.numpy()
     return torch.where(absmax > _TINY, absmax * unit_rms, 0.0)
+
+
+def _sparse_codes(blocks: Tensor, magnitudes: Tensor, indices: np.ndarray, values: np.ndarray) -> Tensor:
+    """Keep each row's ``SPARSE_KEPT`` largest magnitudes: their positions, ascending, into
+    ``indices``, their values as int8 into ``values``; return the rows' scales (kept absmax / 127)."""
+    kept = torch.topk(magnitudes, SPARSE_KEPT, dim=1, sorted=False)
+    positions, _ = kept.indices.sort(dim=1)  # one canonical order, so the decoder can refuse repeats
+    absmax = kept.values.amax(dim=1)
+    multiplier = torch.where(absmax > _TINY, 127.0 / absmax, 0.0)
+    picked = blocks.gather(1, positions).mul_(multiplier[:, None]).round_()
+    indices[:] = positions.to(torch.uint8).view(-1).numpy()
+    values[:] = picked.to(torch.int8).view(-1).numpy()
+    return torch.where(absmax > _TINY, absmax / 127.0, 0.0)
 
 
 def encode(tensor: Tensor, codec: Codec | str) -> bytes:
@@ -334,18 +363,35 @@ def decode(data: bytes | bytearray | memoryview) -> Tensor:
         nblocks = -(-numel // block)
         scales = _decode_scales(data, offset, nblocks, codec)
         codes_offset = offset + 4 * nblocks
-        blocks = torch.empty(nblocks, block, dtype=torch.float32)
+        if codec is Codec.SPARSE:
+            blocks = _sparse_blocks(data, codes_offset, nblocks)
+        else:
+            blocks = torch.empty(nblocks, block, dtype=torch.float32)
         if codec is Codec.INT8:
             codes = np.frombuffer(data, dtype=np.int8, count=nblocks * block, offset=codes_offset)
             blocks.numpy().reshape(-1)[:] = codes
         elif codec is Codec.FP4:
             packed = np.frombuffer(data, dtype=np.uint8, count=nblocks * block // 2, offset=codes_offset)
             blocks.numpy().view(np.uint64).reshape(-1)[:] = _FP4_BYTE_TO_PAIR[packed]
-        else:
+        elif codec is Codec.TWO_BIT:
             packed = np.frombuffer(data, dtype=np.uint8, count=nblocks * block // 4, offset=codes_offset)
             blocks.numpy().view(np.dtype((np.void, 16))).reshape(-1)[:] = _TWO_BIT_BYTE_TO_QUAD[packed]
         flat = blocks.mul_(scales[:, None]).view(-1)[:numel]
     return flat.to(dtype).view(shape)
+
+
+def _sparse_blocks(data: bytes | memoryview, offset: int, nblocks: int) -> Tensor:
+    """The blocks of a ``sparse`` payload before scaling: zeros, with each block's kept codes at
+    its indices. Indices that repeat or are out of order are refused (two values for one slot)."""
+    count = nblocks * SPARSE_KEPT
+    indices = np.frombuffer(data, dtype=np.uint8, count=count, offset=offset).reshape(nblocks, SPARSE_KEPT)
+    values = np.frombuffer(data, dtype=np.int8, count=count, offset=offset + count)
+    if nblocks and not (np.diff(indices.astype(np.int16), axis=1) > 0).all():
+        raise FragmentError("bad_indices", "a block's kept indices repeat or are not ascending")
+    blocks = torch.zeros(nblocks, _BLOCK[Codec.SPARSE], dtype=torch.float32)
+    positions = torch.from_numpy(indices.astype(np.int64))
+    blocks.scatter_(1, positions, torch.from_numpy(values.astype(np.float32)).view(nblocks, SPARSE_KEPT))
+    return blocks
 
 
 class ErrorFeedback:

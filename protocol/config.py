@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["CODEC_NAMES", "PATHS", "CodecName", "NetworkOptions", "Port", "check_multiaddr"]
 
-CodecName = Literal["fp32", "fp16", "int8", "4bit", "2bit"]
+CodecName = Literal["fp32", "fp16", "int8", "4bit", "2bit", "sparse"]
 CODEC_NAMES: tuple[str, ...] = CodecName.__args__
 PATHS = ("grpc", "libp2p")
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -163,6 +163,19 @@ class NetworkOptions(BaseModel):
     @classmethod
     def _multiaddrs(cls, values: list[str]) -> list[str]:
         return [check_multiaddr(v) for v in values]
+
+    @field_validator("params_codec")
+    @classmethod
+    def _params_whole(cls, value: str) -> str:
+        if value == "sparse":
+            raise ValueError("sparse sends 1 value in 32 and suits pseudo-gradients only, not parameters")
+        return value
+
+    @model_validator(mode="after")
+    def _sparse_needs_feedback(self) -> NetworkOptions:
+        if self.codec == "sparse" and not self.error_feedback:
+            raise ValueError("--codec sparse needs --error-feedback: without it 31 values in 32 never go out")
+        return self
 
     @field_validator("allow")
     @classmethod

@@ -119,6 +119,8 @@ def test_bad_yaml(tmp_path, text, match):
         ({"inner_lr": float("nan")}, "inner_lr"),
         ({"inner_steps": 10, "fragments": 3}, "multiple"),
         ({"data": "does/not/exist"}, "does not exist"),
+        ({"params_codec": "sparse"}, "pseudo-gradients only"),
+        ({"codec": "sparse", "error_feedback": False}, "needs --error-feedback"),
     ],
 )
 def test_bad_node_config(kwargs, match):
