@@ -170,7 +170,8 @@ class Node:
         join or fall behind: packed once, served to all of them by content hash."""
         with self._outer_lock:  # one consistent snapshot, never half an outer step
             versions = list(self.loop.versions)
-            blob = pack({"swarm": self.swarm, "outer": self.loop.state_dict(), "round": self.round})
+            outer = self.loop.state_dict(compact=True)
+            blob = pack({"swarm": self.swarm, "outer": outer, "round": self.round})
         self.transport.publish_state(blob, versions)
 
     def _checkpoint_state(self) -> dict[str, Any]:

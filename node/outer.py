@@ -424,12 +424,22 @@ class OuterLoop:
         c = self.counters
         return c.age_sum / c.age_count if c.age_count else 0.0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "phi": [p.detach().clone() for p in self.phi],
-            "versions": list(self.versions),
-            "optimizer": self.optimizer.state_dict(),
-        }
+    def state_dict(self, compact: bool = False) -> dict[str, Any]:
+        """φ, versions and the outer optimizer's state. ``compact`` (a snapshot for joining
+        peers) keeps the optimizer's float tensors (momenta, moments) in bfloat16: they are half
+        of what a joiner downloads once they exist, they are running averages that the joiner's
+        own rounds soon outweigh, and loading casts them back to float32. φ stays exact."""
+        optimizer = self.optimizer.state_dict()
+        if compact:
+            optimizer["state"] = {
+                index: {
+                    k: v.to(torch.bfloat16) if isinstance(v, Tensor) and v.is_floating_point() else v
+                    for k, v in state.items()
+                }
+                for index, state in optimizer["state"].items()
+            }
+        phi = [p.detach().clone() for p in self.phi]
+        return {"phi": phi, "versions": list(self.versions), "optimizer": optimizer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ. Checked

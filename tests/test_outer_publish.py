@@ -4,6 +4,7 @@ the peers' own, and θ restarts from there."""
 
 import torch
 
+from cgad.node.checkpoint import pack
 from cgad.node.config import OuterOptions
 from cgad.node.outer import OuterLoop
 from cgad.protocol.memory import VirtualNetwork
@@ -89,3 +90,24 @@ def test_cga_momentum_follows_the_share_of_live_peers_whose_delta_came_fresh() -
     loop.apply(0, swarm_version=2)
     assert loop.counters.replayed == 1 and loop.versions[0] == 2
     assert loop.optimizer.param_groups[0]["freshness"] == 0.25
+
+
+def test_a_snapshot_for_peers_carries_the_momentum_in_bfloat16_and_phi_exact() -> None:
+    network = VirtualNetwork()
+    options = OuterOptions(optimizer="cga", cga_momentum=0.5)
+    torch.manual_seed(0)
+    loop = OuterLoop([torch.zeros(4096)], options, network.join("me"), "run")
+    loop.theta[0].add_(torch.randn(4096) / 3)
+    loop.publish(0, tokens=10)
+    loop.apply(0)
+    full, compact = loop.state_dict(), loop.state_dict(compact=True)
+    [momentum] = [s["momentum"] for s in full["optimizer"]["state"].values()]
+    [kept] = [s["momentum"] for s in compact["optimizer"]["state"].values()]
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, momentum.to(torch.bfloat16))
+    assert torch.equal(compact["phi"][0], loop.phi[0])
+    assert len(pack(compact)) < 0.8 * len(pack(full))  # φ 16 kB + momentum 16 kB → 8 kB
+    joiner = OuterLoop([torch.zeros(4096)], options, network.join("joiner"), "run")
+    joiner.load_state_dict(compact)
+    [adopted] = [joiner.optimizer.state[p]["momentum"] for p in joiner.phi]
+    assert adopted.dtype == torch.float32 and torch.allclose(adopted, momentum, rtol=2**-8)
+    assert torch.equal(joiner.phi[0], loop.phi[0])
