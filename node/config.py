@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cgad.optim.defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
-from cgad.protocol.config import CodecName, NetworkOptions, Port
+from cgad.protocol.config import SPARSE_KEPT, SPARSE_MAX_KEPT, CodecName, NetworkOptions, Port
 
 __all__ = [
     "ADMIN_PORT",
@@ -251,6 +251,9 @@ class SimOptions(_Part):
         "fp32",
         description="pseudo-gradient encoding on the virtual wire, with error feedback for the lossy "
         "ones as a daemon's (fp32: exact; a daemon sends 4bit by default)",
+    )
+    sparse_keep: int = Field(
+        SPARSE_KEPT, ge=1, le=SPARSE_MAX_KEPT, description="sparse: values sent per block of 256"
     )
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
     apply_delay: int = Field(

@@ -125,7 +125,12 @@ class Node:
                 else None
             )
             self.loop = OuterLoop(
-                params, c, self.exchange or self.transport, c.run_id, seed=seed, sparse=c.codec == "sparse"
+                params,
+                c,
+                self.exchange or self.transport,
+                c.run_id,
+                seed=seed,
+                sparse_keep=c.sparse_keep if c.codec == "sparse" else None,
             )
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F

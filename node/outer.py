@@ -100,12 +100,12 @@ class OuterLoop:
         transport: Transport,
         run_id: str,
         seed: int = 0,
-        sparse: bool = False,
+        sparse_keep: int | None = None,
     ) -> None:
-        """``sparse``: the transport sends deltas with the ``sparse`` codec (top-k). The loop
-        then picks what is sent itself, with the error feedback, so that peers' deltas, sparse
-        too, are judged against the own Δ as sent: against the dense one they would sit about
-        its whole norm away by their support alone and be clipped."""
+        """``sparse_keep``: the transport sends deltas with the ``sparse`` codec keeping this many
+        values per block. The loop then picks what is sent itself, with the error feedback, so
+        that peers' deltas, sparse too, are judged against the own Δ as sent: against the dense
+        one they would sit about its whole norm away by their support alone and be clipped."""
         self.theta = params
         self.options = options
         self.method = method(options.optimizer)
@@ -129,7 +129,8 @@ class OuterLoop:
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
         # with ``sparse``: per fragment, the own progress not sent yet (the error feedback)
-        self._unsent: dict[int, ErrorFeedback] | None = {} if sparse else None
+        self._unsent: dict[int, ErrorFeedback] | None = None if sparse_keep is None else {}
+        self._sparse_keep = sparse_keep
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -165,10 +166,10 @@ class OuterLoop:
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         fragment = Fragment(key, own, tokens)
         sent = fragment
-        if self._unsent is not None and self.method.shares:
+        if self._sparse_keep is not None and self.method.shares:
             # the own step still takes the whole Δ_f (waiting for its top-k would delay the own
             # progress by rounds); peers get the top-k of Δ_f and of what earlier rounds left out
-            kept = encode_delta(own, Codec.SPARSE, self._unsent if share else None, f)
+            kept = encode_delta(own, Codec.SPARSE, self._unsent if share else None, f, self._sparse_keep)
             sent = Fragment(key, decode(kept), tokens)
         # a discarded block is still this node's own work: a yardstick no peer can move
         self._yardstick[f] = sent

@@ -75,6 +75,7 @@ def simulate(
         drop=c.drop,
         bandwidth=c.bandwidth,
         codec=c.codec,
+        sparse_keep=c.sparse_keep,
         seed=c.seed * 7919 + 1,
     )
     eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
@@ -93,7 +94,8 @@ def simulate(
             ForgingTransport(transports[w], attack, seed=c.seed * 17 + w) if hostile else transports[w]
         )
         params = list(model.parameters())
-        loop = OuterLoop(params, c, transport, "sim", seed=c.seed * 31 + w, sparse=c.codec == "sparse")
+        sparse_keep = c.sparse_keep if c.codec == "sparse" else None
+        loop = OuterLoop(params, c, transport, "sim", seed=c.seed * 31 + w, sparse_keep=sparse_keep)
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
     honest = [wk for wk in workers if not wk.hostile]
 

@@ -18,10 +18,11 @@ Codecs:
   and a magnitude bit choosing 0.4528 or 1.5104 times the scale (the Lloyd-Max levels of a unit
   Gaussian, split at 0.9816), four values per byte, the first in the low bits. 2.5 bits per
   value: for links where 4bit's bytes do not fit a round (error feedback carries what it drops).
-- ``sparse``: blocks of 256 values, of which only the 8 largest in magnitude are sent (top-k, 1
-  in 32): one fp32 scale per block (the kept absmax / 127), the kept positions as 8 strictly
-  increasing uint8 indices, then their values as int8; every other value decodes as 0. 0.625 bits
-  per value, 7x fewer bytes than 4bit: error feedback sends what a round leaves out once it has
+- ``sparse``: blocks of 256 values, of which only the k largest in magnitude are sent (top-k;
+  k from 1 to 64, 16 by default): one fp32 scale per block (the kept absmax / 127), every block's
+  kept positions as k strictly increasing uint8 indices, then their values as int8; every other
+  value decodes as 0. k is not in the header: the payload's length says it. At k = 16, 1.125 bits
+  per value, 4x fewer bytes than 4bit: error feedback sends what a round leaves out once it has
   grown large enough to be among a block's largest (SparseLoCo's top-k with error feedback).
 
 All work is whole-tensor torch/numpy kernels (no per-element Python): the lossy codecs map values
@@ -43,11 +44,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cgad.protocol.config import SPARSE_KEPT, SPARSE_MAX_KEPT
 from cgad.protocol.errors import FragmentError
 
 __all__ = [
-    "MAX_NUMEL", "SCRATCH_BYTES", "Codec", "ErrorFeedback", "decode", "encode", "encode_delta",
-    "encoded_size",
+    "MAX_NUMEL", "SCRATCH_BYTES", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "Codec", "ErrorFeedback", "decode",
+    "encode", "encode_delta", "encoded_size", "sparse_kept",
 ]  # fmt: skip
 
 
@@ -72,7 +74,6 @@ _DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
 _BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64, Codec.TWO_BIT: 64, Codec.SPARSE: 256}
 LOSSY = (Codec.INT8, Codec.FP4, Codec.TWO_BIT, Codec.SPARSE)
-SPARSE_KEPT = 8  # values sent per block of 256 by ``sparse``
 # the largest code of each lossy codec, in block scales: a scale beyond fp32's max / this decodes to Inf
 _TOP_LEVEL = {Codec.INT8: 127.0, Codec.FP4: 6.0, Codec.TWO_BIT: 1.5104, Codec.SPARSE: 127.0}
 _FP16_MAX = 65504.0
@@ -118,7 +119,7 @@ def _two_bit_table() -> np.ndarray:
 _TWO_BIT_BYTE_TO_QUAD = _two_bit_table()
 
 
-def _payload_size(codec: Codec, numel: int) -> int:
+def _payload_size(codec: Codec, numel: int, kept: int = SPARSE_KEPT) -> int:
     block = _BLOCK[codec]
     if codec is Codec.FP32:
         return numel * 4
@@ -126,13 +127,25 @@ def _payload_size(codec: Codec, numel: int) -> int:
         return numel * 2
     blocks = -(-numel // block)
     code_bytes = {Codec.INT8: block, Codec.FP4: block // 2, Codec.TWO_BIT: block // 4}
-    return blocks * (4 + code_bytes.get(codec, 2 * SPARSE_KEPT))
+    return blocks * (4 + code_bytes.get(codec, 2 * kept))
 
 
-def encoded_size(numel: int, codec: Codec | str, ndim: int = 1) -> int:
-    """The exact length of ``encode`` of a float32 tensor of ``numel`` values and ``ndim`` dims."""
+def encoded_size(numel: int, codec: Codec | str, ndim: int = 1, kept: int = SPARSE_KEPT) -> int:
+    """The exact length of ``encode`` of a float32 tensor of ``numel`` values and ``ndim`` dims
+    (for ``sparse``, keeping ``kept`` values per block)."""
     codec = Codec(codec)
-    return _FIXED.size + 8 * ndim + _CRC.size + _payload_size(codec, numel)
+    return _FIXED.size + 8 * ndim + _CRC.size + _payload_size(codec, numel, kept)
+
+
+def sparse_kept(numel: int, payload_len: int) -> int | None:
+    """The k of a ``sparse`` payload of ``payload_len`` bytes holding ``numel`` values; None when
+    no k from 1 to ``SPARSE_MAX_KEPT`` gives that length."""
+    blocks = -(-numel // _BLOCK[Codec.SPARSE])
+    if blocks == 0:
+        return SPARSE_KEPT if payload_len == 0 else None
+    per_block, rest = divmod(payload_len, blocks)
+    kept, odd = divmod(per_block - 4, 2)
+    return kept if rest == 0 and odd == 0 and 1 <= kept <= SPARSE_MAX_KEPT else None
 
 
 def _finite_range(flat: Tensor) -> tuple[float, float]:
@@ -169,7 +182,7 @@ def _blocks(flat: Tensor, block: int) -> Tensor:
     return padded.view(-1, block)
 
 
-def _quantize(flat: Tensor, codec: Codec) -> tuple[Tensor, np.ndarray]:
+def _quantize(flat: Tensor, codec: Codec, kept: int) -> tuple[Tensor, np.ndarray]:
     """Per-block scales and the codes: for int8, ``round`` of value·127/absmax (scale absmax /
     127); for 4bit, the quarter-step buckets ``trunc`` of value·24/absmax, two to a byte through
     the E2M1 table (scale absmax / 6); for 2bit, sign and magnitude bits (scale the block's RMS)."""
@@ -179,7 +192,7 @@ def _quantize(flat: Tensor, codec: Codec) -> tuple[Tensor, np.ndarray]:
     if codec is Codec.INT8:
         codes = np.empty(padded_numel, dtype=np.int8)
     elif codec is Codec.SPARSE:  # every block's indices, then every block's values
-        codes = np.empty(padded_numel // block * 2 * SPARSE_KEPT, dtype=np.uint8)
+        codes = np.empty(padded_numel // block * 2 * kept, dtype=np.uint8)
     else:
         codes = np.empty(padded_numel // (2 if codec is Codec.FP4 else 4), dtype=np.uint8)
     for start in range(0, padded_numel, _SLICE_VALUES):
@@ -194,7 +207,7 @@ def _quantize(flat: Tensor, codec: Codec) -> tuple[Tensor, np.ndarray]:
             scales[start // block : stop // block] = _two_bit_codes(blocks, absmax, work, out)
             continue
         if codec is Codec.SPARSE:
-            first, last = start // block * SPARSE_KEPT, stop // block * SPARSE_KEPT
+            first, last = start // block * kept, stop // block * kept
             values = codes[codes.size // 2 :].view(np.int8)
             scales[start // block : stop // block] = _sparse_codes(
                 blocks, work, codes[first:last], values[first:last]
@@ -233,11 +246,12 @@ def _two_bit_codes(blocks: Tensor, absmax: Tensor, work: Tensor, out: np.ndarray
 
 
 def _sparse_codes(blocks: Tensor, magnitudes: Tensor, indices: np.ndarray, values: np.ndarray) -> Tensor:
-    """Keep each row's ``SPARSE_KEPT`` largest magnitudes: their positions, ascending, into
-    ``indices``, their values as int8 into ``values``; return the rows' scales (kept absmax / 127)."""
-    kept = torch.topk(magnitudes, SPARSE_KEPT, dim=1, sorted=False)
-    positions, _ = kept.indices.sort(dim=1)  # one canonical order, so the decoder can refuse repeats
-    absmax = kept.values.amax(dim=1)
+    """Keep each row's k largest magnitudes (k = ``indices``' share of each row): their positions,
+    ascending, into ``indices``, their values as int8 into ``values``; return the rows' scales
+    (kept absmax / 127)."""
+    top = torch.topk(magnitudes, indices.size // blocks.shape[0], dim=1, sorted=False)
+    positions, _ = top.indices.sort(dim=1)  # one canonical order, so the decoder can refuse repeats
+    absmax = top.values.amax(dim=1)
     multiplier = torch.where(absmax > _TINY, 127.0 / absmax, 0.0)
     picked = blocks.gather(1, positions).mul_(multiplier[:, None]).round_()
     indices[:] = positions.to(torch.uint8).view(-1).numpy()
@@ -245,13 +259,16 @@ def _sparse_codes(blocks: Tensor, magnitudes: Tensor, indices: np.ndarray, value
     return torch.where(absmax > _TINY, absmax / 127.0, 0.0)
 
 
-def encode(tensor: Tensor, codec: Codec | str) -> bytes:
-    """Encode a float tensor (fp32, fp16 or bf16, any shape) as self-describing, checksummed bytes.
+def encode(tensor: Tensor, codec: Codec | str, kept: int = SPARSE_KEPT) -> bytes:
+    """Encode a float tensor (fp32, fp16 or bf16, any shape) as self-describing, checksummed bytes
+    (``kept``: the values per block of 256 that ``sparse`` sends, 1 to ``SPARSE_MAX_KEPT``).
 
     Raises ``FragmentError`` ("non_finite") for NaN/Inf (or beyond fp16's range for ``fp16``),
     ("bad_dtype") for non-float tensors, ("bad_shape") for more than 8 dimensions.
     """
     codec = Codec(codec)
+    if codec is Codec.SPARSE and not 1 <= kept <= SPARSE_MAX_KEPT:
+        raise ValueError(f"sparse keeps 1 to {SPARSE_MAX_KEPT} values per block, not {kept}")
     if tensor.dtype not in _DTYPE_IDS:
         raise FragmentError("bad_dtype", f"cannot encode {tensor.dtype}")
     if tensor.dim() > MAX_NDIM:
@@ -271,7 +288,7 @@ def encode(tensor: Tensor, codec: Codec | str) -> bytes:
                 raise FragmentError("non_finite", f"values in [{low}, {high}] do not fit {codec}")
         parts = [(flat if codec is Codec.FP32 else flat.to(torch.float16)).numpy()]
     else:
-        scales, codes = _quantize(flat, codec)
+        scales, codes = _quantize(flat, codec, kept)
         parts = [scales.numpy(), codes]
 
     payload_len = sum(part.nbytes for part in parts)
@@ -318,7 +335,10 @@ def _parse_header(data: bytes | memoryview) -> tuple[Codec, torch.dtype, tuple[i
     shape = struct.unpack_from(f"<{ndim}Q", data, _FIXED.size)
     if math.prod(shape) != numel:
         raise FragmentError("bad_shape", f"shape {shape} does not hold {numel} values")
-    if payload_len != _payload_size(codec, numel):
+    if codec is Codec.SPARSE:
+        if sparse_kept(numel, payload_len) is None:
+            raise FragmentError("bad_header", f"payload of {payload_len} bytes for {numel} values in {codec}")
+    elif payload_len != _payload_size(codec, numel):
         raise FragmentError("bad_header", f"payload of {payload_len} bytes for {numel} values in {codec}")
     if len(data) < payload_offset + payload_len:
         raise FragmentError("truncated", f"{len(data)} bytes, header promises {payload_offset + payload_len}")
@@ -364,7 +384,9 @@ def decode(data: bytes | bytearray | memoryview) -> Tensor:
         scales = _decode_scales(data, offset, nblocks, codec)
         codes_offset = offset + 4 * nblocks
         if codec is Codec.SPARSE:
-            blocks = _sparse_blocks(data, codes_offset, nblocks)
+            kept = sparse_kept(numel, len(data) - offset)
+            assert kept is not None  # the header's check
+            blocks = _sparse_blocks(data, codes_offset, nblocks, kept)
         else:
             blocks = torch.empty(nblocks, block, dtype=torch.float32)
         if codec is Codec.INT8:
@@ -380,17 +402,17 @@ def decode(data: bytes | bytearray | memoryview) -> Tensor:
     return flat.to(dtype).view(shape)
 
 
-def _sparse_blocks(data: bytes | memoryview, offset: int, nblocks: int) -> Tensor:
+def _sparse_blocks(data: bytes | memoryview, offset: int, nblocks: int, kept: int) -> Tensor:
     """The blocks of a ``sparse`` payload before scaling: zeros, with each block's kept codes at
     its indices. Indices that repeat or are out of order are refused (two values for one slot)."""
-    count = nblocks * SPARSE_KEPT
-    indices = np.frombuffer(data, dtype=np.uint8, count=count, offset=offset).reshape(nblocks, SPARSE_KEPT)
+    count = nblocks * kept
+    indices = np.frombuffer(data, dtype=np.uint8, count=count, offset=offset).reshape(nblocks, kept)
     values = np.frombuffer(data, dtype=np.int8, count=count, offset=offset + count)
     if nblocks and not (np.diff(indices.astype(np.int16), axis=1) > 0).all():
         raise FragmentError("bad_indices", "a block's kept indices repeat or are not ascending")
     blocks = torch.zeros(nblocks, _BLOCK[Codec.SPARSE], dtype=torch.float32)
     positions = torch.from_numpy(indices.astype(np.int64))
-    blocks.scatter_(1, positions, torch.from_numpy(values.astype(np.float32)).view(nblocks, SPARSE_KEPT))
+    blocks.scatter_(1, positions, torch.from_numpy(values.astype(np.float32)).view(nblocks, kept))
     return blocks
 
 
@@ -401,8 +423,9 @@ class ErrorFeedback:
     residual, so what the codec drops in one round is sent in a later one instead of being lost.
     """
 
-    def __init__(self, codec: Codec | str) -> None:
+    def __init__(self, codec: Codec | str, kept: int = SPARSE_KEPT) -> None:
         self.codec = Codec(codec)
+        self.kept = kept  # sparse: values sent per block
         self.residual: Tensor | None = None
 
     def encode(self, tensor: Tensor) -> bytes:
@@ -411,7 +434,7 @@ class ErrorFeedback:
             if self.residual.shape != corrected.shape:
                 raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {corrected.shape}")
             corrected = corrected + self.residual
-        data = encode(corrected, self.codec)
+        data = encode(corrected, self.codec, self.kept)
         self.residual = corrected - decode(data)
         return data
 
@@ -420,15 +443,19 @@ class ErrorFeedback:
 
 
 def encode_delta(
-    tensor: Tensor, codec: Codec, residuals: dict[int, ErrorFeedback] | None, fragment: int
+    tensor: Tensor,
+    codec: Codec,
+    residuals: dict[int, ErrorFeedback] | None,
+    fragment: int,
+    kept: int = SPARSE_KEPT,
 ) -> bytes:
     """A pseudo-gradient of ``fragment`` as its publisher sends it: through the fragment's
-    ``ErrorFeedback`` in ``residuals`` when the codec is lossy (int8, 4bit, 2bit), else encoded as
-    it is; ``residuals`` None turns error feedback off. The daemon's publisher and the simulator's
-    virtual wire both encode this way."""
+    ``ErrorFeedback`` in ``residuals`` when the codec is lossy (int8, 4bit, 2bit, sparse keeping
+    ``kept`` per block), else encoded as it is; ``residuals`` None turns error feedback off. The
+    daemon's publisher and the simulator's virtual wire both encode this way."""
     if residuals is None or codec not in LOSSY:
-        return encode(tensor, codec)
+        return encode(tensor, codec, kept)
     feedback = residuals.get(fragment)
-    if feedback is None or feedback.codec is not codec:
-        feedback = residuals[fragment] = ErrorFeedback(codec)
+    if feedback is None or feedback.codec is not codec or feedback.kept != kept:
+        feedback = residuals[fragment] = ErrorFeedback(codec, kept)
     return feedback.encode(tensor)

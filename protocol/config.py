@@ -13,8 +13,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["CODEC_NAMES", "PATHS", "CodecName", "NetworkOptions", "Port", "check_multiaddr"]
+__all__ = [
+    "CODEC_NAMES", "PATHS", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "CodecName", "NetworkOptions", "Port",
+    "check_multiaddr",
+]  # fmt: skip
 
+SPARSE_KEPT = 16  # values the sparse codec sends per block of 256 unless told otherwise
+SPARSE_MAX_KEPT = 64  # beyond a quarter of a block's values, 4bit sends them in fewer bytes
 CodecName = Literal["fp32", "fp16", "int8", "4bit", "2bit", "sparse"]
 CODEC_NAMES: tuple[str, ...] = CodecName.__args__
 PATHS = ("grpc", "libp2p")
@@ -113,6 +118,12 @@ class NetworkOptions(BaseModel):
     )
     codec: CodecName = Field("4bit", description="pseudo-gradient encoding on the wire")
     params_codec: CodecName = Field("fp32", description="outer-parameter encoding (gossip and NoLoCo mixing)")
+    sparse_keep: int = Field(
+        SPARSE_KEPT,
+        ge=1,
+        le=SPARSE_MAX_KEPT,
+        description="sparse: values sent per block of 256 (16: 1.125 bits per value; fewer for slower links)",
+    )
     error_feedback: bool = Field(
         True, description="carry a lossy codec's rounding error into the fragment's next pseudo-gradient"
     )

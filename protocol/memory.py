@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .codec import Codec, ErrorFeedback, decode, encode_delta
+from .codec import SPARSE_KEPT, Codec, ErrorFeedback, decode, encode_delta
 from .transport import Fragment, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
@@ -77,6 +77,7 @@ class VirtualNetwork:
         bandwidth: float | None = None,
         fan_in: int | None = None,
         codec: Codec | str = Codec.FP32,
+        sparse_keep: int = SPARSE_KEPT,
         error_feedback: bool = True,
         seed: int = 0,
     ) -> None:
@@ -91,6 +92,7 @@ class VirtualNetwork:
         self.bandwidth = bandwidth
         self.fan_in = fan_in
         self.codec = Codec(codec)
+        self.sparse_keep = sparse_keep
         self.error_feedback = error_feedback
         self.rng = random.Random(seed)
         self.peers: dict[str, MemoryTransport] = {}
@@ -108,7 +110,7 @@ class VirtualNetwork:
             receivers = self.rng.sample(receivers, self.fan_in)
         size = fragment.tensor.numel() * _FLOAT32_BYTES
         if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
-            fragment, size = sender._encoded(fragment, self.codec, self.error_feedback)
+            fragment, size = sender._encoded(fragment, self.codec, self.sparse_keep, self.error_feedback)
         ready_time = sender.now
         if self.bandwidth is not None and receivers:
             start = max(sender.now, sender.uplink_free_at)
@@ -157,10 +159,12 @@ class MemoryTransport(Transport):
         self.stats.published += 1
         self.network._send(self, fragment)
 
-    def _encoded(self, fragment: Fragment, codec: Codec, error_feedback: bool) -> tuple[Fragment, int]:
+    def _encoded(
+        self, fragment: Fragment, codec: Codec, kept: int, error_feedback: bool
+    ) -> tuple[Fragment, int]:
         """What receivers get of a DELTA through ``codec``, and its size on the wire."""
         residuals = self._feedback if error_feedback else None
-        data = encode_delta(fragment.tensor, codec, residuals, fragment.key.fragment)
+        data = encode_delta(fragment.tensor, codec, residuals, fragment.key.fragment, kept)
         return Fragment(fragment.key, decode(data), fragment.tokens), len(data)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:

@@ -105,7 +105,7 @@ class Publisher:
         try:
             if key.kind is Kind.DELTA:
                 residuals = self._feedback if self.options.error_feedback else None
-                data = encode_delta(tensor, codec, residuals, key.fragment)
+                data = encode_delta(tensor, codec, residuals, key.fragment, self.options.sparse_keep)
             else:
                 data = encode(tensor, codec)
             self.publish_encoded(key, data, codec=codec, numel=tensor.numel(), tokens=tokens)

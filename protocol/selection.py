@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cgad.protocol.codec import encoded_size
+from cgad.protocol.codec import SPARSE_MAX_KEPT, Codec, encoded_size, sparse_kept
 from cgad.protocol.records import Holdings, Offer
 from cgad.protocol.transport import FragmentKey, Kind
 
@@ -69,12 +69,16 @@ def check_offer(offer: Offer, numel: int) -> Rejection | None:
     if offer.numel != numel:
         return Rejection("bad_shape", f"{offer.numel} values, expected {numel}")
     try:
-        expected = encoded_size(numel, offer.codec)
+        # sparse: any k a publisher may choose, up to the largest
+        expected = encoded_size(numel, offer.codec, kept=SPARSE_MAX_KEPT)
     except ValueError:
         return Rejection("unknown_codec", offer.codec)
     if offer.byte_length > expected:
         return Rejection("oversized", f"{offer.byte_length} bytes for {numel} values in {offer.codec}")
-    if offer.byte_length != expected:
+    if offer.codec == Codec.SPARSE:
+        if sparse_kept(numel, offer.byte_length - encoded_size(0, Codec.SPARSE)) is None:
+            return Rejection("bad_length", f"{offer.byte_length} bytes fit no sparse encoding of {numel}")
+    elif offer.byte_length != expected:
         return Rejection("bad_length", f"{offer.byte_length} bytes, expected {expected}")
     return None
 

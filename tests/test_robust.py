@@ -182,8 +182,10 @@ def _sparse_rounds(sparse_me: bool, rounds: int) -> tuple[OuterLoop, OuterLoop]:
     torch.manual_seed(0)
     network = VirtualNetwork(codec="sparse")
     options = OuterOptions(optimizer="sgd", outer_lr=1.0)
-    me = OuterLoop([torch.zeros(4096)], options, network.join("me"), "run", sparse=sparse_me)
-    peer = OuterLoop([torch.zeros(4096)], options, network.join("peer"), "run", sparse=True)
+    me = OuterLoop(
+        [torch.zeros(4096)], options, network.join("me"), "run", sparse_keep=16 if sparse_me else None
+    )
+    peer = OuterLoop([torch.zeros(4096)], options, network.join("peer"), "run", sparse_keep=16)
     drift = torch.randn(4096) * 0.01
     for _ in range(rounds):
         for loop in (me, peer):
@@ -195,19 +197,19 @@ def _sparse_rounds(sparse_me: bool, rounds: int) -> tuple[OuterLoop, OuterLoop]:
 
 
 def test_sparse_deltas_are_judged_against_the_own_delta_as_sent() -> None:
-    """With the sparse codec a peer's Δ holds 8 values in 256, grown by error feedback over the
+    """With the sparse codec a peer's Δ holds 16 values in 256, grown by error feedback over the
     rounds they waited: against the dense own Δ an honest one ends up clipped, against the own
     Δ as sent (also sparse) it passes whole. The own step still takes the whole own Δ."""
     torch.manual_seed(1)
     network = VirtualNetwork(codec="sparse")
     options = OuterOptions(optimizer="sgd", outer_lr=1.0)
-    loop = OuterLoop([torch.zeros(4096)], options, network.join("me"), "run", sparse=True)
+    loop = OuterLoop([torch.zeros(4096)], options, network.join("me"), "run", sparse_keep=16)
     peer = network.join("peer")
     moved = torch.randn(4096) * 0.01
     loop.theta[0].add_(moved)
     loop.publish(0, tokens=10)
     [mine] = peer.receive(0)
-    assert int((mine.tensor != 0).sum()) == 4096 // 256 * 8  # each block's top 8 went out
+    assert int((mine.tensor != 0).sum()) == 4096 // 256 * 16  # each block's top 16 went out
     theirs = decode(encode(-moved - torch.randn(4096) * 0.01, "sparse"))  # a Δ along the own one
     peer.publish(Fragment(FragmentKey("run", 0, 0, "peer"), theirs, tokens=10))
     loop.apply(0)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cgad.protocol.codec import encoded_size
+from cgad.protocol.codec import SPARSE_MAX_KEPT, encoded_size
 from cgad.protocol.records import Holdings, Identity, Offer
 from cgad.protocol.selection import Candidate, OfferSelector, Rejection, Selection, check_offer
 from cgad.protocol.transport import FragmentKey, Kind
@@ -174,11 +174,23 @@ def test_offers_the_record_shows_unusable_are_refused_once(changes: dict, reason
 
 
 def test_check_offer_passes_a_well_formed_offer() -> None:
-    for codec in ("fp32", "fp16", "int8", "4bit", "2bit"):
+    for codec in ("fp32", "fp16", "int8", "4bit", "2bit", "sparse"):
         assert check_offer(_offer(ALICE, codec=codec, length=encoded_size(NUMEL, codec)), NUMEL) is None
     assert check_offer(_offer(ALICE), NUMEL - 1) == Rejection(
         "bad_shape", f"{NUMEL} values, expected {NUMEL - 1}"
     )
+
+
+def test_a_sparse_offer_may_keep_any_k_up_to_the_largest_and_nothing_between() -> None:
+    """The publisher picks its k (--sparse-keep); the length says which, so a receiver takes
+    every k from 1 to SPARSE_MAX_KEPT and refuses a length no k gives, or one beyond them all."""
+    for kept in (1, 8, 16, SPARSE_MAX_KEPT):
+        length = encoded_size(NUMEL, "sparse", kept=kept)
+        assert check_offer(_offer(ALICE, codec="sparse", length=length), NUMEL) is None
+    between = encoded_size(NUMEL, "sparse", kept=16) + 1
+    assert check_offer(_offer(ALICE, codec="sparse", length=between), NUMEL).reason == "bad_length"
+    beyond = encoded_size(NUMEL, "sparse", kept=SPARSE_MAX_KEPT + 1)
+    assert check_offer(_offer(ALICE, codec="sparse", length=beyond), NUMEL).reason == "oversized"
 
 
 def test_holders_are_re_servers_in_random_order_then_the_publisher() -> None:
