@@ -128,7 +128,7 @@ class OuterLoop:
         self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
-        # with ``sparse``: per fragment, the own progress not sent yet (the error feedback)
+        # with ``sparse_keep``: per fragment, the own progress not sent yet (the error feedback)
         self._unsent: dict[int, ErrorFeedback] | None = None if sparse_keep is None else {}
         self._sparse_keep = sparse_keep
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
@@ -169,8 +169,8 @@ class OuterLoop:
         if self._sparse_keep is not None and self.method.shares:
             # the own step still takes the whole Δ_f (waiting for its top-k would delay the own
             # progress by rounds); peers get the top-k of Δ_f and of what earlier rounds left out
-            kept = encode_delta(own, Codec.SPARSE, self._unsent if share else None, f, self._sparse_keep)
-            sent = Fragment(key, decode(kept), tokens)
+            data = encode_delta(own, Codec.SPARSE, self._unsent if share else None, f, self._sparse_keep)
+            sent = Fragment(key, decode(data), tokens)
         # a discarded block is still this node's own work: a yardstick no peer can move
         self._yardstick[f] = sent
         if not share and self.method.shares:
