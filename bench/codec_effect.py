@@ -37,6 +37,7 @@ CELLS = [  # (codec, optimizer, delay, aggregation)
     ("sparse", "cga", "0", "clip"),
     ("sparse", "cga", "1", "clip"),  # top-k: 7x fewer bytes than 4bit
 ]
+SPARSE_KEPT = 8  # values per block of 256 for the sparse cells (bench/sparse_density.py varies it)
 
 
 def run_cell(cell: tuple[str, str, str, str, int]) -> dict:
@@ -53,6 +54,7 @@ def run_cell(cell: tuple[str, str, str, str, int]) -> dict:
     config = SimConfig(
         workers=4, inner_steps=10, rounds=30, batch_size=4, seq_len=64, eval_batches=4, inner_lr=1e-3,
         delay=delay, optimizer=optimizer, aggregation=aggregation, codec=codec, seed=seed,
+        sparse_keep=SPARSE_KEPT,
         model=str(ROOT / "bench" / "sweep_model.json"),
     )  # fmt: skip
     record = simulate(config, load_dataset(tokenizer), tokenizer.vocab_size)

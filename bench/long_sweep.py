@@ -5,8 +5,8 @@ so that an inner step costs what these 2-core machines can afford), H = 10, batc
 AdamW lr 1e-3, 100 outer rounds (1000 inner steps per worker, 6.9 → ~3.8 in loss: past the early
 phase the short sweep measured). Conditions: no delay, random delays up to 4 and up to 8 rounds
 (the latter at the random:4 tuning), stragglers (two of the four workers 2x and 3x slower, so ages
-come from speed as on the internet), and churn 0.05 with 10% of deliveries lost. The spec was cut from 8 workers x 150 rounds x 5 conditions
-(~15 CPU-hours) to what one session's two cores finish.
+come from speed as on the internet), and churn 0.05 with 10% of deliveries lost. The spec was cut
+from 8 workers x 150 rounds x 5 conditions (~15 CPU-hours) to what one session's two cores finish.
 
 Stages (the tuning seed is disjoint from the table's seeds):
  1. each tuned method's grid, per condition, on seed 100;
