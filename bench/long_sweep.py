@@ -75,6 +75,8 @@ METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
     # the default's momentum (following freshness) with gossip, every round or as late as deltas come
     "cga + momentum + gossip": ("cga", {"mixing": "gossip", "cga_momentum": 0.5}, None),
     "cga + late gossip": ("cga", {"mixing": "late", "cga_momentum": 0.5}, None),
+    # the default's step with twice the cutoff: added when random:8 dropped half the deliveries
+    "cga + momentum, cutoff 8": ("cga", {"cga_momentum": 0.5, "cutoff": 8.0}, None),
     "cgad": ("cgad", {}, ADAM_GRID),
     "pa-cgad": ("pa-cgad", {"fragments": 2}, None),  # at CGAD's tuned lr (TUNED_LIKE)
     "nesterov": ("nesterov", {}, [{"outer_lr": lr} for lr in (0.1, 0.3, 0.7)]),
