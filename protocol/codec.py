@@ -210,7 +210,7 @@ def _quantize(flat: Tensor, codec: Codec, kept: int) -> tuple[Tensor, np.ndarray
             first, last = start // block * kept, stop // block * kept
             values = codes[codes.size // 2 :].view(np.int8)
             scales[start // block : stop // block] = _sparse_codes(
-                blocks, work, codes[first:last], values[first:last]
+                blocks, work, absmax, codes[first:last], values[first:last]
             )
             continue
         levels = 127.0 if codec is Codec.INT8 else 24.0
@@ -245,16 +245,21 @@ def _two_bit_codes(blocks: Tensor, absmax: Tensor, work: Tensor, out: np.ndarray
     return torch.where(absmax > _TINY, absmax * unit_rms, 0.0)
 
 
-def _sparse_codes(blocks: Tensor, magnitudes: Tensor, indices: np.ndarray, values: np.ndarray) -> Tensor:
+def _sparse_codes(
+    blocks: Tensor, magnitudes: Tensor, absmax: Tensor, indices: np.ndarray, values: np.ndarray
+) -> Tensor:
     """Keep each row's k largest magnitudes (k = ``indices``' share of each row): their positions,
     ascending, into ``indices``, their values as int8 into ``values``; return the rows' scales
-    (kept absmax / 127)."""
-    top = torch.topk(magnitudes, indices.size // blocks.shape[0], dim=1, sorted=False)
-    positions, _ = top.indices.sort(dim=1)  # one canonical order, so the decoder can refuse repeats
-    absmax = top.values.amax(dim=1)
+    (the rows' ``absmax``, always kept, / 127). numpy's introselect finds them in half the time
+    of ``torch.topk`` on rows this short."""
+    rows, width = magnitudes.shape
+    kept = indices.size // rows
+    chosen = np.argpartition(magnitudes.numpy(), width - kept, axis=1)[:, width - kept :]
+    chosen.sort(axis=1)  # one canonical order, so the decoder can refuse repeats
+    positions = torch.from_numpy(chosen)
     multiplier = torch.where(absmax > _TINY, 127.0 / absmax, 0.0)
     picked = blocks.gather(1, positions).mul_(multiplier[:, None]).round_()
-    indices[:] = positions.to(torch.uint8).view(-1).numpy()
+    indices[:] = chosen.astype(np.uint8).reshape(-1)
     values[:] = picked.to(torch.int8).view(-1).numpy()
     return torch.where(absmax > _TINY, absmax / 127.0, 0.0)
 
