@@ -39,7 +39,7 @@ from torch import Tensor
 from cgad.node.config import OuterOptions
 from cgad.node.methods import Contribution, method
 from cgad.optim import AroundOwn, staleness_weight
-from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode_delta
+from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -129,7 +129,7 @@ class OuterLoop:
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
         # with ``sparse_keep``: per fragment, the own progress not sent yet (the error feedback)
-        self._unsent: dict[int, ErrorFeedback] | None = None if sparse_keep is None else {}
+        self._unsent: dict[int, ErrorFeedback] = {}
         self._sparse_keep = sparse_keep
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
@@ -169,8 +169,12 @@ class OuterLoop:
         if self._sparse_keep is not None and self.method.shares:
             # the own step still takes the whole Δ_f (waiting for its top-k would delay the own
             # progress by rounds); peers get the top-k of Δ_f and of what earlier rounds left out
-            data = encode_delta(own, Codec.SPARSE, self._unsent if share else None, f, self._sparse_keep)
-            sent = Fragment(key, decode(data), tokens)
+            if share:
+                feedback = self._unsent.setdefault(f, ErrorFeedback(Codec.SPARSE, self._sparse_keep))
+                _, picked = feedback.send(own)
+            else:  # a discarded block: judged by, never sent, so it leaves the residual alone
+                picked = decode(encode(own, Codec.SPARSE, self._sparse_keep))
+            sent = Fragment(key, picked, tokens)
         # a discarded block is still this node's own work: a yardstick no peer can move
         self._yardstick[f] = sent
         if not share and self.method.shares:

@@ -25,8 +25,9 @@ Codecs:
   per value, 4x fewer bytes than 4bit: error feedback sends what a round leaves out once it has
   grown large enough to be among a block's largest (SparseLoCo's top-k with error feedback).
 
-All work is whole-tensor torch/numpy kernels (no per-element Python): the lossy codecs map values
-to codes through lookup tables, so each encodes and decodes at memory speed. ``decode`` checks
+All work is whole-tensor torch/numpy kernels (no per-element Python): int8, 4bit and 2bit map
+values to codes through lookup tables and encode and decode at memory speed; sparse's encoder
+selects each block's top k (numpy's introselect), slower than the others. ``decode`` checks
 every field against the bytes it was given before it allocates anything, so a header that claims a
 huge shape is refused instead of honoured, and every failure is a ``FragmentError`` with a reason.
 """
@@ -74,6 +75,11 @@ _DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
 _BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64, Codec.TWO_BIT: 64, Codec.SPARSE: 256}
 LOSSY = (Codec.INT8, Codec.FP4, Codec.TWO_BIT, Codec.SPARSE)
+ROUNDING = (
+    Codec.INT8,
+    Codec.FP4,
+    Codec.TWO_BIT,
+)  # lossy by rounding every value: the transport feeds it back
 # the largest code of each lossy codec, in block scales: a scale beyond fp32's max / this decodes to Inf
 _TOP_LEVEL = {Codec.INT8: 127.0, Codec.FP4: 6.0, Codec.TWO_BIT: 1.5104, Codec.SPARSE: 127.0}
 _FP16_MAX = 65504.0
@@ -126,8 +132,8 @@ def _payload_size(codec: Codec, numel: int, kept: int = SPARSE_KEPT) -> int:
     if codec is Codec.FP16:
         return numel * 2
     blocks = -(-numel // block)
-    code_bytes = {Codec.INT8: block, Codec.FP4: block // 2, Codec.TWO_BIT: block // 4}
-    return blocks * (4 + code_bytes.get(codec, 2 * kept))
+    code_bytes = {Codec.INT8: block, Codec.FP4: block // 2, Codec.TWO_BIT: block // 4, Codec.SPARSE: 2 * kept}
+    return blocks * (4 + code_bytes[codec])
 
 
 def encoded_size(numel: int, codec: Codec | str, ndim: int = 1, kept: int = SPARSE_KEPT) -> int:
@@ -434,14 +440,19 @@ class ErrorFeedback:
         self.residual: Tensor | None = None
 
     def encode(self, tensor: Tensor) -> bytes:
+        return self.send(tensor)[0]
+
+    def send(self, tensor: Tensor) -> tuple[bytes, Tensor]:
+        """``encode``'s bytes and what receivers decode from them (computed here anyway)."""
         corrected = tensor.detach().to(torch.float32)
         if self.residual is not None:
             if self.residual.shape != corrected.shape:
                 raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {corrected.shape}")
             corrected = corrected + self.residual
         data = encode(corrected, self.codec, self.kept)
-        self.residual = corrected - decode(data)
-        return data
+        sent = decode(data)
+        self.residual = corrected - sent
+        return data, sent
 
     def reset(self) -> None:
         self.residual = None
@@ -455,10 +466,12 @@ def encode_delta(
     kept: int = SPARSE_KEPT,
 ) -> bytes:
     """A pseudo-gradient of ``fragment`` as its publisher sends it: through the fragment's
-    ``ErrorFeedback`` in ``residuals`` when the codec is lossy (int8, 4bit, 2bit, sparse keeping
-    ``kept`` per block), else encoded as it is; ``residuals`` None turns error feedback off. The
-    daemon's publisher and the simulator's virtual wire both encode this way."""
-    if residuals is None or codec not in LOSSY:
+    ``ErrorFeedback`` in ``residuals`` when the codec rounds (int8, 4bit, 2bit), else encoded as
+    it is (``sparse`` keeping ``kept`` per block: the sender's outer loop picked those values and
+    keeps what it left out, ``OuterLoop(sparse_keep=)``, so the bytes here are exact); ``residuals``
+    None turns error feedback off. The daemon's publisher and the simulator's virtual wire both
+    encode this way."""
+    if residuals is None or codec not in ROUNDING:
         return encode(tensor, codec, kept)
     feedback = residuals.get(fragment)
     if feedback is None or feedback.codec is not codec or feedback.kept != kept:

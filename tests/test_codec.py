@@ -151,7 +151,8 @@ def test_sparse_sends_the_largest_k_of_each_block_within_half_a_step(sample: tor
 
 def test_sparse_re_encodes_what_it_sent_byte_for_byte(sample: torch.Tensor) -> None:
     """A node picks its top-k itself (OuterLoop with ``sparse_keep``) and the transport encodes
-    the result again: that second pass must send the same values and leave no residual."""
+    the result again, with no error feedback of its own: that second pass must send the same
+    values, which error feedback over it would confirm by leaving no residual."""
     data = encode(sample, "sparse")
     assert encode(decode(data), "sparse") == data
     feedback = ErrorFeedback("sparse")
