@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cgad.protocol.transport import Fragment, Kind, Transport
+from cgad.protocol.codec import Codec, decode
+from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 __all__ = ["ATTACK_KINDS", "Attack", "ForgingTransport"]
 
@@ -93,6 +94,15 @@ class ForgingTransport(Transport):
 
     def publish(self, fragment: Fragment) -> None:
         self.inner.publish(self.attack.forge(fragment, self._generator))
+
+    def publish_encoded(
+        self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
+    ) -> None:
+        """The honest bytes decoded, forged, and handed to the transport to send as it would."""
+        self.publish(Fragment(key, decode(data), tokens))
+
+    def round_budget(self) -> float | None:
+        return self.inner.round_budget()
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         return self.inner.receive(index, kind)

@@ -130,7 +130,9 @@ class Node:
                 self.exchange or self.transport,
                 c.run_id,
                 seed=seed,
-                sparse_keep=c.sparse_keep if c.codec == "sparse" else None,
+                # the all-reduce sends fp16 through hivemind's averager: no codec to pick there
+                codec=c.codec if c.sync == "exchange" else None,
+                sparse_keep=c.sparse_keep,
             )
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
@@ -498,6 +500,9 @@ class Node:
             "phase_nudges": dict(self.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "downlink_bytes_per_second": self.transport.downlink_rate,
+            # --codec auto: the bytes per round each fetching peer can get, and what was sent
+            "send_budget_bytes": self.transport.round_budget(),
+            "sent_as": dict(counters.sent_as.copy()),
             "bytes_in": self.transport.stats.bytes_received,
             "bytes_out": self.transport.stats.bytes_sent,
             "fetches_waiting": self.transport.fetches_waiting,

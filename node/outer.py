@@ -3,8 +3,9 @@
 This is the code both the daemon and the simulator run. At fragment f's turn:
 
 1. Δ_f = φ_f − θ_f, the pseudo-gradient of the inner steps since f's last sync, is published,
-   tagged with the version it started from (``versions[f]``) and the tokens behind it (with the
-   ``sparse`` codec, its top-k and what earlier rounds left out: error feedback kept here);
+   tagged with the version it started from (``versions[f]``) and the tokens behind it (with
+   ``--codec sparse`` or ``auto``, encoded here with what earlier rounds left out: the error
+   feedback is kept here, and "auto" picks 4bit or sparse from the measured link each round);
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
    τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0; with ``--aggregation clip``
    (the default) a peer's Δ pointing against the own one is refused (``opposed``) and the rest
@@ -40,6 +41,8 @@ from cgad.node.config import OuterOptions
 from cgad.node.methods import Contribution, method
 from cgad.optim import AroundOwn, staleness_weight
 from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode
+from cgad.protocol.config import LOOP_CODECS, SPARSE_KEPT
+from cgad.protocol.scheduling import auto_codec
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -88,6 +91,7 @@ class _Counters:
     mixed: int = 0
     clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
     replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
+    sent_as: Counter[str] = field(default_factory=Counter)  # own deltas per codec this loop chose
 
 
 class OuterLoop:
@@ -100,12 +104,13 @@ class OuterLoop:
         transport: Transport,
         run_id: str,
         seed: int = 0,
-        sparse_keep: int | None = None,
+        codec: str | None = None,
+        sparse_keep: int = SPARSE_KEPT,
     ) -> None:
-        """``sparse_keep``: the transport sends deltas with the ``sparse`` codec keeping this many
-        values per block. The loop then picks what is sent itself, with the error feedback, so
-        that peers' deltas, sparse too, are judged against the own Δ as sent: against the dense
-        one they would sit about its whole norm away by their support alone and be clipped."""
+        """``codec`` "sparse" or "auto" (``LOOP_CODECS``): the loop picks what each round sends and
+        keeps the error feedback, and hands the transport bytes. "sparse" keeps ``sparse_keep``
+        values per block; "auto" sends 4bit or sparse, whatever the transport's measured link
+        carries in time (``round_budget``). Any other codec the transport applies itself."""
         self.theta = params
         self.options = options
         self.method = method(options.optimizer)
@@ -128,9 +133,14 @@ class OuterLoop:
         self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
-        # with ``sparse_keep``: per fragment, the own progress not sent yet (the error feedback)
-        self._unsent: dict[int, ErrorFeedback] = {}
+        # with a LOOP_CODECS codec: per fragment, the own progress not sent yet (error feedback),
+        # and the own Δ as sent this round with its values per block (None: dense)
+        self._picks = codec in LOOP_CODECS
+        self._codec = codec
         self._sparse_keep = sparse_keep
+        self._unsent: dict[int, ErrorFeedback] = {}
+        self._sent: dict[int, tuple[int | None, Tensor]] = {}
+        self._numel = sum(p.numel() for p in params)
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -165,32 +175,50 @@ class OuterLoop:
                 return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         fragment = Fragment(key, own, tokens)
-        sent = fragment
-        if self._sparse_keep is not None and self.method.shares:
-            # the own step still takes the whole Δ_f (waiting for its top-k would delay the own
-            # progress by rounds); peers get the top-k of Δ_f and of what earlier rounds left out
+        data: bytes | None = None
+        if self._picks and self.method.shares:
+            # the own step still takes the whole Δ_f (waiting for what a sparse round leaves out
+            # would delay the own progress by rounds); peers get Δ_f and what earlier rounds left
+            # out, in this round's codec. Peers' deltas are judged against Δ_f plus that residue
+            # (the yardstick), picked as sparsely as each delivery is: a sparse delta sits about
+            # the whole norm of a dense one away by its support alone
+            feedback = self._unsent.setdefault(f, ErrorFeedback(Codec.SPARSE))
+            codec, kept = self._choose(own.numel())
+            target = feedback.target(own)
             if share:
-                feedback = self._unsent.setdefault(f, ErrorFeedback(Codec.SPARSE, self._sparse_keep))
-                _, picked = feedback.send(own)
+                data, picked = feedback.send(own, codec, kept)
+                self.counters.sent_as[f"sparse:{kept}" if codec is Codec.SPARSE else str(codec)] += 1
             else:  # a discarded block: judged by, never sent, so it leaves the residual alone
-                picked = decode(encode(own, Codec.SPARSE, self._sparse_keep))
-            sent = Fragment(key, picked, tokens)
+                picked = decode(encode(target, codec, kept))
+            self._sent[f] = (kept if codec is Codec.SPARSE else None, picked)
+            fragment = Fragment(key, target, tokens)
         # a discarded block is still this node's own work: a yardstick no peer can move
-        self._yardstick[f] = sent
+        self._yardstick[f] = fragment
         if not share and self.method.shares:
             self.counters.discarded += 1
             self._turn[f] = None
             return
-        self._turn[f] = fragment
+        self._turn[f] = Fragment(key, own, tokens)
         if not self.method.shares:
             return
-        self.transport.publish(sent)
+        if data is None:
+            self.transport.publish(fragment)
+        else:
+            self.transport.publish_encoded(key, data, codec=codec, numel=own.numel(), tokens=tokens)
         self.counters.published += 1
         if self.method.mixes_params or self._mixing_due(f):
             params = self.flat_phi(f)
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
             if self._mixing_due(f):  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
+
+    def _choose(self, numel: int) -> tuple[Codec, int]:
+        """This round's codec and values per block for a fragment of ``numel`` values: the
+        fragment's share of the bytes the transport's link carries per round, under "auto"."""
+        if self._codec == "sparse":
+            return Codec.SPARSE, self._sparse_keep
+        budget = self.transport.round_budget()
+        return auto_codec(numel, None if budget is None else budget * numel / self._numel)
 
     def apply(self, f: int, carry: bool = False, swarm_version: int | None = None) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since.
@@ -289,13 +317,13 @@ class OuterLoop:
         # round's, or the discarded block's, or an earlier one's when this block diverged), never
         # against anything the peers sent: with one honest peer and one attacker, any statistic
         # of the deliveries is the attacker's to move
-        around = None
+        judges: dict[int | None, AroundOwn] | None = None  # per values per block of a delivery
         if self.options.aggregation == "clip":
             if yardstick is None:  # no finite block of its own yet: nothing to judge peers by
                 self.counters.rejected["no_yardstick"] += sum(frag is not own for frag, _ in incoming)
                 incoming = [(frag, age) for frag, age in incoming if frag is own]
             else:
-                around = AroundOwn(yardstick.tensor, self.options.clip_radius)
+                judges = {}
         for frag, age in incoming:
             scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
             if scale == 0.0:
@@ -303,8 +331,10 @@ class OuterLoop:
                 continue
             is_own = frag is own
             delta = frag.tensor
-            if around is not None and not is_own:
-                cosine, delta, clipped = around.judge(delta)
+            if judges is not None and not is_own:
+                if frag.kept not in judges:
+                    judges[frag.kept] = AroundOwn(self._reference(f, frag.kept), self.options.clip_radius)
+                cosine, delta, clipped = judges[frag.kept].judge(delta)
                 if cosine < self.options.min_cosine:
                     self.counters.rejected["opposed"] += 1
                     self.counters.rejected_by_peer[frag.key.publisher] += 1
@@ -324,6 +354,15 @@ class OuterLoop:
             self.counters.age_count += 1
         self.history.extend(deliveries)
         return taken, deliveries
+
+    def _reference(self, f: int, kept: int | None) -> Tensor:
+        """The yardstick as a delivery that keeps ``kept`` values per block (None: dense) would
+        carry it: the own Δ as this node sent it when it sent it so, else picked the same way."""
+        yardstick = self._yardstick[f].tensor
+        sent_kept, sent = self._sent.get(f, (None, yardstick))
+        if kept == sent_kept:
+            return sent
+        return yardstick if kept is None else decode(encode(yardstick, Codec.SPARSE, kept))
 
     # -- helpers the methods use ------------------------------------------------------------
 

@@ -94,8 +94,9 @@ def simulate(
             ForgingTransport(transports[w], attack, seed=c.seed * 17 + w) if hostile else transports[w]
         )
         params = list(model.parameters())
-        sparse_keep = c.sparse_keep if c.codec == "sparse" else None
-        loop = OuterLoop(params, c, transport, "sim", seed=c.seed * 31 + w, sparse_keep=sparse_keep)
+        loop = OuterLoop(
+            params, c, transport, "sim", seed=c.seed * 31 + w, codec=c.codec, sparse_keep=c.sparse_keep
+        )
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
     honest = [wk for wk in workers if not wk.hostile]
 

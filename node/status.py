@@ -30,6 +30,11 @@ def status_report(s: dict[str, Any]) -> str:
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(s.get("rejected", {}).items())) or "none"
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items()) if v) or "none"
     rate = s.get("downlink_bytes_per_second")
+    budget = s.get("send_budget_bytes")
+    sent_as = ", ".join(f"{k} {v}" for k, v in sorted((s.get("sent_as") or {}).items()))
+    sent_as = sent_as or "the transport's codec"
+    if budget is not None and math.isfinite(budget):
+        sent_as += f" (budget {budget / 1e6:.2f} MB per peer and round)"
     lines = [
         f"node       {s['peer_id']} (run {s['run_id']}, {s['optimizer']}, {s['device']})",
         f"uptime     {_duration(s['uptime'])}, started from {s['started_from']}"
@@ -43,6 +48,7 @@ def status_report(s: dict[str, Any]) -> str:
         f" {s['clipped']} clipped, {s['tokens_capped']} token claims capped;"
         f" downlink {'-' if rate is None else f'{rate / 1e6:.2f} MB/s'},"
         f" {s['fetches_waiting']} fetch(es) waiting",
+        f"sent as    {sent_as}",
         f"rejected   {rejected}",
         f"skipped    {skipped}",
     ]

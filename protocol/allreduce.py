@@ -26,8 +26,9 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression
 
+from cgad.protocol.codec import Codec, decode
 from cgad.protocol.config import check_multiaddr
-from cgad.protocol.transport import Fragment, Inbox, Kind, Transport, TransportStats
+from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
 
 __all__ = ["GROUP_PUBLISHER", "AllReduceExchange", "averager_bootstrap", "listen_anywhere"]
 
@@ -121,6 +122,12 @@ class AllReduceExchange(Transport):
             key = replace(fragment.key, publisher=f"{GROUP_PUBLISHER}/{member}")
             self._inbox.put(Fragment(key, others, fragment.tokens))
         self.stats.received += members - 1
+
+    def publish_encoded(
+        self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
+    ) -> None:
+        """The all-reduce sends fp16 through the averager: encoded bytes are decoded first."""
+        self.publish(Fragment(key, decode(data), tokens))
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         return self._inbox.pop(index, kind)

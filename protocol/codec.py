@@ -50,7 +50,7 @@ from cgad.protocol.errors import FragmentError
 
 __all__ = [
     "MAX_NUMEL", "SCRATCH_BYTES", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "Codec", "ErrorFeedback", "decode",
-    "encode", "encode_delta", "encoded_size", "sparse_kept",
+    "encode", "encode_delta", "encoded_size", "kept_in", "sparse_kept",
 ]  # fmt: skip
 
 
@@ -152,6 +152,13 @@ def sparse_kept(numel: int, payload_len: int) -> int | None:
     per_block, rest = divmod(payload_len, blocks)
     kept, odd = divmod(per_block - 4, 2)
     return kept if rest == 0 and odd == 0 and 1 <= kept <= SPARSE_MAX_KEPT else None
+
+
+def kept_in(data: bytes | bytearray | memoryview) -> int | None:
+    """How many values per block a ``sparse`` encoding keeps; None for every other codec. For
+    bytes that ``decode`` accepted (the header is not checked again here)."""
+    codec, _, _, numel, offset = _parse_header(memoryview(data).cast("B"))
+    return sparse_kept(numel, len(data) - offset) if codec is Codec.SPARSE else None
 
 
 def _finite_range(flat: Tensor) -> tuple[float, float]:
@@ -432,6 +439,8 @@ class ErrorFeedback:
 
     ``encode(t)`` encodes ``t + residual`` and keeps ``(t + residual) - decode(bytes)`` as the new
     residual, so what the codec drops in one round is sent in a later one instead of being lost.
+    The residual is only what has not gone out yet, whatever the codec: ``send`` may switch codec
+    and ``kept`` from one round to the next (``--codec auto``) and nothing is lost or sent twice.
     """
 
     def __init__(self, codec: Codec | str, kept: int = SPARSE_KEPT) -> None:
@@ -442,17 +451,25 @@ class ErrorFeedback:
     def encode(self, tensor: Tensor) -> bytes:
         return self.send(tensor)[0]
 
-    def send(self, tensor: Tensor) -> tuple[bytes, Tensor]:
-        """``encode``'s bytes and what receivers decode from them (computed here anyway)."""
-        corrected = tensor.detach().to(torch.float32)
-        if self.residual is not None:
-            if self.residual.shape != corrected.shape:
-                raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {corrected.shape}")
-            corrected = corrected + self.residual
-        data = encode(corrected, self.codec, self.kept)
+    def send(
+        self, tensor: Tensor, codec: Codec | None = None, kept: int | None = None
+    ) -> tuple[bytes, Tensor]:
+        """``encode``'s bytes and what receivers decode from them (computed here anyway); this
+        round in ``codec`` keeping ``kept`` when given, else in the feedback's own."""
+        corrected = self.target(tensor)
+        data = encode(corrected, codec or self.codec, self.kept if kept is None else kept)
         sent = decode(data)
         self.residual = corrected - sent
         return data, sent
+
+    def target(self, tensor: Tensor) -> Tensor:
+        """What a send of ``tensor`` now would approximate: the tensor plus what is still owed."""
+        corrected = tensor.detach().to(torch.float32)
+        if self.residual is None:
+            return corrected
+        if self.residual.shape != corrected.shape:
+            raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {corrected.shape}")
+        return corrected + self.residual
 
     def reset(self) -> None:
         self.residual = None

@@ -14,14 +14,29 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
-    "CODEC_NAMES", "PATHS", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "CodecName", "NetworkOptions", "Port",
-    "check_multiaddr",
+    "AUTO_DENSE", "CODEC_NAMES", "LOOP_CODECS", "PATHS", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "CodecName",
+    "NetworkOptions", "Port", "check_multiaddr", "wire_codec",
 ]  # fmt: skip
 
 SPARSE_KEPT = 16  # values the sparse codec sends per block of 256 unless told otherwise
 SPARSE_MAX_KEPT = 64  # beyond a quarter of a block's values, 4bit sends them in fewer bytes
-CodecName = Literal["fp32", "fp16", "int8", "4bit", "2bit", "sparse"]
+# "auto" is no encoding of its own: each round the outer loop sends "4bit" where the measured
+# link carries it in time, else "sparse" with as many values per block as fit (docs/DESIGN.md §4)
+CodecName = Literal["auto", "fp32", "fp16", "int8", "4bit", "2bit", "sparse"]
 CODEC_NAMES: tuple[str, ...] = CodecName.__args__
+# the codecs whose values the outer loop picks and whose error feedback it keeps: it hands the
+# transport bytes, and judges peers' deltas against its own as sent
+LOOP_CODECS = ("auto", "sparse")
+AUTO_DENSE = "4bit"  # what "auto" sends when the link carries everything
+
+
+def wire_codec(name: str) -> str:
+    """The encoding a transport uses for a tensor handed to it whole under ``name``: "auto" is
+    the outer loop's choice per round, and a transport given a tensor rather than bytes sends
+    ``AUTO_DENSE``."""
+    return AUTO_DENSE if name == "auto" else name
+
+
 PATHS = ("grpc", "libp2p")
 Port = Annotated[int, Field(ge=0, le=65535)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -116,13 +131,18 @@ class NetworkOptions(BaseModel):
     grpc_announce_host: str | None = Field(
         None, description="the host others dial for gRPC, when it differs from --grpc-host"
     )
-    codec: CodecName = Field("4bit", description="pseudo-gradient encoding on the wire")
+    codec: CodecName = Field(
+        "auto",
+        description="pseudo-gradient encoding on the wire (auto: 4bit, or sparse with as many values as"
+        " the measured link carries each round)",
+    )
     params_codec: CodecName = Field("fp32", description="outer-parameter encoding (gossip and NoLoCo mixing)")
     sparse_keep: int = Field(
         SPARSE_KEPT,
         ge=1,
         le=SPARSE_MAX_KEPT,
-        description="sparse: values sent per block of 256 (16: 1.125 bits per value; fewer for slower links)",
+        description="--codec sparse: values sent per block of 256 (16: 1.125 bits per value; fewer for"
+        " slower links); auto picks its own each round",
     )
     error_feedback: bool = Field(
         True, description="carry a lossy codec's rounding error into the fragment's next pseudo-gradient"
@@ -178,14 +198,19 @@ class NetworkOptions(BaseModel):
     @field_validator("params_codec")
     @classmethod
     def _params_whole(cls, value: str) -> str:
-        if value == "sparse":
-            raise ValueError("sparse sends 1 value in 32 and suits pseudo-gradients only, not parameters")
+        if value in LOOP_CODECS:
+            raise ValueError(
+                f"{value} suits pseudo-gradients only (it may send 1 value in 64), not parameters"
+            )
         return value
 
     @model_validator(mode="after")
     def _sparse_needs_feedback(self) -> NetworkOptions:
-        if self.codec == "sparse" and not self.error_feedback:
-            raise ValueError("--codec sparse needs --error-feedback: without it 31 values in 32 never go out")
+        if self.codec in LOOP_CODECS and not self.error_feedback:
+            raise ValueError(
+                f"--codec {self.codec} needs --error-feedback: without it the values a sparse round"
+                " leaves out never go out"
+            )
         return self
 
     @field_validator("allow")

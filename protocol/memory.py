@@ -24,8 +24,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .codec import SPARSE_KEPT, Codec, ErrorFeedback, decode, encode_delta
-from .transport import Fragment, Kind, Transport, TransportStats
+from .codec import SPARSE_KEPT, Codec, ErrorFeedback, decode, encode_delta, kept_in
+from .config import wire_codec
+from .scheduling import round_budget
+from .transport import Fragment, FragmentKey, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
 
@@ -91,11 +93,14 @@ class VirtualNetwork:
         self.drop = drop
         self.bandwidth = bandwidth
         self.fan_in = fan_in
-        self.codec = Codec(codec)
+        self.codec = Codec(wire_codec(codec))
         self.sparse_keep = sparse_keep
         self.error_feedback = error_feedback
         self.rng = random.Random(seed)
         self.peers: dict[str, MemoryTransport] = {}
+
+    def _receivers(self, sender: MemoryTransport) -> list[MemoryTransport]:
+        return [p for p in self.peers.values() if p is not sender and p.alive]
 
     def join(self, peer_id: str) -> MemoryTransport:
         if peer_id in self.peers:
@@ -104,13 +109,15 @@ class VirtualNetwork:
         self.peers[peer_id] = transport
         return transport
 
-    def _send(self, sender: MemoryTransport, fragment: Fragment) -> None:
-        receivers = [p for p in self.peers.values() if p is not sender and p.alive]
+    def _send(self, sender: MemoryTransport, fragment: Fragment, size: int | None = None) -> None:
+        """``size``: the fragment came encoded (``publish_encoded``) in that many bytes."""
+        receivers = self._receivers(sender)
         if self.fan_in is not None and len(receivers) > self.fan_in:
             receivers = self.rng.sample(receivers, self.fan_in)
-        size = fragment.tensor.numel() * _FLOAT32_BYTES
-        if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
-            fragment, size = sender._encoded(fragment, self.codec, self.sparse_keep, self.error_feedback)
+        if size is None:
+            size = fragment.tensor.numel() * _FLOAT32_BYTES
+            if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
+                fragment, size = sender._encoded(fragment, self.codec, self.sparse_keep, self.error_feedback)
         ready_time = sender.now
         if self.bandwidth is not None and receivers:
             start = max(sender.now, sender.uplink_free_at)
@@ -139,11 +146,14 @@ class MemoryTransport(Transport):
         self.uplink_free_at = 0.0
         self.blocked_seconds = 0.0
         self.inbox: list[_Delivery] = []
+        self.seconds_per_round: float | None = None  # virtual, over the last round
         self._delivered: set = set()
         self._feedback: dict[int, ErrorFeedback] = {}  # per fragment, as a daemon's publisher keeps
 
     def advance(self, now: float, round_: int) -> None:
         """Move this peer's virtual clock and round counter (the driver calls this)."""
+        if round_ > self.round and now > self.now:
+            self.seconds_per_round = (now - self.now) / (round_ - self.round)
         self.now = now
         self.round = round_
 
@@ -159,13 +169,31 @@ class MemoryTransport(Transport):
         self.stats.published += 1
         self.network._send(self, fragment)
 
+    def publish_encoded(
+        self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
+    ) -> None:
+        if not self.alive:
+            raise RuntimeError(f"peer {self.peer_id} is down and cannot publish")
+        self.stats.published += 1
+        self.network._send(self, Fragment(key, decode(data), tokens, kept_in(data)), len(data))
+
+    def round_budget(self) -> float | None:
+        """From the network's bandwidth (infinite without one) and this peer's virtual seconds
+        per round, as a daemon's transport measures them."""
+        if self.network.bandwidth is None:
+            return float("inf")
+        fetchers = len(self.network._receivers(self))
+        if self.network.fan_in is not None:
+            fetchers = min(fetchers, self.network.fan_in)
+        return round_budget(self.network.bandwidth, self.seconds_per_round, fetchers)
+
     def _encoded(
         self, fragment: Fragment, codec: Codec, kept: int, error_feedback: bool
     ) -> tuple[Fragment, int]:
         """What receivers get of a DELTA through ``codec``, and its size on the wire."""
         residuals = self._feedback if error_feedback else None
         data = encode_delta(fragment.tensor, codec, residuals, fragment.key.fragment, kept)
-        return Fragment(fragment.key, decode(data), fragment.tokens), len(data)
+        return Fragment(fragment.key, decode(data), fragment.tokens, kept_in(data)), len(data)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         ready, waiting = [], []

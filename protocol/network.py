@@ -45,7 +45,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
 from cgad.protocol.auth import AllowedCallers, SwarmAuthorizer, SwarmKey
-from cgad.protocol.codec import Codec
+from cgad.protocol.codec import Codec, kept_in
 from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher, decode_and_check
@@ -64,7 +64,7 @@ from cgad.protocol.records import (
     run_validator,
     state_key,
 )
-from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, poll_pause
+from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, poll_pause, round_budget
 from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
@@ -204,8 +204,16 @@ class NetworkTransport(Transport):
     def publish_encoded(
         self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
     ) -> None:
-        """Offer bytes that are already encoded (by ``publish``, or re-sent state)."""
+        """Offer bytes that are already encoded (by ``publish``, or the outer loop)."""
         self._publisher.publish_encoded(key, data, codec=codec, numel=numel, tokens=tokens)
+
+    def round_budget(self) -> float | None:
+        """From the downlink's measured rate (the uplink's is not measured: ``tbf`` links and
+        most volunteers' are symmetric enough at these rates, and the downlink is what carries
+        every peer's fragments here), the seconds per round, and the peers that fetch each
+        fragment (live ones, at most ``fan_in``)."""
+        fetchers = min(len(self.live_peers()), self.options.fan_in)
+        return round_budget(self._downlink.rate, self._version_clock.seconds_per_version, fetchers)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         return self._inbox.pop(index, kind)
@@ -590,7 +598,8 @@ class NetworkTransport(Transport):
             if key.kind is Kind.DELTA:
                 self._reject("replay", f"{key} delivered already")
             return
-        self._inbox.put(Fragment(key=key, tensor=tensor, tokens=offer.tokens))
+        kept = kept_in(data) if offer.codec == Codec.SPARSE else None
+        self._inbox.put(Fragment(key=key, tensor=tensor, tokens=offer.tokens, kept=kept))
         self.stats.received += 1
         self.stats.bytes_received += len(data)
         self.store.put(StoredFragment(fragment_header(key, offer), data, offer, own=False))

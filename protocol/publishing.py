@@ -23,7 +23,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from cgad.protocol.codec import Codec, ErrorFeedback, encode, encode_delta
-from cgad.protocol.config import NetworkOptions
+from cgad.protocol.config import NetworkOptions, wire_codec
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.records import Holdings, Identity, Offer, Progress, fragment_key, progress_key, state_key
@@ -73,7 +73,8 @@ class Publisher:
 
     def publish(self, fragment: Fragment, codec: Codec | str | None = None) -> None:
         key = fragment.key
-        codec = Codec(codec or (self.options.codec if key.kind is Kind.DELTA else self.options.params_codec))
+        named = self.options.codec if key.kind is Kind.DELTA else self.options.params_codec
+        codec = Codec(codec or wire_codec(named))
         snapshot = fragment.tensor.detach().reshape(-1).to(device="cpu", copy=True)
         if snapshot.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(snapshot.float())):
             raise FragmentError("non_finite", f"{key} holds NaN or Inf")

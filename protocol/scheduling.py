@@ -11,6 +11,11 @@ flight once its fragment is that old. The link carries fewer fragments, in full 
 Two measurements feed it: ``LinkMeter``, the bytes per second the downlink carries while any
 fetch runs, and ``VersionClock``, the seconds this peer takes per version of a fragment.
 
+The same two size what this peer sends under ``--codec auto`` (``round_budget``, ``auto_codec``):
+each round's pseudo-gradients in 4bit where the link carries them to every fetching peer within
+a share of the round, else sparse with as many values per block as fit. A slow link then carries
+every peer's fragment each round, fresh, instead of a few of them late.
+
 Pure bookkeeping: no I/O, no clock of its own (times come in as arguments), as in ``selection``.
 
 Threads: not thread-safe; the network transport uses all three on its event-loop thread.
@@ -23,10 +28,50 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cgad.protocol.codec import Codec, encoded_size
+from cgad.protocol.config import AUTO_DENSE, SPARSE_KEPT, SPARSE_MAX_KEPT
 from cgad.protocol.selection import Candidate, own_version
 from cgad.protocol.transport import Kind
 
-__all__ = ["FetchQueue", "LinkMeter", "VersionClock", "poll_pause"]
+__all__ = ["FetchQueue", "LinkMeter", "VersionClock", "auto_codec", "poll_pause", "round_budget"]
+
+# --codec auto: the share of a round's link time this peer's pseudo-gradients may take. A peer's
+# fragment counts fresh only if it lands before the receiver's next turn, which comes anywhere
+# within a round of the publish, and peers publish at about the same moment, so transfers bunch
+# up. Measured on the testbed (4 nodes, 10 Mbit, docs/WAN.md): 4bit deltas taking 65% of the
+# link at H = 10 arrived at mean age 0.56-0.87, 2bit (33%) 0.35-0.53, sparse k = 16 (16%)
+# 0.24-0.34, 4bit at H = 50 (13%) 0.00-0.05. Snapshots for joiners and the DHT share it too.
+AUTO_LINK_SHARE = 0.2
+# auto never sends fewer values per block: a link measured on small, latency-bound transfers
+# reads slower than it is, and smaller sends would read slower still
+AUTO_MIN_KEPT = 4
+
+
+def round_budget(link_rate: float | None, seconds_per_round: float | None, fetchers: int) -> float | None:
+    """Bytes of this peer's pseudo-gradients per round that each of ``fetchers`` peers can get
+    in time: ``AUTO_LINK_SHARE`` of what the link carries in a round, split among them. None
+    until both the link and the round are measured; infinite with nobody to send to."""
+    if fetchers < 1:
+        return float("inf")
+    if not link_rate or not seconds_per_round:
+        return None
+    return AUTO_LINK_SHARE * link_rate * seconds_per_round / fetchers
+
+
+def auto_codec(numel: int, budget: float | None) -> tuple[Codec, int]:
+    """How ``--codec auto`` sends a pseudo-gradient of ``numel`` values in at most ``budget``
+    bytes: ``AUTO_DENSE`` (4bit) when it fits; else ``sparse`` with the most values per block
+    that fit (at least ``AUTO_MIN_KEPT``). Before anything is measured (None): sparse at its
+    default, so that a new peer does not flood a link it has not measured. Returns the codec and
+    its values per block (meaningful for sparse only)."""
+    if budget is None:
+        return Codec.SPARSE, SPARSE_KEPT
+    if encoded_size(numel, AUTO_DENSE) <= budget:
+        return Codec(AUTO_DENSE), SPARSE_KEPT
+    for kept in range(SPARSE_MAX_KEPT, AUTO_MIN_KEPT, -1):
+        if encoded_size(numel, Codec.SPARSE, kept=kept) <= budget:
+            return Codec.SPARSE, kept
+    return Codec.SPARSE, AUTO_MIN_KEPT
 
 
 class LinkMeter:

@@ -16,9 +16,12 @@ import enum
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from cgad.protocol.codec import Codec
 
 __all__ = ["Fragment", "FragmentKey", "Kind", "Transport", "TransportStats"]
 
@@ -45,6 +48,7 @@ class Fragment:
     key: FragmentKey
     tensor: Tensor  # 1-D, the fragment's parameters flattened in a fixed order
     tokens: int = 0  # tokens the publisher trained on to produce it (the weight in a mean)
+    kept: int | None = None  # as delivered in ``sparse``: the values per block it kept (None: dense)
 
 
 @dataclass
@@ -70,6 +74,19 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def publish(self, fragment: Fragment) -> None:
         """Offer a fragment to the swarm and return at once."""
+
+    @abc.abstractmethod
+    def publish_encoded(
+        self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
+    ) -> None:
+        """Offer bytes the caller encoded (``codec.encode``: the outer loop under ``--codec auto``
+        or ``sparse``) as they are, and return at once."""
+
+    def round_budget(self) -> float | None:
+        """Bytes of pseudo-gradients per round this peer can send each peer that fetches them in
+        time (``scheduling.round_budget``); None while that is not measured, infinite when the
+        link is not what limits it."""
+        return float("inf")
 
     @abc.abstractmethod
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:

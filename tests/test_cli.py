@@ -82,6 +82,9 @@ def test_the_status_summary_reads_a_fresh_node_and_a_busy_one() -> None:
     assert "1h02m05s" in text and "future 3" in text and "  QmA  5" in text
     assert "outer momentum" not in text
     assert "outer momentum 0.47" in status_report({**busy, "outer_momentum": 0.47})
+    assert "sent as    the transport's codec" in text
+    auto = status_report({**busy, "sent_as": {"4bit": 3, "sparse:20": 9}, "send_budget_bytes": 3.2e5})
+    assert "sent as    4bit 3, sparse:20 9 (budget 0.32 MB per peer and round)" in auto
     assert "    0  " + "#" * 40 + " 4" in text and "    3  " + "#" * 10 + " 1" in text
 
 

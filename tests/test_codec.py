@@ -22,6 +22,7 @@ from cgad.protocol.codec import (
     decode,
     encode,
     encoded_size,
+    kept_in,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -393,3 +394,22 @@ def test_a_header_that_widens_finite_bytes_into_inf_is_refused_after_decoding():
     assert not torch.isfinite(decode(data)).all()
     with pytest.raises(FragmentError, match="non_finite"):
         decode_and_check(data, 8, None)
+
+
+def test_error_feedback_switching_codecs_loses_nothing_and_sends_nothing_twice() -> None:
+    """``--codec auto`` may send one round in 4bit and the next sparse at any k: what has gone
+    out plus what is still owed is always exactly what was put in."""
+    torch.manual_seed(0)
+    feedback = ErrorFeedback(Codec.SPARSE)
+    put_in, sent_out = torch.zeros(4096), torch.zeros(4096)
+    rounds = [(Codec.FP4, 16), (Codec.SPARSE, 8), (Codec.SPARSE, 64), (Codec.FP4, 16), (Codec.SPARSE, 4)]
+    for codec, kept in rounds:
+        delta = torch.randn(4096)
+        data, sent = feedback.send(delta, codec, kept)
+        assert kept_in(data) == (kept if codec is Codec.SPARSE else None)
+        assert torch.equal(sent, decode(data))
+        put_in += delta
+        sent_out += sent
+        assert torch.allclose(sent_out + feedback.residual, put_in, atol=1e-5)
+    # the next send approximates the new Δ plus exactly what is owed
+    assert torch.allclose(feedback.target(torch.zeros(4096)), put_in - sent_out, atol=1e-5)

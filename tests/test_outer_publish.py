@@ -7,7 +7,9 @@ import torch
 from cgad.node.checkpoint import pack
 from cgad.node.config import OuterOptions
 from cgad.node.outer import OuterLoop
+from cgad.protocol.codec import encoded_size
 from cgad.protocol.memory import VirtualNetwork
+from cgad.protocol.scheduling import AUTO_LINK_SHARE
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 
@@ -111,3 +113,37 @@ def test_a_snapshot_for_peers_carries_the_momentum_in_bfloat16_and_phi_exact() -
     [adopted] = [joiner.optimizer.state[p]["momentum"] for p in joiner.phi]
     assert adopted.dtype == torch.float32 and torch.allclose(adopted, momentum, rtol=2**-8)
     assert torch.equal(joiner.phi[0], loop.phi[0])
+
+
+def test_auto_sends_4bit_on_a_fast_link_and_sparse_with_what_fits_on_a_slow_one() -> None:
+    """``--codec auto`` over the virtual wire: each round's codec follows the budget that the
+    bandwidth and the seconds per round give; receivers learn each delivery's values per block;
+    the error feedback carries over the switches, so no own progress is lost."""
+    numel = 1 << 16
+    network = VirtualNetwork()
+    options = OuterOptions(optimizer="sgd", outer_lr=1.0)
+    me = OuterLoop([torch.zeros(numel)], options, network.join("me"), "run", codec="auto")
+    peer = network.join("peer")
+    fast, four_bit = 1e9, encoded_size(numel, "4bit")
+    # one fetching peer, 10 s rounds: 4bit fits at 1 GB/s; at 2 kB/s a 4 kB budget is sparse
+    slow = encoded_size(numel, "sparse", kept=12) / (AUTO_LINK_SHARE * 10.0)
+    seen, sent_total, moved_total = [], torch.zeros(numel), torch.zeros(numel)
+    for round_, bandwidth in enumerate([None, fast, fast, slow, slow, fast]):
+        network.bandwidth = bandwidth
+        me.transport.advance(10.0 * round_, round_)
+        moved = torch.randn(numel) * 0.01
+        me.theta[0].add_(moved)
+        me.publish(0, tokens=10)
+        me.apply(0)
+        peer.advance(10.0 * round_ + 1e6, round_)  # the slow link's bytes have landed
+        [delivery] = peer.receive(0)
+        seen.append(delivery.kept)
+        sent_total += delivery.tensor
+        moved_total += moved
+    # None: unlimited (4bit); then 4bit while it fits; sparse with the k that fits; 4bit again
+    assert seen == [None, None, None, 12, 12, None]
+    assert four_bit > encoded_size(numel, "sparse", kept=12)
+    # the own step took the whole Δ each round (φ moved by all of it)
+    assert torch.allclose(me.phi[0].detach(), moved_total, atol=1e-6)
+    # what peers got, plus what is still owed, is all of it
+    assert torch.allclose(sent_total + me._unsent[0].residual, -moved_total, atol=1e-5)

@@ -7,8 +7,19 @@ import hashlib
 
 import pytest
 
+from cgad.protocol.codec import Codec, encoded_size
+from cgad.protocol.config import SPARSE_KEPT, SPARSE_MAX_KEPT
 from cgad.protocol.records import Holdings, Identity, Offer
-from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, poll_pause
+from cgad.protocol.scheduling import (
+    AUTO_LINK_SHARE,
+    AUTO_MIN_KEPT,
+    FetchQueue,
+    LinkMeter,
+    VersionClock,
+    auto_codec,
+    poll_pause,
+    round_budget,
+)
 from cgad.protocol.selection import Candidate
 from cgad.protocol.transport import FragmentKey, Kind
 
@@ -131,3 +142,21 @@ def test_polls_follow_the_time_between_announcements():
     assert poll_pause(1.0, 17.0, 4) == 1.0  # four fragments: an announcement every 4.25 s
     assert poll_pause(1.0, 600.0, 1) == 4.0  # and never slower than 4 intervals
     assert poll_pause(0.5, 600.0, 1) == 2.0
+
+
+def test_auto_sends_4bit_when_it_fits_else_the_most_sparse_values_that_do() -> None:
+    numel = 1 << 20
+    four_bit = encoded_size(numel, "4bit")
+    # a fifth of the link's round, split among the fetching peers
+    assert round_budget(1e6, 10.0, 4) == pytest.approx(AUTO_LINK_SHARE * 1e6 * 10.0 / 4)
+    assert round_budget(None, 10.0, 4) is None and round_budget(1e6, None, 4) is None
+    assert round_budget(None, None, 0) == float("inf")  # nobody to send to
+    assert auto_codec(numel, float("inf")) == (Codec.FP4, SPARSE_KEPT)
+    assert auto_codec(numel, four_bit) == (Codec.FP4, SPARSE_KEPT)
+    codec, kept = auto_codec(numel, four_bit - 1)
+    assert codec is Codec.SPARSE and kept == SPARSE_MAX_KEPT  # 64 per block is smaller than 4bit
+    budget = encoded_size(numel, "sparse", kept=20) + 1
+    assert auto_codec(numel, budget) == (Codec.SPARSE, 20)
+    assert encoded_size(numel, "sparse", kept=21) > budget
+    assert auto_codec(numel, 10.0) == (Codec.SPARSE, AUTO_MIN_KEPT)  # never fewer
+    assert auto_codec(numel, None) == (Codec.SPARSE, SPARSE_KEPT)  # not measured: no flood
