@@ -137,16 +137,27 @@ class OuterOptions(_Part):
         "inner steps, each with its own version and outer-optimizer state (Streaming DiLoCo); "
         "for every method",
     )
-    mixing: Literal["none", "gossip", "late"] = Field(
-        "none",
+    mixing: Literal["auto", "none", "gossip", "late"] = Field(
+        "auto",
         description="gossip: also pull φ toward a random peer's, by their drift at a common version; "
         "late (cga): the same, by as much as the peers' deltas come late (1 − cga's running freshness), "
-        "with φ sent only in rounds where they do",
+        "with φ sent only in rounds where they do and the link has room for it; auto: late with cga "
+        "(and --sync exchange), none otherwise",
     )
     mixing_period: Positive = Field(1, description="outer rounds between gossip mixes")
     mixing_rate: float = Field(
         0.5, gt=0, le=1, description="gossip: the share of the drift from the partner's φ removed per mix"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mixing_auto(cls, data: Any) -> Any:
+        """--mixing auto is decided here, once, so that what a node reports is what it does."""
+        if isinstance(data, dict) and data.get("mixing", "auto") == "auto":
+            optimizer = data.get("optimizer", cls.model_fields["optimizer"].default)
+            late = optimizer == "cga" and data.get("sync", "exchange") == "exchange"
+            data = {**data, "mixing": "late" if late else "none"}
+        return data
 
     @model_validator(mode="after")
     def _late_mixing_follows_cga(self) -> Any:

@@ -133,6 +133,7 @@ class Node:
                 # the all-reduce sends fp16 through hivemind's averager: no codec to pick there
                 codec=c.codec if c.sync == "exchange" else None,
                 sparse_keep=c.sparse_keep,
+                params_codec=c.params_codec,
             )
             self.round = 0
             self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F

@@ -40,8 +40,8 @@ from torch import Tensor
 from cgad.node.config import OuterOptions
 from cgad.node.methods import Contribution, method
 from cgad.optim import AroundOwn, staleness_weight
-from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode
-from cgad.protocol.config import LOOP_CODECS, SPARSE_KEPT
+from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode, encoded_size
+from cgad.protocol.config import LOOP_CODECS, SPARSE_KEPT, wire_codec
 from cgad.protocol.scheduling import auto_codec
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
@@ -106,11 +106,14 @@ class OuterLoop:
         seed: int = 0,
         codec: str | None = None,
         sparse_keep: int = SPARSE_KEPT,
+        params_codec: str = "fp32",
     ) -> None:
         """``codec`` "sparse" or "auto" (``LOOP_CODECS``): the loop picks what each round sends and
         keeps the error feedback, and hands the transport bytes. "sparse" keeps ``sparse_keep``
         values per block; "auto" sends 4bit or sparse, whatever the transport's measured link
-        carries in time (``round_budget``). Any other codec the transport applies itself."""
+        carries in time (``round_budget``). Any other codec the transport applies itself.
+        ``params_codec``: how the transport sends φ for mixing (``--mixing late`` sends it only
+        where the link has room for it)."""
         self.theta = params
         self.options = options
         self.method = method(options.optimizer)
@@ -141,6 +144,7 @@ class OuterLoop:
         self._unsent: dict[int, ErrorFeedback] = {}
         self._sent: dict[int, tuple[int | None, Tensor]] = {}
         self._numel = sum(p.numel() for p in params)
+        self._params_codec = params_codec
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -203,13 +207,16 @@ class OuterLoop:
             return
         if data is None:
             self.transport.publish(fragment)
+            sent_bytes = encoded_size(own.numel(), wire_codec(self._codec or "fp32"))
         else:
             self.transport.publish_encoded(key, data, codec=codec, numel=own.numel(), tokens=tokens)
+            sent_bytes = len(data)
         self.counters.published += 1
-        if self.method.mixes_params or self._mixing_due(f):
+        mixing_due = self._mixing_due(f) and self._room_for_params(f, sent_bytes)
+        if self.method.mixes_params or mixing_due:
             params = self.flat_phi(f)
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
-            if self._mixing_due(f):  # kept to measure drift against peers' φ of this version
+            if mixing_due:  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
 
     def _choose(self, numel: int) -> tuple[Codec, int]:
@@ -414,6 +421,20 @@ class OuterLoop:
         if o.mixing == "late":
             return self._lateness(f) >= LATE_SHARE
         return self.versions[f] % o.mixing_period == 0
+
+    def _room_for_params(self, f: int, sent_bytes: int) -> bool:
+        """Under ``--mixing late``: whether fragment f's φ fits the link's round budget beside the
+        Δ just sent (``sent_bytes``). φ is several times a Δ's bytes; on a link it does not fit it
+        would delay the deltas behind it (the 10 Mbit testbed at H = 50: docs/RESULTS.md item 8),
+        so there the node sends deltas only. Gossip every round is sent regardless."""
+        if self.options.mixing != "late":
+            return True
+        budget = self.transport.round_budget()
+        if budget is None:  # not measured yet
+            return False
+        numel = self.numel(f)
+        params_bytes = encoded_size(numel, wire_codec(self._params_codec))
+        return sent_bytes + params_bytes <= budget * numel / self._numel
 
     def _mixes_now(self, f: int) -> bool:
         """Whether fragment f mixes at this step: late mixing wherever its φ went out this round

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgad.node.config import OuterOptions, SimConfig, parse_stragglers
+from cgad.node.config import JoinConfig, OuterOptions, SimConfig, parse_stragglers
 from cgad.node.data import load_dataset
 from cgad.node.model import build_model
 from cgad.node.outer import OuterLoop
@@ -18,7 +18,9 @@ from cgad.node.simulate import simulate, worker_batches
 from cgad.node.tokenizer import load_tokenizer
 from cgad.node.trainer import InnerTrainer, evaluate
 from cgad.optim import CGAD
+from cgad.protocol.codec import encoded_size
 from cgad.protocol.memory import Delay, VirtualNetwork
+from cgad.protocol.scheduling import AUTO_LINK_SHARE
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 CLI = str(Path(sys.executable).with_name("cgad-node"))
@@ -422,6 +424,34 @@ def test_late_mixing_sends_phi_while_peers_come_late_and_pulls_by_how_late():
 def test_late_mixing_needs_cga_and_says_so():
     with pytest.raises(ValueError, match="--mixing late follows cga's running freshness"):
         SimConfig(optimizer="nesterov", mixing="late")
+
+
+def test_the_default_mixing_is_late_with_cga_and_none_elsewhere():
+    assert SimConfig().mixing == "late" and SimConfig(mixing="auto").mixing == "late"
+    assert SimConfig(optimizer="sgd").mixing == "none" and SimConfig(optimizer="nesterov").mixing == "none"
+    assert SimConfig(mixing="gossip").mixing == "gossip"
+    assert JoinConfig().mixing == "late" and JoinConfig(sync="allreduce").mixing == "none"
+
+
+def test_late_mixing_sends_phi_only_where_the_link_has_room_for_it():
+    """φ in fp32 is 8 times a 4-bit Δ: on a link whose round budget holds the Δ and not φ, a
+    late round sends the Δ alone (φ would delay it); with room, φ goes out as before."""
+    network = VirtualNetwork(codec="4bit")
+    me, peer = network.join("me"), network.join("peer")
+    options = OuterOptions(optimizer="cga", mixing="late", cga_momentum=0.0)
+    loop = OuterLoop([torch.zeros(4096)], options, me, "run", codec="auto")
+    need = encoded_size(4096, "4bit") + encoded_size(4096, "fp32")
+    sent = []
+    for round_, budget in enumerate([None, need / 2, need * 2]):  # no limit, too small, room
+        # bandwidth for one peer: the budget is AUTO_LINK_SHARE of a 10 s round
+        network.bandwidth = None if budget is None else budget / (AUTO_LINK_SHARE * 10.0)
+        me.advance(10.0 * round_, round_)
+        loop.theta[0].add_(1.0)
+        loop.publish(0, tokens=10)  # nobody heard on time: lateness 1
+        peer.advance(1e9, round_)  # whatever was sent has landed
+        sent.append(bool(peer.receive(0, Kind.PARAMS)))
+        loop.apply(0)
+    assert sent == [True, False, True]
 
 
 def test_fragments_mean_one_thing_for_every_method():
