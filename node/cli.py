@@ -144,14 +144,16 @@ def _add_config_flags(
             done.add(name)
 
 
-def _config_from(model: type, args: argparse.Namespace, skip: Sequence[str] = ()) -> Any:
-    """The configuration: defaults < the YAML file (``--config``) < flags given."""
+def _config_from(
+    model: type, args: argparse.Namespace, skip: Sequence[str] = (), extra: dict[str, Any] | None = None
+) -> Any:
+    """The configuration: defaults < the YAML file (``--config``) < flags given < ``extra``."""
     from cgad.node.config import build_config, load_yaml
 
     flags = {k: v for k, v in vars(args).items() if k in model.model_fields and k not in skip}
     path = getattr(args, "config", None)
     file_values = load_yaml(path, model) if path else {}
-    return build_config(model, (f"config file {path}", file_values), ("", flags))
+    return build_config(model, (f"config file {path}", file_values), ("", flags), ("", extra or {}))
 
 
 # ---------------------------------------------------------------- join
@@ -365,15 +367,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     """Run the virtual swarm once per (optimizer, seed); write the JSON and a PNG beside it."""
     from pathlib import Path
 
-    from cgad.node.config import SimConfig, build_config
+    from cgad.node.config import SimConfig
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     base = _config_from(SimConfig, args, skip=("optimizer",))
     optimizers = getattr(args, "optimizer", None) or [base.optimizer]
-    # every configuration is validated before any work starts
+    # every configuration is validated before any work starts, each from what was given (the
+    # defaults that follow the optimizer, as --mixing auto, follow each one)
     configs = [
-        build_config(SimConfig, ("", {**base.model_dump(), "optimizer": opt, "seed": base.seed + k}))
+        _config_from(SimConfig, args, skip=("optimizer",), extra={"optimizer": opt, "seed": base.seed + k})
         for opt in optimizers
         for k in range(args.seeds)
     ]
@@ -409,7 +412,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 f"{record['final_loss']:.3f}  mean age {record['mean_age']:.2f}"
                 + ("  DIVERGED" if record["diverged"] else "")
             )
-    shared = {**base.model_dump(exclude={"optimizer"}), "seeds": args.seeds, "optimizers": optimizers}
+    # what follows the optimizer (mixing) is in each record's own config
+    shared = {**base.model_dump(exclude={"optimizer", "mixing"}), "seeds": args.seeds}
+    shared["optimizers"] = optimizers
     out.write_text(json.dumps({"config": shared, "records": records}, indent=1))
     png = plot_records(records, out.with_suffix(".png"), title=f"{base.workers} workers, delay {base.delay}")
     print(f"wrote {out} and {png}")

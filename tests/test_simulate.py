@@ -237,13 +237,15 @@ def test_cli_simulate_with_a_users_text_file(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
     result = subprocess.run(
         [CLI, "simulate", "--workers", "2", "--rounds", "2", "--inner-steps", "2", "--delay", "1",
-         "--optimizer", "cgad", "--optimizer", "nesterov", "--batch-size", "2", "--seq-len", "16",
+         "--optimizer", "cga", "--optimizer", "nesterov", "--batch-size", "2", "--seq-len", "16",
          "--eval-batches", "1", "--threads", "1", "--data", str(text), "--out", str(out)],
         capture_output=True, text=True, timeout=300, env={"CGAD_CACHE_DIR": str(cache), "PATH": ""},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
-    assert [r["optimizer"] for r in doc["records"]] == ["cgad", "nesterov"]
+    assert [r["optimizer"] for r in doc["records"]] == ["cga", "nesterov"]
+    # the default mixing follows each optimizer: late gossip with cga, none with Nesterov
+    assert [r["config"]["mixing"] for r in doc["records"]] == ["late", "none"]
     for key in ("optimizer", "delay", "seed", "final_loss", "initial_loss", "losses", "diverged",
                 "bytes_sent", "virtual_seconds", "utilization"):  # fmt: skip
         assert key in doc["records"][0]
