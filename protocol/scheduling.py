@@ -35,13 +35,15 @@ from cgad.protocol.transport import Kind
 
 __all__ = ["FetchQueue", "LinkMeter", "VersionClock", "auto_codec", "poll_pause", "round_budget"]
 
-# --codec auto: the share of a round's link time this peer's pseudo-gradients may take. A peer's
-# fragment counts fresh only if it lands before the receiver's next turn, which comes anywhere
-# within a round of the publish, and peers publish at about the same moment, so transfers bunch
-# up. Measured on the testbed (4 nodes, 10 Mbit, docs/WAN.md): 4bit deltas taking 65% of the
-# link at H = 10 arrived at mean age 0.56-0.87, 2bit (33%) 0.35-0.53, sparse k = 16 (16%)
-# 0.24-0.34, 4bit at H = 50 (13%) 0.00-0.05. Snapshots for joiners and the DHT share it too.
-AUTO_LINK_SHARE = 0.2
+# --codec auto: the share of a round's link time (at the measured downlink rate) this peer's
+# pseudo-gradients may take. A peer's fragment counts fresh only if it lands before the
+# receiver's next turn, which comes anywhere within a round of the publish, and peers publish at
+# about the same moment, so transfers bunch up. On the testbed (4 nodes, 10 Mbit, docs/WAN.md),
+# in shares of the nominal link: 4bit deltas taking 65% at H = 10 arrived at mean age 0.56-0.87,
+# 2bit (33%) 0.35-0.53, sparse k = 16 (16%) 0.24-0.34, 4bit at H = 50 (13%) 0.00-0.05. The meter
+# reads 0.54-0.70 of the nominal rate there (a fetch shares its holder's uplink with the holder's
+# other fetchers), so 0.3 of the measured rate is about a fifth of the link.
+AUTO_LINK_SHARE = 0.3
 # auto never sends fewer values per block: a link measured on small, latency-bound transfers
 # reads slower than it is, and smaller sends would read slower still
 AUTO_MIN_KEPT = 4

@@ -147,7 +147,7 @@ def test_polls_follow_the_time_between_announcements():
 def test_auto_sends_4bit_when_it_fits_else_the_most_sparse_values_that_do() -> None:
     numel = 1 << 20
     four_bit = encoded_size(numel, "4bit")
-    # a fifth of the link's round, split among the fetching peers
+    # a share of the link's round, split among the fetching peers
     assert round_budget(1e6, 10.0, 4) == pytest.approx(AUTO_LINK_SHARE * 1e6 * 10.0 / 4)
     assert round_budget(None, 10.0, 4) is None and round_budget(1e6, None, 4) is None
     assert round_budget(None, None, 0) == float("inf")  # nobody to send to
