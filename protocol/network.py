@@ -87,6 +87,7 @@ CLOCK_SKEW = 60.0  # seconds a peer's clock may run ahead of ours (DHT time is e
 FAREWELL_TIMEOUT = 5.0  # seconds a leaving peer spends telling the swarm before it goes anyway
 REJOIN_EVERY = 10.0  # seconds between pings of the peers it knew, while a peer sees none live
 KNOWN_PEERS = 64  # the most recently seen peers it remembers for that (records are cheap to forge)
+DISCOVERY_POLLS = 1.5  # --codec auto: a delivery's seconds besides its bytes, in poll intervals
 
 
 class NetworkTransport(Transport):
@@ -208,12 +209,15 @@ class NetworkTransport(Transport):
         self._publisher.publish_encoded(key, data, codec=codec, numel=numel, tokens=tokens)
 
     def round_budget(self) -> float | None:
-        """From the downlink's measured rate (the uplink's is not measured: ``tbf`` links and
+        """Less the time a delivery takes to be seen (``DISCOVERY_POLLS`` poll intervals: a peer
+        sees a new offer up to one interval after its announcement, itself a DHT store), from
+        the downlink's measured rate (the uplink's is not measured: ``tbf`` links and
         most volunteers' are symmetric enough at these rates, and the downlink is what carries
         every peer's fragments here), the seconds per round, and the peers that fetch each
         fragment (live ones, at most ``fan_in``)."""
         fetchers = min(len(self.live_peers()), self.options.fan_in)
-        return round_budget(self._downlink.rate, self._version_clock.seconds_per_version, fetchers)
+        latency = DISCOVERY_POLLS * self.options.poll_interval
+        return round_budget(self._downlink.rate, self._version_clock.seconds_per_version, fetchers, latency)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         return self._inbox.pop(index, kind)

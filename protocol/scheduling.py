@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cgad.protocol.codec import Codec, encoded_size
-from cgad.protocol.config import AUTO_DENSE, SPARSE_KEPT, SPARSE_MAX_KEPT
+from cgad.protocol.config import AUTO_DENSE, SPARSE_KEPT
 from cgad.protocol.selection import Candidate, own_version
 from cgad.protocol.transport import Kind
 
@@ -44,33 +44,40 @@ __all__ = ["FetchQueue", "LinkMeter", "VersionClock", "auto_codec", "poll_pause"
 # reads 0.54-0.70 of the nominal rate there (a fetch shares its holder's uplink with the holder's
 # other fetchers), so 0.3 of the measured rate is about a fifth of the link.
 AUTO_LINK_SHARE = 0.3
-# auto never sends fewer values per block: a link measured on small, latency-bound transfers
-# reads slower than it is, and smaller sends would read slower still
-AUTO_MIN_KEPT = 4
+# the values per block auto sends: a few levels, each about 1.4 times the last, so that peers on
+# similar links send the same k (a delivery at another k than the own is judged against the own Δ
+# picked again at its k: an extra top-k pass per distinct k and round). Never fewer than 4: a
+# link measured on small, latency-bound transfers reads slower than it is, and smaller sends
+# would read slower still
+AUTO_KEPT = (4, 6, 8, 12, 16, 24, 32, 48, 64)
+AUTO_MIN_KEPT = AUTO_KEPT[0]
 
 
-def round_budget(link_rate: float | None, seconds_per_round: float | None, fetchers: int) -> float | None:
+def round_budget(
+    link_rate: float | None, seconds_per_round: float | None, fetchers: int, latency: float = 0.0
+) -> float | None:
     """Bytes of this peer's pseudo-gradients per round that each of ``fetchers`` peers can get
-    in time: ``AUTO_LINK_SHARE`` of what the link carries in a round, split among them. None
+    in time: ``AUTO_LINK_SHARE`` of what the link carries in a round less ``latency`` (the
+    seconds a delivery takes whatever its size: being seen, asked for), split among them. None
     until both the link and the round are measured; infinite with nobody to send to."""
     if fetchers < 1:
         return float("inf")
     if not link_rate or not seconds_per_round:
         return None
-    return AUTO_LINK_SHARE * link_rate * seconds_per_round / fetchers
+    return AUTO_LINK_SHARE * link_rate * max(seconds_per_round - latency, 0.0) / fetchers
 
 
 def auto_codec(numel: int, budget: float | None) -> tuple[Codec, int]:
     """How ``--codec auto`` sends a pseudo-gradient of ``numel`` values in at most ``budget``
-    bytes: ``AUTO_DENSE`` (4bit) when it fits; else ``sparse`` with the most values per block
-    that fit (at least ``AUTO_MIN_KEPT``). Before anything is measured (None): sparse at its
-    default, so that a new peer does not flood a link it has not measured. Returns the codec and
-    its values per block (meaningful for sparse only)."""
-    if budget is None:
-        return Codec.SPARSE, SPARSE_KEPT
-    if encoded_size(numel, AUTO_DENSE) <= budget:
+    bytes: ``AUTO_DENSE`` (4bit) when it fits; else ``sparse`` with the most values per block of
+    ``AUTO_KEPT`` that fit (at least ``AUTO_MIN_KEPT``). Before anything is measured (None):
+    4bit, since the first rounds are where sparse costs most (a coordinate a round leaves out
+    waits rounds, and early deltas are the largest: on the testbed a first node that sent sparse
+    until its link was measured ended 0.12 above the same swarm in 4bit), and the first fetch
+    measures the link. Returns the codec and its values per block (meaningful for sparse only)."""
+    if budget is None or encoded_size(numel, AUTO_DENSE) <= budget:
         return Codec(AUTO_DENSE), SPARSE_KEPT
-    for kept in range(SPARSE_MAX_KEPT, AUTO_MIN_KEPT, -1):
+    for kept in reversed(AUTO_KEPT[1:]):
         if encoded_size(numel, Codec.SPARSE, kept=kept) <= budget:
             return Codec.SPARSE, kept
     return Codec.SPARSE, AUTO_MIN_KEPT

@@ -11,6 +11,7 @@ from cgad.protocol.codec import Codec, encoded_size
 from cgad.protocol.config import SPARSE_KEPT, SPARSE_MAX_KEPT
 from cgad.protocol.records import Holdings, Identity, Offer
 from cgad.protocol.scheduling import (
+    AUTO_KEPT,
     AUTO_LINK_SHARE,
     AUTO_MIN_KEPT,
     FetchQueue,
@@ -149,14 +150,18 @@ def test_auto_sends_4bit_when_it_fits_else_the_most_sparse_values_that_do() -> N
     four_bit = encoded_size(numel, "4bit")
     # a share of the link's round, split among the fetching peers
     assert round_budget(1e6, 10.0, 4) == pytest.approx(AUTO_LINK_SHARE * 1e6 * 10.0 / 4)
+    # less the seconds a delivery takes whatever its size
+    assert round_budget(1e6, 10.0, 4, latency=2.0) == pytest.approx(AUTO_LINK_SHARE * 1e6 * 8.0 / 4)
+    assert round_budget(1e6, 1.0, 4, latency=2.0) == 0.0  # rounds shorter than that: the least
     assert round_budget(None, 10.0, 4) is None and round_budget(1e6, None, 4) is None
     assert round_budget(None, None, 0) == float("inf")  # nobody to send to
     assert auto_codec(numel, float("inf")) == (Codec.FP4, SPARSE_KEPT)
     assert auto_codec(numel, four_bit) == (Codec.FP4, SPARSE_KEPT)
     codec, kept = auto_codec(numel, four_bit - 1)
     assert codec is Codec.SPARSE and kept == SPARSE_MAX_KEPT  # 64 per block is smaller than 4bit
-    budget = encoded_size(numel, "sparse", kept=20) + 1
-    assert auto_codec(numel, budget) == (Codec.SPARSE, 20)
-    assert encoded_size(numel, "sparse", kept=21) > budget
+    # the largest level that fits: 20 values per block fit, so 16 go
+    assert auto_codec(numel, encoded_size(numel, "sparse", kept=20)) == (Codec.SPARSE, 16)
+    assert auto_codec(numel, encoded_size(numel, "sparse", kept=24)) == (Codec.SPARSE, 24)
+    assert all(kept in AUTO_KEPT for kept in (auto_codec(numel, b)[1] for b in range(10, four_bit, 9973)))
     assert auto_codec(numel, 10.0) == (Codec.SPARSE, AUTO_MIN_KEPT)  # never fewer
-    assert auto_codec(numel, None) == (Codec.SPARSE, SPARSE_KEPT)  # not measured: no flood
+    assert auto_codec(numel, None) == (Codec.FP4, SPARSE_KEPT)  # not measured: dense, as early rounds need
