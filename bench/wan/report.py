@@ -2,7 +2,8 @@
 
 Reads the result files of ``bench/wan/run.py`` (bench/results/wan/<name>.json), and for each
 scenario reports, per node and as mean [range] over nodes: the held-out loss at a common
-wall-clock time (the shortest run's end, so every scenario is judged at the same seconds),
+wall-clock time (the shortest run's end, so every scenario is judged at the same seconds), and
+the mean of its evaluations in the minute before (one evaluation is a few batches: noisy),
 utilisation (inner steps done / the floor's mean inner steps in the same seconds), fragments
 applied, mean age, and what was rejected or skipped; and, apart from utilisation, what the
 exchange did per unit of compute: each node's loss at its last evaluation against the floor's at
@@ -61,6 +62,15 @@ def evaluations(result: dict[str, Any], index: int, t: float) -> list[tuple[floa
     return points
 
 
+def last_minute(result: dict[str, Any], index: int, t: float, seconds: float = 60.0) -> float | None:
+    """The mean of one node's evaluations in the ``seconds`` before ``t``: a single evaluation
+    (a few held-out batches) moves by up to 0.1 from round to round on a swarm node at H = 10."""
+    window = [v for when, v in node_series(result, index, "eval_loss") if t - seconds < when <= t]
+    # the poller samples every few seconds: count each evaluation once (consecutive repeats)
+    values = [v for k, v in enumerate(window) if k == 0 or v != window[k - 1]]
+    return statistics.fmean(values) if values else None
+
+
 def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
     """The curve's value at x, linear between its points; None outside them."""
     for (x0, y0), (x1, y1) in itertools.pairwise(curve):
@@ -92,6 +102,7 @@ def summarize(
         per_node.append({
             "node": index,
             "eval_loss": loss,
+            "eval_loss_last_minute": last_minute(result, index, t),
             "inner_steps": steps,
             "utilisation": steps / floor_steps if steps is not None and floor_steps else None,
             # its last evaluation against the floor's at as many inner steps (< 0: better)
@@ -103,6 +114,7 @@ def summarize(
             "resyncs": final.get("resyncs"),
         })  # fmt: skip
     losses = [n["eval_loss"] for n in per_node if n["eval_loss"] is not None]
+    minute = [n["eval_loss_last_minute"] for n in per_node if n["eval_loss_last_minute"] is not None]
     utilisation = [n["utilisation"] for n in per_node if n["utilisation"] is not None]
     same_steps = [n["vs_floor_same_steps"] for n in per_node if n["vs_floor_same_steps"] is not None]
     return {
@@ -110,6 +122,8 @@ def summarize(
         "nodes": per_node,
         "eval_loss_mean": statistics.fmean(losses) if losses else None,
         "eval_loss_range": [min(losses), max(losses)] if losses else None,
+        "eval_loss_last_minute_mean": statistics.fmean(minute) if minute else None,
+        "eval_loss_last_minute_range": [min(minute), max(minute)] if minute else None,
         "utilisation_mean": statistics.fmean(utilisation) if utilisation else None,
         "vs_floor_same_steps_mean": statistics.fmean(same_steps) if same_steps else None,
     }
@@ -135,18 +149,21 @@ def main() -> None:
     )
     plot(results, RESULTS / f"{args.out}.png")
     print(
-        f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | utilisation | applied | mean age"
-        " | vs floor at equal inner steps |"
+        f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | last minute's mean | utilisation"
+        " | applied | mean age | vs floor at equal inner steps |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, row in summary.items():
         lo, hi = row["eval_loss_range"] or (float("nan"), float("nan"))
+        minute = row["eval_loss_last_minute_mean"]
+        minute_text = "–" if minute is None else f"{minute:.3f}"
         applied = sum(n["applied"] or 0 for n in row["nodes"])
         ages = [n["mean_age"] for n in row["nodes"] if n["mean_age"]]
         same = row["vs_floor_same_steps_mean"]
         same_text = "–" if same is None else f"{same:+.3f}"
         print(
-            f"| {name} | {row['eval_loss_mean']:.3f} [{lo:.3f}-{hi:.3f}] | {row['utilisation_mean']:.2f} |"
+            f"| {name} | {row['eval_loss_mean']:.3f} [{lo:.3f}-{hi:.3f}] | {minute_text} |"
+            f" {row['utilisation_mean']:.2f} |"
             f" {applied} | {statistics.fmean(ages) if ages else 0:.2f} | {same_text} |"
         )
 
