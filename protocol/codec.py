@@ -75,11 +75,8 @@ _DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES_BY_ID = {v: k for k, v in _DTYPE_IDS.items()}
 _BLOCK = {Codec.FP32: 0, Codec.FP16: 0, Codec.INT8: 256, Codec.FP4: 64, Codec.TWO_BIT: 64, Codec.SPARSE: 256}
 LOSSY = (Codec.INT8, Codec.FP4, Codec.TWO_BIT, Codec.SPARSE)
-ROUNDING = (
-    Codec.INT8,
-    Codec.FP4,
-    Codec.TWO_BIT,
-)  # lossy by rounding every value: the transport feeds it back
+# lossy by rounding every value: with a fixed codec the transport feeds the rounding back
+ROUNDING = (Codec.INT8, Codec.FP4, Codec.TWO_BIT)
 # the largest code of each lossy codec, in block scales: a scale beyond fp32's max / this decodes to Inf
 _TOP_LEVEL = {Codec.INT8: 127.0, Codec.FP4: 6.0, Codec.TWO_BIT: 1.5104, Codec.SPARSE: 127.0}
 _FP16_MAX = 65504.0
@@ -484,8 +481,8 @@ def encode_delta(
 ) -> bytes:
     """A pseudo-gradient of ``fragment`` as its publisher sends it: through the fragment's
     ``ErrorFeedback`` in ``residuals`` when the codec rounds (int8, 4bit, 2bit), else encoded as
-    it is (``sparse`` keeping ``kept`` per block: the sender's outer loop picked those values and
-    keeps what it left out, ``OuterLoop(sparse_keep=)``, so the bytes here are exact); ``residuals``
+    it is (``sparse`` keeping ``kept`` per block: under ``--codec sparse`` and ``auto`` the outer
+    loop encodes and keeps the residual itself, ``OuterLoop(codec=)``); ``residuals``
     None turns error feedback off. The daemon's publisher and the simulator's virtual wire both
     encode this way."""
     if residuals is None or codec not in ROUNDING:

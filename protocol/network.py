@@ -209,12 +209,11 @@ class NetworkTransport(Transport):
         self._publisher.publish_encoded(key, data, codec=codec, numel=numel, tokens=tokens)
 
     def round_budget(self) -> float | None:
-        """Less the time a delivery takes to be seen (``DISCOVERY_POLLS`` poll intervals: a peer
-        sees a new offer up to one interval after its announcement, itself a DHT store), from
-        the downlink's measured rate (the uplink's is not measured: ``tbf`` links and
-        most volunteers' are symmetric enough at these rates, and the downlink is what carries
-        every peer's fragments here), the seconds per round, and the peers that fetch each
-        fragment (live ones, at most ``fan_in``)."""
+        """From the downlink's measured rate, the seconds per round less the time a delivery takes
+        to be seen (``DISCOVERY_POLLS`` poll intervals: a peer sees a new offer up to one interval
+        after its announcement, itself a DHT store), and the peers that fetch each fragment (live
+        ones, at most ``fan_in``). The uplink is not measured: the downlink stands in for the link
+        (symmetric on the testbed; an asymmetric volunteer's uplink is overrated)."""
         fetchers = min(len(self.live_peers()), self.options.fan_in)
         latency = DISCOVERY_POLLS * self.options.poll_interval
         return round_budget(self._downlink.rate, self._version_clock.seconds_per_version, fetchers, latency)
