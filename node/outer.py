@@ -491,9 +491,11 @@ class OuterLoop:
 
     def state_dict(self, compact: bool = False) -> dict[str, Any]:
         """φ, versions and the outer optimizer's state. ``compact`` (a snapshot for joining
-        peers) keeps the optimizer's float tensors (momenta, moments) in bfloat16: they are half
-        of what a joiner downloads once they exist, they are running averages that the joiner's
-        own rounds soon outweigh, and loading casts them back to float32. φ stays exact."""
+        peers, which wait for it before training) halves what they download: φ in float16 (an
+        error of at most 2⁻¹¹ of each value, below what one round moves it, and nothing beside
+        the spread between peers' φ in a swarm without a barrier; a tensor outside float16's
+        range stays float32), the optimizer's float tensors (momenta, moments) in bfloat16
+        (running averages that the joiner's own rounds soon outweigh). Loading casts back."""
         optimizer = self.optimizer.state_dict()
         if compact:
             optimizer["state"] = {
@@ -503,7 +505,9 @@ class OuterLoop:
                 }
                 for index, state in optimizer["state"].items()
             }
-        phi = [p.detach().clone() for p in self.phi]
+            phi = [p.to(torch.float16) if _fits_float16(p) else p.detach().clone() for p in self.phi]
+        else:
+            phi = [p.detach().clone() for p in self.phi]
         return {"phi": phi, "versions": list(self.versions), "optimizer": optimizer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -538,3 +542,9 @@ class OuterLoop:
         self._ahead = {
             f: [d for d in held if d.key.base_version >= versions[f]] for f, held in self._ahead.items()
         }
+
+
+def _fits_float16(tensor: Tensor) -> bool:
+    """Whether float16 holds every value of ``tensor`` (only the largest magnitude can overflow;
+    the smallest lose digits that are negligible beside the others)."""
+    return tensor.numel() == 0 or float(tensor.detach().abs().max()) < torch.finfo(torch.float16).max / 2

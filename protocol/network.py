@@ -606,4 +606,4 @@ class NetworkTransport(Transport):
         self.stats.received += 1
         self.stats.bytes_received += len(data)
         self.store.put(StoredFragment(fragment_header(key, offer), data, offer, own=False))
-        await self._publisher.announce(key.fragment)
+        self._publisher.announce_soon(key.fragment)

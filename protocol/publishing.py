@@ -68,6 +68,10 @@ class Publisher:
         self._on_own = on_own
         self._on_progress = on_progress
         self._feedback: dict[int, ErrorFeedback] = {}
+        # loop-side: when each record last went out (fragment index, None: snapshots, or
+        # "progress"), and the re-announcements waiting to go out together
+        self._stored_at: dict[int | str | None, float] = {}
+        self._announcing: set[int] = set()
 
     # ---------------------------------------------------------------- any thread
 
@@ -141,11 +145,30 @@ class Publisher:
         self.store.put(entry)
         await self.announce(None)
 
+    def announce_soon(self, fragment: int) -> None:
+        """Announce the holdings of a fragment ``poll_interval`` from now, once for whatever is
+        stored meanwhile: a peer re-announces each fragment it fetches (one more holder), and the
+        round's fragments arrive within a few seconds of each other (each store is a signed DHT
+        write to every replica; one per arrival was a quarter of the exchange's CPU)."""
+        if fragment in self._announcing:
+            return
+        self._announcing.add(fragment)
+
+        async def later() -> None:
+            try:
+                await asyncio.sleep(self.options.poll_interval)
+            finally:
+                self._announcing.discard(fragment)
+            await self.announce(fragment)
+
+        self._runner.spawn(later())
+
     async def announce(self, fragment: int | None) -> None:
         """This peer's holdings of a fragment (None: of state snapshots), signed."""
         offers = self.store.offers(fragment)
         if not offers or self.dht_node is None:
             return
+        self._stored_at[fragment] = asyncio.get_running_loop().time()
         endpoint, certificate = self._grpc_contact()
         holdings = Holdings(peer_id=self.peer_id, grpc=endpoint, tls=certificate, offers=offers)
         run_id = self.options.run_id
@@ -164,6 +187,7 @@ class Publisher:
             return
         progress = self.progress.copy(update={"time": get_dht_time(), "grpc": self._grpc_contact()[0]})
         self._on_progress(progress)
+        self._stored_at["progress"] = asyncio.get_running_loop().time()
         await self.dht_node.store(
             progress_key(self.options.run_id),
             progress.dict(),
@@ -185,10 +209,15 @@ class Publisher:
         )
 
     async def refresh_forever(self, num_fragments: int) -> None:
-        """Keep this peer's records alive: progress (its heartbeat) and its holdings."""
-        period = min(self.options.liveness_ttl, self.options.record_ttl) / 3
+        """Keep this peer's records alive: progress (its heartbeat) and its holdings, each once
+        a third of its lifetime has passed since it last went out (a round's own reports and
+        announcements usually come sooner: then nothing is stored twice)."""
+        heartbeat, holdings = self.options.liveness_ttl / 3, self.options.record_ttl / 3
+        clock = asyncio.get_running_loop()
         while True:
-            await self.store_progress()
+            if clock.time() - self._stored_at.get("progress", -math.inf) >= heartbeat:
+                await self.store_progress()
             for fragment in [*range(num_fragments), None]:
-                await self.announce(fragment)
-            await asyncio.sleep(period)
+                if clock.time() - self._stored_at.get(fragment, -math.inf) >= holdings:
+                    await self.announce(fragment)
+            await asyncio.sleep(min(heartbeat, holdings) / 2)
