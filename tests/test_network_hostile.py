@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 
 from cgad.protocol.codec import Codec, encode, encoded_size
 from cgad.protocol.network import NetworkTransport
-from cgad.protocol.records import Holdings, Offer, fragment_key
+from cgad.protocol.records import Holdings, Offer, fragment_key, parse_holdings, read_records
 from cgad.protocol.transport import Fragment
 from cgad.protocol.wire import content_hash
 
@@ -45,6 +45,10 @@ def test_reserved_bytes_verify_by_hash_and_tampered_are_refused(netswarm: list[N
     wait_for(
         lambda: all(p.store.get(d) for p in (p1, p2) for d in (digest2, digest3)), what="re-served copies"
     )
+    # re-servers announce what they fetched a poll interval later, all of it at once
+    reservers = {p1.peer_id, p2.peer_id}
+    wait_for(lambda: reservers <= _holders(p3, 2, digest2) and reservers <= _holders(p3, 3, digest3),
+             what="the re-servers' announcements")  # fmt: skip
 
     # The publisher no longer holds fragment 2: the bytes can only come from the re-servers.
     p0.store.discard(digest2)
@@ -63,6 +67,15 @@ def test_reserved_bytes_verify_by_hash_and_tampered_are_refused(netswarm: list[N
     [got] = collect(p3, 3, 1)
     assert torch.equal(got.tensor, x3)
     assert p3.stats.rejected["bad_hash"] - before == 2
+
+
+def _holders(transport: NetworkTransport, fragment: int, digest: bytes) -> set[str]:
+    """The peers whose records in the DHT (as ``transport`` reads them) offer these bytes."""
+    assert transport.dht_node is not None
+    found = transport.dht_node.get(fragment_key(RUN, fragment), latest=True)
+    entry = asyncio.run_coroutine_threadsafe(found, transport.loop).result(10)
+    records = read_records(entry, parse_holdings, lambda *_: None)
+    return {r.peer_id for r in records if any(o.content_hash == digest for o in r.offers)}
 
 
 def _store_as(transport: NetworkTransport, fragment: int, value: dict, owner: bytes) -> bool:
