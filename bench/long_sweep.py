@@ -18,7 +18,12 @@ from what the log holds.
 
 `--rerun COND...` runs those conditions' table cells again after a change to what they simulate.
 
-    python bench/long_sweep.py [--jobs 2] [--stage 1|2] [--report] [--rerun COND ...]
+`--scaled` runs the spec's scale, 8 workers over 150 rounds, for the methods and conditions the
+done-when names (the default against the floor and the baselines at τ = 0, random:8 and
+stragglers, half of the workers 2-3x slower), each at the setting the 4-worker sweep tuned; it
+writes bench/results/long_sweep_8x150.{runs.jsonl,json,png}.
+
+    python bench/long_sweep.py [--scaled] [--jobs 2] [--stage 1|2] [--report] [--rerun COND ...]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import math
 import os
 import subprocess
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,6 @@ from cgad.node.report import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-LOG = RESULTS / "long_sweep.runs.jsonl"
 MODEL = ROOT / "bench" / "sweep_model.json"
 VOCAB = 1024
 
@@ -96,11 +101,39 @@ TUNED_LIKE = {"pa-cgad": "cgad"}
 SAME_AS = {("local", c): "τ=0" for c in CONDITIONS}
 
 
-def config(method: str, condition: str, seed: int, settings: dict[str, Any]) -> SimConfig:
+@dataclass(frozen=True)
+class Sweep:
+    """One sweep's scale, cells and files (bench/results/<name>.runs.jsonl, .json, .png).
+    ``tuned_by``: the sweep whose tuning it takes (None: it tunes its own grids)."""
+
+    name: str
+    base: dict[str, Any]
+    conditions: dict[str, dict[str, Any]]
+    methods: tuple[str, ...]
+    tuned_by: Sweep | None = None
+
+    @property
+    def log(self) -> Path:
+        return RESULTS / f"{self.name}.runs.jsonl"
+
+
+LONG = Sweep("long_sweep", BASE, CONDITIONS, tuple(METHODS))
+SCALED = Sweep(
+    "long_sweep_8x150",
+    {**BASE, "workers": 8, "rounds": 150},
+    {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"],
+     "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]}},
+    ("local", "cga + late gossip", "sgd (averaging)", "gossip", "nesterov", "noloco"),
+    tuned_by=LONG,
+)  # fmt: skip
+
+
+def config(sweep: Sweep, method: str, condition: str, seed: int, settings: dict[str, Any]) -> SimConfig:
     optimizer, fixed, _ = METHODS[method]
     return SimConfig(
-        **BASE, **CONDITIONS[condition], **fixed, **settings, optimizer=optimizer, seed=seed, model=str(MODEL)
-    )
+        **sweep.base, **sweep.conditions[condition], **fixed, **settings,
+        optimizer=optimizer, seed=seed, model=str(MODEL),
+    )  # fmt: skip
 
 
 def run_key(method: str, condition: str, seed: int, settings: dict[str, Any]) -> str:
@@ -125,10 +158,10 @@ def _run(c: SimConfig) -> dict:
     return record
 
 
-def load_log() -> dict[str, dict]:
+def load_log(sweep: Sweep) -> dict[str, dict]:
     done = {}
-    if LOG.exists():
-        for line in LOG.read_text().splitlines():
+    if sweep.log.exists():
+        for line in sweep.log.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
                 done[record["key"]] = record
@@ -136,27 +169,31 @@ def load_log() -> dict[str, dict]:
 
 
 def run_all(
-    jobs: list[tuple[str, str, int, dict]], workers: int, desc: str, rerun: frozenset[str] = frozenset()
+    sweep: Sweep,
+    jobs: list[tuple[str, str, int, dict]],
+    workers: int,
+    desc: str,
+    rerun: frozenset[str] = frozenset(),
 ) -> dict[str, dict]:
     """Run what the log does not hold yet (each run once, however many cells share it), and the
     runs of the ``rerun`` conditions again (their new records replace the old ones on reading;
     the old stay in the log with the commit that made them); return the records of all ``jobs``
     by key."""
-    done = load_log()
+    done = load_log(sweep)
 
     def due(job: tuple[str, str, int, dict]) -> bool:
         return run_key(*job) not in done or SAME_AS.get((job[0], job[1]), job[1]) in rerun
 
     todo = list({run_key(*j): j for j in jobs if due(j)}.values())
-    commit = _commit()  # runs of one table may span sessions: each says which code made it
+    commit = _commit(sweep)  # runs of one table may span sessions: each says which code made it
     if todo:
         RESULTS.mkdir(parents=True, exist_ok=True)
         with (
             ProcessPoolExecutor(workers, initializer=_init_worker) as pool,
             progress_bar(len(todo), desc, "run") as bar,
-            LOG.open("a") as log,
+            sweep.log.open("a") as log,
         ):
-            futures = {pool.submit(_run, config(m, SAME_AS.get((m, c), c), seed, st)): (m, c, seed, st)
+            futures = {pool.submit(_run, config(sweep, m, SAME_AS.get((m, c), c), seed, st)): (m, c, seed, st)
                        for m, c, seed, st in todo}  # fmt: skip
             for future in as_completed(futures):
                 method, condition, seed, settings = futures[future]
@@ -177,7 +214,7 @@ def run_all(
     return {run_key(*j): done[run_key(*j)] for j in jobs if run_key(*j) in done}
 
 
-def _commit() -> str:
+def _commit(sweep: Sweep) -> str:
     """The commit the runs are made at (with "+changes" when tracked files differ from it)."""
 
     def git(*args: str) -> str:
@@ -186,7 +223,7 @@ def _commit() -> str:
     try:
         head = git("rev-parse", "--short", "HEAD")
         # the log this sweep appends to is not a change to the code that made the runs
-        log = f":(exclude){LOG.relative_to(ROOT)}"
+        log = f":(exclude){sweep.log.relative_to(ROOT)}"
         dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", log)
     except OSError:
         return "unknown"
@@ -199,8 +236,8 @@ def score(record: dict) -> float:
 
 
 def tuned_settings(records: dict[str, dict]) -> dict[str, dict[str, dict]]:
-    """For each method and condition, the grid point with the lowest loss on the tuning seed in
-    the condition it is tuned at (``TUNED_AT``)."""
+    """For each method and condition of the 4-worker sweep, the grid point with the lowest loss
+    on the tuning seed in the condition it is tuned at (``TUNED_AT``)."""
     chosen: dict[str, dict[str, dict]] = {}
     for method, (_, _, grid) in METHODS.items():
         if method in TUNED_LIKE:
@@ -227,35 +264,40 @@ def main() -> None:
     parser.add_argument(
         "--rerun", nargs="+", default=[], choices=list(CONDITIONS), help="run these conditions' cells again"
     )
+    parser.add_argument("--scaled", action="store_true", help="8 workers over 150 rounds (see above)")
     args = parser.parse_args()
+    sweep = SCALED if args.scaled else LONG
 
-    tuning = [
-        (m, c, TUNING_SEED, s)
-        for c in dict.fromkeys(TUNED_AT.values())
-        for m, (_, _, grid) in METHODS.items()
-        if grid
-        for s in grid
-    ]
-    if not args.report:
-        run_all(tuning, args.jobs, "1/2 tuning")
-    chosen = tuned_settings(load_log())
+    if sweep.tuned_by is None:
+        tuning = [
+            (m, c, TUNING_SEED, s)
+            for c in dict.fromkeys(TUNED_AT.values())
+            for m, (_, _, grid) in METHODS.items()
+            if grid
+            for s in grid
+        ]
+        if not args.report:
+            run_all(sweep, tuning, args.jobs, "1/2 tuning")
+    chosen = tuned_settings(load_log(sweep.tuned_by or sweep))
     # seed by seed, so that an interrupted sweep has every cell at one seed before any at three
     table = [
         (m, c, seed, chosen[m][c])
         for seed in SEEDS
-        for c in CONDITIONS
-        for m in METHODS
+        for c in sweep.conditions
+        for m in sweep.methods
         if c in chosen.get(m, {})
     ]
     if not args.report and args.stage == 2:
-        run_all(table, args.jobs, "2/2 table", rerun=frozenset(args.rerun))
-    write_report(chosen, table)
+        run_all(sweep, table, args.jobs, "2/2 table", rerun=frozenset(args.rerun))
+    write_report(sweep, chosen, table)
 
 
-def write_report(chosen: dict[str, dict[str, dict]], table: list[tuple[str, str, int, dict]]) -> None:
+def write_report(
+    sweep: Sweep, chosen: dict[str, dict[str, dict]], table: list[tuple[str, str, int, dict]]
+) -> None:
     from cgad.node.report import plot_long_sweep
 
-    done = load_log()
+    done = load_log(sweep)
     rows: dict[str, dict[str, dict]] = {}
     for method, condition, seed, settings in table:
         record = done.get(run_key(method, condition, seed, settings))
@@ -265,12 +307,15 @@ def write_report(chosen: dict[str, dict[str, dict]], table: list[tuple[str, str,
         method: {condition: _cell(records) for condition, records in by_condition.items()}
         for method, by_condition in rows.items()
     }
-    floor = {c: cells.get("local", {}).get(c, {}).get("mean") for c in CONDITIONS}
+    floor = {c: cells.get("local", {}).get(c, {}).get("mean") for c in sweep.conditions}
     result = {
-        "config": {**BASE, "model": MODEL.name, "vocab": VOCAB, "conditions": CONDITIONS, "seeds": SEEDS,
-                   "tuning_seed": TUNING_SEED},
-        "methods": {m: {"optimizer": o, "fixed": f, "grid": g} for m, (o, f, g) in METHODS.items()},
-        "tuned": chosen,
+        "config": {**sweep.base, "model": MODEL.name, "vocab": VOCAB, "conditions": sweep.conditions,
+                   "seeds": SEEDS, "tuning_seed": TUNING_SEED,
+                   "tuned_by": sweep.tuned_by.name if sweep.tuned_by else sweep.name},
+        "methods": {m: {"optimizer": o, "fixed": f, "grid": g} for m, (o, f, g) in METHODS.items()
+                    if m in sweep.methods},
+        "tuned": {m: {c: s for c, s in by_c.items() if c in sweep.conditions}
+                  for m, by_c in chosen.items() if m in sweep.methods},
         "cells": cells,
         "gain_over_local": {
             m: {c: (floor[c] - cell["mean"]) if floor[c] is not None else None for c, cell in by_c.items()}
@@ -279,10 +324,10 @@ def write_report(chosen: dict[str, dict[str, dict]], table: list[tuple[str, str,
         "records": [r for by_c in rows.values() for rs in by_c.values() for r in rs],
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "long_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot_long_sweep(result, RESULTS / "long_sweep.png")
+    (RESULTS / f"{sweep.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot_long_sweep(result, RESULTS / f"{sweep.name}.png")
     done_runs, all_runs = len(result["records"]), len(table)
-    print(f"wrote {RESULTS / 'long_sweep.json'} and long_sweep.png ({done_runs}/{all_runs} table runs)")
+    print(f"wrote {RESULTS / sweep.name}.json and .png ({done_runs}/{all_runs} table runs)")
 
 
 def _cell(records: list[dict]) -> dict[str, Any]:

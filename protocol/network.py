@@ -65,7 +65,7 @@ from cgad.protocol.records import (
     state_key,
 )
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, poll_pause, round_budget
-from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version
+from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version, swarm_version
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
@@ -476,13 +476,16 @@ class NetworkTransport(Transport):
             self._known.popitem(last=False)
 
         versions = self._progress.versions
+        reports = [p.versions for peer, p in live.items() if peer != self.peer_id]
         for fragment, numel in interest.items():
             holdings = self._records(found.get(fragment_key(run_id, fragment)), fragment, now)
             if not holdings:
                 continue
-            selection = self._selector.choose(fragment, numel, holdings, own_version(versions, fragment), now)
+            own, swarm = own_version(versions, fragment), swarm_version(reports, fragment)
+            selection = self._selector.choose(fragment, numel, holdings, own, now, swarm)
             self._reject_all(selection.rejections)
             self.stats.skipped["fan_in"] += selection.fan_in_skipped
+            self.stats.skipped["behind"] += selection.behind
             for candidate in selection.candidates:
                 if self._queue.push(candidate) is not None:
                     self.stats.skipped["queue_full"] += 1

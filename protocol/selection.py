@@ -12,9 +12,12 @@ The rules:
 - an offer far behind this peer's OWN version of the fragment (``history_versions``) is ignored
   unseen; never measured against what others claim, so a record announcing a far-future version
   cannot make honest offers look stale;
-- an offer more than ``max_ahead`` versions AHEAD of this peer's own is refused unfetched and
-  counted once (``future``), but not remembered as attempted: once this peer has caught up (a
-  re-sync), it counts; so no ledger holds versions an attacker picks far ahead;
+- an offer more than ``max_ahead`` versions AHEAD of this peer's own is refused unfetched, but
+  not remembered as attempted: once this peer has caught up (a re-sync), it counts; so no ledger
+  holds versions an attacker picks far ahead. It is counted once as a fault (``future``) only when
+  it is that far ahead of the swarm too (the median of live peers' reports, which the caller
+  passes and no single peer moves); within that it only says this peer is behind (joining or
+  re-syncing), counted in ``behind``;
 - at most ``fan_in`` publishers per (fragment, kind, base version), drawn at random;
 - a DELTA key (publisher, fragment, base version) is delivered at most once: the same key
   announced again with other bytes is a replay, re-announcing the same bytes is nothing;
@@ -62,6 +65,7 @@ class Selection:
     candidates: list[Candidate] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     fan_in_skipped: int = 0  # publishers passed over because of the fan-in cap
+    behind: int = 0  # offers too far ahead of this peer, but not of the swarm: it is behind
 
 
 def check_offer(offer: Offer, numel: int) -> Rejection | None:
@@ -94,6 +98,14 @@ def _holders_by_hash(holdings: Sequence[Holdings]) -> dict[bytes, list[Holdings]
 def own_version(versions: Sequence[int], fragment: int) -> int:
     """This peer's version of ``fragment`` from its progress report (0 before it reports one)."""
     return versions[fragment] if fragment < len(versions) else 0
+
+
+def swarm_version(reports: Sequence[Sequence[int]], fragment: int) -> int | None:
+    """The swarm's version of ``fragment``: the median (low) of the live peers' reported versions
+    (``reports``, one list per peer; a report without that fragment is left out), so that no
+    single peer's claim moves it; None with no report."""
+    column = sorted(versions[fragment] for versions in reports if fragment < len(versions))
+    return column[(len(column) - 1) // 2] if column else None
 
 
 class OfferSelector:
@@ -149,11 +161,18 @@ class OfferSelector:
         return True
 
     def choose(
-        self, fragment: int, numel: int, holdings: Sequence[Holdings], own: int, now: float
+        self,
+        fragment: int,
+        numel: int,
+        holdings: Sequence[Holdings],
+        own: int,
+        now: float,
+        swarm: int | None = None,
     ) -> Selection:
         """New offers of ``fragment`` (which must have ``numel`` values) worth fetching, within
-        the fan-in cap, with their holders; ``own`` is this peer's version of the fragment and
-        ``now`` the DHT time. Candidates returned count as attempted from here on."""
+        the fan-in cap, with their holders; ``own`` is this peer's version of the fragment,
+        ``swarm`` the swarm's (the median of live peers' reports; None: unknown) and ``now`` the
+        DHT time. Candidates returned count as attempted from here on."""
         selection = Selection()
         by_hash = _holders_by_hash(holdings)
         fresh: dict[tuple[int, Kind, int], list[Candidate]] = defaultdict(list)
@@ -165,7 +184,11 @@ class OfferSelector:
             kind = Kind(offer.kind)
             key = FragmentKey(self.run_id, fragment, offer.base_version, offer.publisher, kind)
             if offer.base_version > own + self.max_ahead:
-                if self.judge(("ahead", key), now):
+                if not self.judge(("ahead", key), now):
+                    continue
+                if offer.base_version <= max(own, swarm or 0) + self.max_ahead:
+                    selection.behind += 1
+                else:
                     selection.rejections.append(
                         Rejection("future", f"{key}: this peer is at version {own}", key.publisher)
                     )

@@ -10,7 +10,7 @@ import pytest
 
 from cgad.protocol.codec import SPARSE_MAX_KEPT, encoded_size
 from cgad.protocol.records import Holdings, Identity, Offer
-from cgad.protocol.selection import Candidate, OfferSelector, Rejection, Selection, check_offer
+from cgad.protocol.selection import Candidate, OfferSelector, Rejection, Selection, check_offer, swarm_version
 from cgad.protocol.transport import FragmentKey, Kind
 
 pytestmark = pytest.mark.timeout(60)
@@ -270,6 +270,19 @@ def test_state_snapshots_too_large_or_foreign_are_refused_unseen_and_counted_onc
     assert first.candidates == []
     assert sorted(r.reason for r in first.rejections) == ["oversized", "unknown_codec"]
     assert selector.choose_states(records, max_bytes=10_000, now=1.0).rejections == []
+
+
+def test_an_offer_ahead_of_a_peer_that_is_behind_the_swarm_is_not_held_against_its_publisher() -> None:
+    """A joiner at version 0 sees the swarm's offers of version 9: refused unfetched (it could not
+    use them), but counted as its own lag, not as a fault of the publisher; a claim as far past
+    the swarm (the median of live peers' reports) is still a fault."""
+    selector = _selector(max_ahead=4)
+    honest, claimer = _own(_offer(ALICE, base=9)), _own(_offer(BOB, base=40))
+    selection = selector.choose(0, NUMEL, [honest, claimer], own=0, now=0.0, swarm=9)
+    assert not selection.candidates and selection.behind == 1
+    assert [(r.reason, r.publisher) for r in selection.rejections] == [("future", BOB)]
+    assert swarm_version([[9], [8], [1000]], 0) == 9 and swarm_version([[3, 7]], 1) == 7
+    assert swarm_version([], 0) is None and swarm_version([[5]], 1) is None
 
 
 def test_an_offer_far_ahead_is_refused_once_and_taken_once_this_peer_catches_up() -> None:
