@@ -1,12 +1,12 @@
 """Run one WAN scenario on the namespace testbed and record what every node reported.
 
 A scenario is data (JSON; see bench/wan/scenarios/): how many nodes, each link's rates, the flags
-every node gets, how long to train, events at given seconds (``kill``, ``restart``,
-``partition`` for a while, ``shape`` to new rates, ``leave`` through the admin API), and what
-the run must show at its end (``expect``: see checks.py; the runner exits 1 when a check
-fails). Node 0 starts the swarm; the others join it, unless ``isolated`` is set (the floor: the
-same nodes, each training alone). Every few seconds the runner asks each node's admin API for
-its status; at the end every node is asked to leave.
+every node gets (and ``node_args``: more for some nodes, by index), how long to train, events at
+given seconds (``kill``, ``restart``, ``partition`` for a while, ``shape`` to new rates,
+``leave`` through the admin API), and what the run must show at its end (``expect``: see
+checks.py; the runner exits 1 when a check fails). Node 0 starts the swarm; the others join it,
+unless ``isolated`` is set (the floor: the same nodes, each training alone). Every few seconds
+the runner asks each node's admin API for its status; at the end every node is asked to leave.
 
 Writes bench/results/wan/<name>.json (the scenario, the testbed, every status sample, each
 node's final status, the checks' verdicts) and a PNG of held-out loss against wall-clock time
@@ -43,7 +43,8 @@ POLL_SECONDS = 5.0
 
 
 SCENARIO_KEYS = {
-    "name", "nodes", "mbit", "links", "minutes", "args", "events", "isolated", "shape_after_join", "expect",
+    "name", "nodes", "mbit", "links", "minutes", "args", "node_args", "events", "isolated",
+    "shape_after_join", "expect",
 }  # fmt: skip
 
 
@@ -79,7 +80,8 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
     with Testbed([Link() for _ in links] if shape_after else links) as bed:
 
         def start(index: int, peers: list[str]) -> None:
-            args = [*scenario["args"], "--checkpoint-dir", str(workdir / f"n{index}" / "ckpt"),
+            own = scenario.get("node_args", {}).get(str(index), [])
+            args = [*scenario["args"], *own, "--checkpoint-dir", str(workdir / f"n{index}" / "ckpt"),
                     "--identity", str(workdir / f"n{index}.key")]  # fmt: skip
             if peers:
                 args += ["--peers", *peers]
