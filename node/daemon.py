@@ -243,6 +243,9 @@ class Node:
         if state is None and self.state_sync.at_genesis(described, self.genesis):
             self.started_from = "genesis"
             logger.info("the swarm has taken no outer step yet: starting from the same initial model")
+            # as after a download: joiners that shared their first block from the start ended a
+            # 10 Mbit H = 50 run 0.11 above joiners that waited for a snapshot and kept it
+            self._start_like_a_joiner()
             return
         # a fresh node starts from the swarm's model; a resumed one catches up if it lags
         self.sync_from_swarm(required=state is None)
@@ -281,15 +284,19 @@ class Node:
         self._describe()
         # the first outer step catches up with the versions the source went on to meanwhile
         self._adopted_from = peer
-        # The inner optimizer's moments do not travel with a snapshot: the first steps after an
-        # adoption are large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 ->
-        # 6.19 when three joiners' first deltas arrived). Their round only warms the moments up:
-        # it reaches no peer and no outer step (OuterLoop.publish with share=False).
-        self.unshared_blocks = self.config.fragments
-        # and its first block ends with the peers' (adopted_block_over); an all-reduce waits for
-        # its group itself
-        self._adopted_block = self.exchange is None
+        self._start_like_a_joiner()
         return True
+
+    def _start_like_a_joiner(self) -> None:
+        """A node that starts from the swarm's state (adopted, or the swarm's own initial one)
+        while the swarm trains: its inner optimizer's moments are fresh, so its first steps are
+        large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 -> 6.19 when three
+        joiners' first deltas arrived). That block only warms the moments up: it reaches no peer
+        and no outer step (OuterLoop.publish with share=False). And it ends with the peers'
+        (adopted_block_over), which puts the node in phase; an all-reduce waits for its group
+        itself."""
+        self.unshared_blocks = self.config.fragments
+        self._adopted_block = self.exchange is None
 
     # ------------------------------------------------------------------ the loop
 
