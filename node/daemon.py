@@ -34,7 +34,7 @@ from cgad.node.export import TOKENIZER_DIR
 from cgad.node.joining import StateSync, check_compatible
 from cgad.node.methods import method
 from cgad.node.metrics import Metrics
-from cgad.node.model import build_model, parameters_fingerprint
+from cgad.node.model import build_model
 from cgad.node.monitor import swarm_rows
 from cgad.node.outer import OuterLoop
 from cgad.node.pacing import Turn, adopted_block_over, phase_nudge
@@ -79,9 +79,6 @@ class Node:
             "sync": c.sync,
             "protocol": PROTOCOL_VERSION,  # checked by a joiner before the rest (Describe)
         }
-        # the initial parameters' hash, stated to joiners: one with the same starts from its own
-        # while the swarm has taken no outer step (StateSync.at_genesis)
-        self.genesis = parameters_fingerprint(self.model)
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
         self.peer_id = self.identity.peer_id
         # no coordinator assigns shards: each peer draws windows from the whole training split
@@ -111,6 +108,7 @@ class Node:
             stale_after=method(c.optimizer).stale_after(c),
             max_ahead=c.cutoff,
         )
+        self.transport.describe_as(json.dumps(self.swarm))
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind
             # --sync allreduce: the outer step takes the group's all-reduced mean instead of the
             # fragments the transport delivers (the transport still carries states and progress)
@@ -151,14 +149,11 @@ class Node:
             self.unshared_blocks = 0  # blocks still to be kept from peers after adopting a state
             self._adopted_block = False  # the block under way began with an adopted state
             self._adopted_from: str | None = None  # whose state, until the first outer step after
-            # where the outer state came from: scratch, genesis (the swarm's, which it had not left
-            # yet: the same), checkpoint, peer ID
-            self.started_from = "scratch"
+            self.started_from = "scratch"  # where the outer state came from: scratch, checkpoint, peer ID
             self.resumed = False  # restarted from this node's own checkpoint
             self._leave = threading.Event()
             self._outer_lock = threading.Lock()
             self.metrics = Metrics(c.metrics_port, c.metrics_host) if c.metrics_port is not None else None
-            self._describe()
             self.state_sync = StateSync(
                 c, self.transport, self.loop, self.swarm, self._outer_lock, self._leave
             )
@@ -233,22 +228,13 @@ class Node:
             self.eval_history = [tuple(e) for e in state["eval_history"]]
             self.started_from = "checkpoint"
             self.resumed = True
-            self._describe()
             logger.info("resumed from %s at round %d", c.checkpoint_dir, self.round)
         described = self.state_sync.check_bootstrap_peers() if c.peers else []
         if self.exchange is not None:
             self._start_allreduce(described)
-        if not c.peers:
-            return
-        if state is None and self.state_sync.at_genesis(described, self.genesis):
-            self.started_from = "genesis"
-            logger.info("the swarm has taken no outer step yet: starting from the same initial model")
-            # as after a download: joiners that shared their first block from the start ended a
-            # 10 Mbit H = 50 run 0.11 above joiners that waited for a snapshot and kept it
-            self._start_like_a_joiner()
-            return
-        # a fresh node starts from the swarm's model; a resumed one catches up if it lags
-        self.sync_from_swarm(required=state is None)
+        if c.peers:
+            # a fresh node starts from the swarm's model; a resumed one catches up if it lags
+            self.sync_from_swarm(required=state is None)
 
     def _start_allreduce(self, described: list[dict[str, Any]]) -> None:
         """Join the averager's DHT through the addresses the peers at --peers state, and state
@@ -260,19 +246,7 @@ class Node:
                 "--sync allreduce: no peer at --peers stated where its all-reduce averager listens"
             )
         self.exchange.start(bootstrap, listen_anywhere(self.config.host_maddrs))
-        self._describe()
-
-    def _describe(self) -> None:
-        """What this node tells a peer that asks who it is: the swarm's identity, where its
-        averager listens (--sync allreduce), and its initial parameters' hash while its φ comes
-        from them (from scratch, or from a swarm that had not left them), which no one else's
-        snapshot or checkpoint ever replaced."""
-        description: dict[str, Any] = dict(self.swarm)
-        if self.started_from in ("scratch", "genesis"):
-            description["genesis"] = self.genesis
-        if self.exchange is not None:
-            description["averager"] = self.exchange.maddrs()
-        self.transport.describe_as(json.dumps(description))
+        self.transport.describe_as(json.dumps({**self.swarm, "averager": self.exchange.maddrs()}))
 
     def sync_from_swarm(self, required: bool) -> bool:
         """Adopt a peer's snapshot ahead of this node (``StateSync.sync``); True when one was."""
@@ -281,22 +255,17 @@ class Node:
             return False
         peer, self.round = adopted[0], max(self.round, adopted[1])
         self.started_from = f"peer {peer}"
-        self._describe()
         # the first outer step catches up with the versions the source went on to meanwhile
         self._adopted_from = peer
-        self._start_like_a_joiner()
-        return True
-
-    def _start_like_a_joiner(self) -> None:
-        """A node that starts from the swarm's state (adopted, or the swarm's own initial one)
-        while the swarm trains: its inner optimizer's moments are fresh, so its first steps are
-        large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 -> 6.19 when three
-        joiners' first deltas arrived). That block only warms the moments up: it reaches no peer
-        and no outer step (OuterLoop.publish with share=False). And it ends with the peers'
-        (adopted_block_over), which puts the node in phase; an all-reduce waits for its group
-        itself."""
+        # The inner optimizer's moments do not travel with a snapshot: the first steps after an
+        # adoption are large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 ->
+        # 6.19 when three joiners' first deltas arrived). Their round only warms the moments up:
+        # it reaches no peer and no outer step (OuterLoop.publish with share=False).
         self.unshared_blocks = self.config.fragments
+        # and its first block ends with the peers' (adopted_block_over); an all-reduce waits for
+        # its group itself
         self._adopted_block = self.exchange is None
+        return True
 
     # ------------------------------------------------------------------ the loop
 

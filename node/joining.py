@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 # link got 69 kB/s each, and a limit of 100 kB/s cut one off at 95% of its 15 MB. A stalled or
 # trickling sender is dropped by the fetcher long before this (chunk timeout, `too_slow`).
 MIN_STATE_RATE = 20e3
-GENESIS_WAIT = 10.0  # seconds a fresh node waits for its first look at the DHT to see the swarm's versions
 MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays ahead
 # versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
 # for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
@@ -130,27 +129,6 @@ class StateSync:
             check_compatible(self.swarm, {**theirs, "run_id": run_id}, f"the peer at --peers ({peer})")
             described.append(theirs)
         return described
-
-    def at_genesis(self, described: list[dict[str, Any]], genesis: str) -> bool:
-        """Whether a fresh node can start from its own initial parameters instead of downloading
-        a snapshot: a peer at --peers states the same initial parameters (``genesis``, their
-        hash), and the swarm has taken no outer step (every live peer reports version 0, and no
-        snapshot past it is on offer), so its state is the one this node has. Waits for the
-        first look at the DHT (``GENESIS_WAIT`` seconds at most). A peer that lies about either
-        only makes this node start from scratch, as the first node of a swarm does; if the swarm
-        was ahead after all, it falls behind and re-syncs as any node does."""
-        if not any(d.get("genesis") == genesis for d in described):
-            return False
-        give_up = time.monotonic() + GENESIS_WAIT
-        while self.transport.polls == 0 and time.monotonic() < give_up and not self.leave.is_set():
-            time.sleep(0.1)
-        reports = self._live_reports()
-        offers = self.transport.state_offers()
-        return (
-            bool(reports)
-            and all(v == 0 for versions in reports.values() for v in versions)
-            and all(c.key.base_version == 0 for c in offers)
-        )
 
     def sync(self, required: bool) -> tuple[str, int] | None:
         """Adopt the newest snapshot of the swarm's outer state that is ahead of ours (for a

@@ -9,7 +9,6 @@ it the bytes of every pseudo-gradient a peer sends, at no measurable cost in qua
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -140,17 +139,6 @@ def parameter_count(model_or_config: torch.nn.Module | LlamaConfig) -> int:
     layer = attention + mlp + 2 * c.hidden_size  # two RMSNorm weights
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return c.num_hidden_layers * layer + embeddings + c.hidden_size  # final RMSNorm
-
-
-def parameters_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of every parameter's values, in order: two models with the same one start alike
-    (the same config and seed build the same initial parameters)."""
-    digest = hashlib.blake2b(digest_size=16)
-    with torch.no_grad():
-        for p in model.parameters():
-            values = p.detach().to("cpu", torch.float32).contiguous()
-            digest.update(values.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _check_shapes(name: str, fields: dict[str, Any]) -> None:

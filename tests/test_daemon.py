@@ -119,26 +119,3 @@ def test_a_node_of_another_run_is_refused(daemons):
     )  # fmt: skip
     assert other.returncode == 2
     assert "different run id" in other.stderr
-
-
-@pytest.mark.timeout(600)
-def test_a_joiner_with_the_swarms_initial_model_starts_at_once_while_the_swarm_is_at_version_0(daemons):
-    """The swarm has taken no outer step (a long first block): a joiner built from the same seed
-    has its state already and downloads nothing; one built from another seed downloads it."""
-    workdir, nodes = daemons
-    long_block = ["--inner-steps", "100000"]
-    a = NodeProcess("a", workdir, [], long_block)
-    nodes.append(a)
-    a_id = a.wait(lambda s: s["inner_step"] >= 1, "the first node training")["peer_id"]
-    same = NodeProcess("same", workdir, a.maddrs(), long_block)
-    other = NodeProcess("other", workdir, a.maddrs(), [*long_block, "--seed", "1"])
-    nodes += [same, other]
-    for node, expected in ((same, "genesis"), (other, f"peer {a_id}")):
-        status = node.wait(lambda s: s["inner_step"] >= 1, f"{node.name} training")
-        assert status["started_from"] == expected, (node.name, status["started_from"])
-        assert status["versions"] == [0]
-    # the same initial model: the first held-out evaluations agree exactly
-    a_first, same_first = (n.status()["eval_history"][0][1] for n in (a, same))
-    assert same_first == a_first
-    assert "downloading the state" not in same.log.read_text()
-    assert "downloading the state" in other.log.read_text()
