@@ -34,9 +34,8 @@ import math
 import os
 import subprocess
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from cgad.node.config import SimConfig
 from cgad.node.progress import progress_bar
@@ -101,8 +100,7 @@ TUNED_LIKE = {"pa-cgad": "cgad"}
 SAME_AS = {("local", c): "τ=0" for c in CONDITIONS}
 
 
-@dataclass(frozen=True)
-class Sweep:
+class Sweep(NamedTuple):
     """One sweep's scale, cells and files (bench/results/<name>.runs.jsonl, .json, .png).
     ``tuned_by``: the sweep whose tuning it takes (None: it tunes its own grids)."""
 
