@@ -148,8 +148,8 @@ class Publisher:
     def announce_soon(self, fragment: int) -> None:
         """Announce the holdings of a fragment ``poll_interval`` from now, once for whatever is
         stored meanwhile: a peer re-announces each fragment it fetches (one more holder), and the
-        round's fragments arrive within a few seconds of each other (each store is a signed DHT
-        write to every replica; one per arrival was a quarter of the exchange's CPU)."""
+        round's fragments arrive within a few seconds of each other, and each store is a signed
+        DHT write to every replica."""
         if fragment in self._announcing:
             return
         self._announcing.add(fragment)
