@@ -24,7 +24,7 @@ from cgad.node.outer import OuterLoop
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION
-from cgad.protocol.selection import Candidate
+from cgad.protocol.selection import Candidate, swarm_version
 
 __all__ = ["IncompatibleSwarm", "StateSync", "check_compatible", "settled"]
 
@@ -200,7 +200,8 @@ class StateSync:
         reports = self._live_reports()
         if not reports:
             return None
-        swarm = [statistics.median_low(column) for column in zip(*reports.values(), strict=True)]
+        columns = list(reports.values())
+        swarm = [swarm_version(columns, f) or 0 for f in range(len(self.loop.versions))]
         told = reports.get(source) if source is not None else None
         return swarm if told is None else [max(s, v) for s, v in zip(swarm, told, strict=True)]
 

@@ -33,6 +33,7 @@ Threads: not thread-safe; the network transport uses a selector only on its even
 from __future__ import annotations
 
 import random
+import statistics
 from collections import defaultdict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -104,8 +105,8 @@ def swarm_version(reports: Sequence[Sequence[int]], fragment: int) -> int | None
     """The swarm's version of ``fragment``: the median (low) of the live peers' reported versions
     (``reports``, one list per peer; a report without that fragment is left out), so that no
     single peer's claim moves it; None with no report."""
-    column = sorted(versions[fragment] for versions in reports if fragment < len(versions))
-    return column[(len(column) - 1) // 2] if column else None
+    column = [versions[fragment] for versions in reports if fragment < len(versions)]
+    return statistics.median_low(column) if column else None
 
 
 class OfferSelector:
