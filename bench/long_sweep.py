@@ -18,10 +18,9 @@ from what the log holds.
 
 `--rerun COND...` runs those conditions' table cells again after a change to what they simulate.
 
-`--scaled` runs the spec's scale, 8 workers over 150 rounds, for the methods and conditions the
-done-when names (the default against the floor and the baselines at τ = 0, random:8 and
-stragglers, half of the workers 2-3x slower), each at the setting the 4-worker sweep tuned; it
-writes bench/results/long_sweep_8x150.{runs.jsonl,json,png}.
+`--scaled` runs the spec's scale, 8 workers over 150 rounds, in every condition (stragglers: half
+of the workers 2-3x slower), for the default against the floor and the baselines, each at the
+setting the 4-worker sweep tuned; it writes bench/results/long_sweep_8x150.{runs.jsonl,json,png}.
 
     python bench/long_sweep.py [--scaled] [--jobs 2] [--stage 1|2] [--report] [--rerun COND ...]
 """
@@ -119,8 +118,7 @@ LONG = Sweep("long_sweep", BASE, CONDITIONS, tuple(METHODS))
 SCALED = Sweep(
     "long_sweep_8x150",
     {**BASE, "workers": 8, "rounds": 150},
-    {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"],
-     "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]}},
+    {**CONDITIONS, "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]}},
     ("local", "cga + late gossip", "sgd (averaging)", "gossip", "nesterov", "noloco"),
     tuned_by=LONG,
 )  # fmt: skip

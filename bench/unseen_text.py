@@ -5,12 +5,13 @@ other English: the Markdown files of the installed Python packages (READMEs, cha
 of hivemind, torch, transformers and the rest; the set follows the lockfile), gathered into one
 folder in sorted order. The default method (`cga`: momentum following freshness, `--mixing auto`,
 i.e. late gossip) against Nesterov (DiLoCo) and plain averaging (`sgd`), each at its default
-outer lr, and each worker training alone (`local`), under random delays of 0 to 8 rounds, at
-H = 10 and H = 50. Default flags otherwise (tiny model, default tokenizer, batch, inner lr,
+outer lr, and each worker training alone (`local`), under random delays of 0 to 4 and 0 to 8
+rounds, at H = 10 and H = 50. Default flags otherwise (tiny model, default tokenizer, batch, inner lr,
 disjoint shards); 4 workers; seeds 0 and 1 (the sweeps tune on seed 100).
 
 Writes bench/results/unseen_text.json and .png (final held-out loss per cell: mean and std), and
-each run as it finishes to unseen_text.runs.jsonl.
+each run as it finishes to unseen_text.runs.jsonl; a rerun on the same corpus runs only the cells
+that log lacks.
 
     python bench/unseen_text.py [--jobs 2] [--seeds 0 1]
 """
@@ -32,7 +33,7 @@ OUT = ROOT / "bench" / "results" / "unseen_text.json"
 RUNS = OUT.with_suffix(".runs.jsonl")
 CORPUS = ROOT / "out" / "unseen_text"  # /out/ is git-ignored
 METHODS = ("cga", "nesterov", "sgd", "local")
-DELAYS = ("random:8",)  # uniform 0..8 rounds: every delay up to 8
+DELAYS = ("random:4", "random:8")  # uniform 0..M rounds: every delay up to 8
 ROUNDS = {10: 30, 50: 10}  # H: rounds (300 and 500 inner steps per worker)
 MIN_BYTES = 2_000  # shorter files are mostly badges and links
 
@@ -135,6 +136,16 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def logged_runs(corpus: dict) -> list[dict]:
+    """The runs already in the log, if it was written for this corpus (else a fresh, empty log)."""
+    RUNS.parent.mkdir(parents=True, exist_ok=True)
+    same_corpus = OUT.exists() and json.loads(OUT.read_text())["corpus"]["sha256"] == corpus["sha256"]
+    if not (same_corpus and RUNS.exists()):
+        RUNS.write_text("")
+        return []
+    return [json.loads(line) for line in RUNS.read_text().splitlines() if line.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -142,10 +153,9 @@ def main() -> None:
     args = parser.parse_args()
     corpus = gather_corpus()
     print(f"corpus: {corpus['files']} Markdown files, {corpus['bytes'] / 1e6:.1f} MB")
-    todo = cells(args.seeds)
-    RUNS.parent.mkdir(parents=True, exist_ok=True)
-    RUNS.write_text("")
-    results = []
+    results = logged_runs(corpus)
+    done = {(r["method"], r["delay"], r["inner_steps"], r["seed"]) for r in results}
+    todo = [cell for cell in cells(args.seeds) if cell not in done]
     with ProcessPoolExecutor(args.jobs) as pool, progress_bar(len(todo), "unseen_text", "run") as bar:
         for future in as_completed([pool.submit(run_cell, cell) for cell in todo]):
             r = future.result()

@@ -500,6 +500,7 @@ class Node:
             "held_ahead": counters.held_ahead,
             "phase_nudges": dict(self.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
+            "records_stored": dict(self.transport.stats.records_stored),
             "downlink_bytes_per_second": self.transport.downlink_rate,
             # --codec auto: the bytes per round each fetching peer can get, and what was sent
             "send_budget_bytes": self.transport.round_budget(),

@@ -1,6 +1,7 @@
 """Prometheus metrics on ``--metrics-host``:``--metrics-port``: the numbers of the status, read at
 scrape time. What only grows (steps, rounds, fragments published, applied, dropped, clipped,
-discarded, rejected and skipped by reason, bytes) is a counter; what goes up and down is a gauge."""
+discarded, rejected and skipped by reason, records stored, bytes) is a counter; what goes up and
+down is a gauge."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ COUNTERS = {  # status key -> (metric name, help); Prometheus adds the _total su
     "bytes_in": ("received_bytes", "fragment and snapshot bytes fetched"),
     "bytes_out": ("sent_bytes", "fragment and snapshot bytes served"),
 }
-BY_REASON = {"rejected": "fragments, records and requests refused, by reason",
-             "skipped": "offers passed over by policy, by reason"}  # fmt: skip
+LABELLED = {"rejected": ("reason", "fragments, records and requests refused, by reason"),
+            "skipped": ("reason", "offers passed over by policy, by reason"),
+            "records_stored": ("record", "signed DHT writes of this node's records, by record")}  # fmt: skip
 
 
 class _StatusCollector:
@@ -55,10 +57,10 @@ class _StatusCollector:
         for key, (name, doc) in COUNTERS.items():
             if status.get(key) is not None:
                 yield CounterMetricFamily(f"cgad_{name}", doc, value=status[key])
-        for key, doc in BY_REASON.items():
-            family = CounterMetricFamily(f"cgad_{key}", doc, labels=["reason"])
-            for reason, count in sorted((status.get(key) or {}).items()):
-                family.add_metric([reason], count)
+        for key, (label, doc) in LABELLED.items():
+            family = CounterMetricFamily(f"cgad_{key}", doc, labels=[label])
+            for value, count in sorted((status.get(key) or {}).items()):
+                family.add_metric([value], count)
             yield family
 
 

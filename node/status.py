@@ -29,6 +29,7 @@ def status_report(s: dict[str, Any]) -> str:
     swarm, and the ages of what it applied as a text histogram."""
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(s.get("rejected", {}).items())) or "none"
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items()) if v) or "none"
+    stored = ", ".join(f"{k} {v}" for k, v in sorted((s.get("records_stored") or {}).items())) or "none"
     rate = s.get("downlink_bytes_per_second")
     budget = s.get("send_budget_bytes")
     sent_as = ", ".join(f"{k} {v}" for k, v in sorted((s.get("sent_as") or {}).items()))
@@ -51,6 +52,7 @@ def status_report(s: dict[str, Any]) -> str:
         f"sent as    {sent_as}",
         f"rejected   {rejected}",
         f"skipped    {skipped}",
+        f"DHT writes {stored}",
     ]
     by_peer = s.get("applied_by_peer") or {}
     if by_peer:

@@ -169,6 +169,7 @@ class Publisher:
         if not offers or self.dht_node is None:
             return
         self._stored_at[fragment] = asyncio.get_running_loop().time()
+        self.stats.records_stored["holdings" if fragment is not None else "state"] += 1
         endpoint, certificate = self._grpc_contact()
         holdings = Holdings(peer_id=self.peer_id, grpc=endpoint, tls=certificate, offers=offers)
         run_id = self.options.run_id
@@ -188,6 +189,7 @@ class Publisher:
         progress = self.progress.copy(update={"time": get_dht_time(), "grpc": self._grpc_contact()[0]})
         self._on_progress(progress)
         self._stored_at["progress"] = asyncio.get_running_loop().time()
+        self.stats.records_stored["progress"] += 1
         await self.dht_node.store(
             progress_key(self.options.run_id),
             progress.dict(),

@@ -63,6 +63,10 @@ class TransportStats:
     rejected_by_peer: Counter[str] = field(default_factory=Counter)  # whose fetched bytes were refused
     # offers passed over by policy, not for a fault: the fan-in cap, too old to count on arrival
     skipped: Counter[str] = field(default_factory=Counter)
+    # signed DHT writes of this peer's records, by record: holdings, state (snapshot holdings),
+    # progress (the heartbeat); each goes to every replica of its key, so they are what polling
+    # and re-announcing cost the swarm
+    records_stored: Counter[str] = field(default_factory=Counter)
 
 
 class Transport(abc.ABC):

@@ -76,10 +76,13 @@ def test_the_status_summary_reads_a_fresh_node_and_a_busy_one() -> None:
     }  # fmt: skip
     text = status_report(fresh)
     assert "0 live peer(s)" in text and "rejected   none" in text and "ages of" not in text
+    assert "DHT writes none" in text
     busy = {**fresh, "uptime": 3725.0, "peers": 2, "applied": 7, "rejected": {"future": 3}, "mean_age": 0.71,
-            "applied_by_peer": {"QmA": 5, "QmB": 2}, "applied_by_age": {"0": 4, "1": 2, "3": 1}}  # fmt: skip
+            "applied_by_peer": {"QmA": 5, "QmB": 2}, "applied_by_age": {"0": 4, "1": 2, "3": 1},
+            "records_stored": {"progress": 12, "holdings": 30}}  # fmt: skip
     text = status_report(busy)
     assert "1h02m05s" in text and "future 3" in text and "  QmA  5" in text
+    assert "DHT writes holdings 30, progress 12" in text
     assert "outer momentum" not in text
     assert "outer momentum 0.47" in status_report({**busy, "outer_momentum": 0.47})
     assert "sent as    the transport's codec" in text
@@ -101,7 +104,7 @@ def test_metrics_are_counters_and_gauges_a_scraper_can_read() -> None:
     try:
         status = {"round": 3, "inner_step": 30, "published": 3, "applied": 5, "loss": 5.5, "peers": 2,
                   "rejected": {"future": 4, "non_finite": 1}, "skipped": {"fan_in": 2},
-                  "bytes_in": 1000}  # fmt: skip
+                  "records_stored": {"holdings": 7}, "bytes_in": 1000}  # fmt: skip
         metrics.update(status)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
@@ -110,4 +113,5 @@ def test_metrics_are_counters_and_gauges_a_scraper_can_read() -> None:
     assert "# TYPE cgad_loss gauge" in text and "cgad_loss 5.5" in text
     assert 'cgad_rejected_total{reason="future"} 4.0' in text
     assert 'cgad_skipped_total{reason="fan_in"} 2.0' in text and "cgad_received_bytes_total 1000.0" in text
+    assert 'cgad_records_stored_total{record="holdings"} 7.0' in text
     assert "cgad_eval_loss" not in text  # nothing is made up for what the status does not hold

@@ -216,6 +216,26 @@ def test_live_peers_and_progress(netswarm: list[NetworkTransport]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_what_arrives_together_is_announced_once(netswarm: list[NetworkTransport]) -> None:
+    p0, p1, _, p3 = netswarm
+    p3.expect(13, SMALL)
+    for publisher in (p0, p1):  # p3's fan-in: two publishers per version
+        publisher.publish(Fragment(key(publisher, 13, 1), torch.randn(SMALL)), codec="fp32")
+    collect(p3, 13, 2)
+    settle(p3)
+    poll = p3.options.poll_interval
+    time.sleep(3 * poll)  # the re-announcement of what it fetched has gone out
+    stored = p3.stats.records_stored["holdings"]
+    assert stored >= 1 and p3.stats.records_stored["progress"] >= 1
+
+    # five more arrivals of fragment 13 within one poll interval, as a round's deltas come
+    p3.loop.call_soon_threadsafe(lambda: [p3._publisher.announce_soon(13) for _ in range(5)])
+    wait_for(lambda: p3.stats.records_stored["holdings"] > stored, what="the re-announcement")
+    time.sleep(3 * poll)
+    assert p3.stats.records_stored["holdings"] == stored + 1
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_that_leaves_says_so(netswarm: list[NetworkTransport]) -> None:
     p0 = netswarm[0]
     leaver = make_transport(peers=p0.maddrs())
