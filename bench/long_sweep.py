@@ -18,9 +18,10 @@ from what the log holds.
 
 `--rerun COND...` runs those conditions' table cells again after a change to what they simulate.
 
-`--scaled` runs the spec's scale, 8 workers over 150 rounds, in every condition (stragglers: half
-of the workers 2-3x slower), for the default against the floor and the baselines, each at the
-setting the 4-worker sweep tuned; it writes bench/results/long_sweep_8x150.{runs.jsonl,json,png}.
+`--scaled` runs the spec's scale, 8 workers over 150 rounds, for the default against the floor
+and the baselines, each at the setting the 4-worker sweep tuned, in every condition but random:4
+(stragglers: half of the workers 2-3x slower), and the default and averaging without the
+direction screen at τ = 0 and random:8; it writes bench/results/long_sweep_8x150.{runs.jsonl,json,png}.
 
     python bench/long_sweep.py [--scaled] [--jobs 2] [--stage 1|2] [--report] [--rerun COND ...]
 """
@@ -85,7 +86,14 @@ METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
     "nesterov": ("nesterov", {}, [{"outer_lr": lr} for lr in (0.1, 0.3, 0.7)]),
     "delayed-nesterov": ("delayed-nesterov", {}, [{"outer_lr": lr} for lr in (0.1, 0.3, 0.7)]),
     "noloco": ("noloco", {}, [{"outer_lr": lr} for lr in (0.7, 1.0)]),
+    # without the direction screen (--min-cosine -1): added when the 8-worker runs refused 4-15%
+    # of the honest deltas as `opposed` late in training, and the workers drifted apart at τ = 0
+    "cga + late gossip, no screen": (
+        "cga", {"mixing": "late", "cga_momentum": 0.5, "min_cosine": -1.0}, None
+    ),
+    "sgd, no screen": ("sgd", {"outer_lr": 1.0, "min_cosine": -1.0}, None),
 }  # fmt: skip
+SCREEN_OFF = ("cga + late gossip, no screen", "sgd, no screen")
 # tuned once without delay and once under random delay; the delayed conditions use the latter
 # (stragglers and churn also put stale deliveries into the outer step)
 TUNED_AT = {
@@ -108,19 +116,23 @@ class Sweep(NamedTuple):
     conditions: dict[str, dict[str, Any]]
     methods: tuple[str, ...]
     tuned_by: Sweep | None = None
+    skip: frozenset[tuple[str, str]] = frozenset()  # (method, condition) cells not run
 
     @property
     def log(self) -> Path:
         return RESULTS / f"{self.name}.runs.jsonl"
 
 
-LONG = Sweep("long_sweep", BASE, CONDITIONS, tuple(METHODS))
+LONG = Sweep("long_sweep", BASE, CONDITIONS, tuple(m for m in METHODS if m not in SCREEN_OFF))
 SCALED = Sweep(
     "long_sweep_8x150",
     {**BASE, "workers": 8, "rounds": 150},
-    {**CONDITIONS, "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]}},
-    ("local", "cga + late gossip", "sgd (averaging)", "gossip", "nesterov", "noloco"),
+    {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"],
+     "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]},
+     "churn+drop": CONDITIONS["churn+drop"]},
+    ("local", "cga + late gossip", "sgd (averaging)", "gossip", "nesterov", "noloco", *SCREEN_OFF),
     tuned_by=LONG,
+    skip=frozenset((m, c) for m in SCREEN_OFF for c in ("stragglers", "churn+drop")),
 )  # fmt: skip
 
 
@@ -281,7 +293,7 @@ def main() -> None:
         for seed in SEEDS
         for c in sweep.conditions
         for m in sweep.methods
-        if c in chosen.get(m, {})
+        if c in chosen.get(m, {}) and (m, c) not in sweep.skip
     ]
     if not args.report and args.stage == 2:
         run_all(sweep, table, args.jobs, "2/2 table", rerun=frozenset(args.rerun))
