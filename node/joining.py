@@ -216,15 +216,23 @@ class StateSync:
         """The swarm's slowest fragment's version (``swarm_versions``); 0 with no live peer."""
         return min(self.swarm_versions() or [0])
 
+    def _ceiling(self) -> int:
+        """The furthest version a snapshot may be at: the cutoff past the median (low) of the
+        live peers' reports, leaving out peers that report nothing past version 0 (joiners
+        waiting like this one would pull it down to where no snapshot is) and this node's own.
+        With two peers in view the low median is the lower report: a liar claiming a far
+        version cannot raise it. With no report in view, nothing past this node's own version."""
+        reports = [
+            min(versions) for versions in self._live_reports().values() if versions and max(versions) > 0
+        ]
+        base = statistics.median_low(reports) if reports else min(self.loop.versions)
+        return base + self.config.cutoff
+
     def _worth_adopting(self, at_least_ours: bool) -> list[Candidate]:
         """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest
-        first; none claiming to be more than the cutoff past the median of live peers' reports
-        (a claim, until the bytes are checked, and no single peer moves the median; this node's
-        own report is not counted: a fresh joiner's 0 would pull the median down)."""
+        first; none claiming to be past ``_ceiling`` (a claim, until the bytes are checked)."""
         mine = min(self.loop.versions)
-        reports = [min(versions) for versions in self._live_reports().values() if versions]
-        # with no peer's report in view, no claim is believed past this node's own version
-        ceiling = (statistics.median_high(reports) if reports else mine) + self.config.cutoff
+        ceiling = self._ceiling()
         return [
             c
             for c in self.transport.state_offers()
@@ -254,21 +262,31 @@ class StateSync:
             theirs = state.get("swarm", {}) if isinstance(state, dict) else {}
             check_compatible(self.swarm, theirs if isinstance(theirs, dict) else {}, f"peer {peer}")
             versions, snapshot_round = state["outer"]["versions"], state["round"]
-            if not isinstance(snapshot_round, int) or snapshot_round < 0:
+            if type(snapshot_round) is not int or snapshot_round < 0:
                 raise ValueError(f"round {snapshot_round!r}")
+            if not (isinstance(versions, list) and versions and all(type(v) is int for v in versions)):
+                raise ValueError(f"versions {versions!r}")
             if min(versions) != candidate.key.base_version:
                 raise ValueError(
                     f"its record says version {candidate.key.base_version}, its bytes {min(versions)}"
                 )
+            # one fragment far ahead would drop every honest delta of it as stale, for good: an
+            # honest node's fragments are at most a replay (the cutoff) apart, and its record's
+            # ceiling holds for each of them
+            if max(versions) > self._ceiling() or max(versions) - min(versions) > self.config.cutoff:
+                raise ValueError(f"versions {versions} past the swarm's or too far apart")
             with self.outer_lock:
                 self.loop.load_state_dict(state["outer"])  # checks the whole before adopting any
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # IncompatibleSwarm too
+        # IncompatibleSwarm is a ValueError; ArithmeticError: int() of a huge float, for one
+        except (KeyError, TypeError, ValueError, RuntimeError, ArithmeticError) as exc:
             failures.append(f"snapshot of {peer} is unusable: {exc}")
             self.transport.stats.rejected["bad_state"] += 1
             logger.warning("the snapshot of %s is unusable: %s", peer, exc)
             return None
         self.transport.reserve_state(candidate, data)
-        return snapshot_round
+        # the round is the peer's word: never past its versions, which count rounds (a forged
+        # round would spread to later joiners and end a --max-rounds node at once)
+        return min(snapshot_round, min(versions))
 
     def _fast_forward(self, peer: str) -> int:
         """Versions the source moved on while its state downloaded (from its latest progress

@@ -32,8 +32,10 @@ def poison_state(node: Node) -> None:
     def publish_state() -> None:
         with node._outer_lock:
             outer = node.loop.state_dict()
-        reports = [min(p.versions) for p in node.transport.swarm_progress().values() if p.versions]
-        claim = statistics.median_high(reports) + int(node.config.cutoff) - 1 if reports else 0
+        # the joiner's ceiling: the low median of the reports past version 0, plus the cutoff
+        progress = node.transport.swarm_progress().values()
+        reports = [min(p.versions) for p in progress if p.versions and max(p.versions)]
+        claim = statistics.median_low(reports) + int(node.config.cutoff) - 1 if reports else 0
         lead = max(1, claim - min(outer["versions"])) if reports else 3
         outer["phi"] = [torch.full_like(p, float("nan")) for p in outer["phi"]]
         outer["versions"] = [v + lead for v in outer["versions"]]

@@ -70,12 +70,13 @@ def test_a_joiner_chases_a_newer_snapshot_only_where_that_helps(
     assert settled(newer, adoptions, behind, moved) is stops
 
 
-def _snapshot(version: int, value: float) -> bytes:
+def _snapshot(version: int, value: float, snapshot_round: int | None = None) -> bytes:
     with make_transport() as scratch:
         outer = _sync(scratch, []).loop.state_dict()
     outer["phi"] = [torch.full_like(p, value) for p in outer["phi"]]
     outer["versions"] = [version] * len(outer["versions"])
-    return pack({"swarm": {**SWARM, "protocol": PROTOCOL_VERSION}, "outer": outer, "round": version})
+    snapshot_round = version if snapshot_round is None else snapshot_round
+    return pack({"swarm": {**SWARM, "protocol": PROTOCOL_VERSION}, "outer": outer, "round": snapshot_round})
 
 
 def test_a_peer_whose_snapshot_was_poisoned_is_not_tried_at_its_older_versions() -> None:
@@ -93,6 +94,64 @@ def test_a_peer_whose_snapshot_was_poisoned_is_not_tried_at_its_older_versions()
         adopted = sync.sync(required=True)
         assert adopted == (honest.peer_id, 2) and torch.equal(sync.loop.phi[0], torch.ones(4))
         assert joiner.stats.rejected["bad_state"] == 1  # version 4 refused, version 3 never fetched
+
+
+def _two_fragment_snapshot(versions: list, snapshot_round: int) -> bytes:
+    with make_transport() as scratch:
+        config = JoinConfig(run_id=RUN, fragments=2)
+        outer = OuterLoop([torch.zeros(4), torch.zeros(4)], config, scratch, RUN).state_dict()
+    outer["phi"] = [torch.ones_like(p) for p in outer["phi"]]
+    outer["versions"] = versions
+    swarm = {**SWARM, "fragments": 2, "protocol": PROTOCOL_VERSION}
+    return pack({"swarm": swarm, "outer": outer, "round": snapshot_round})
+
+
+@pytest.mark.parametrize(
+    "versions",
+    [
+        [3, float("inf")],  # int(inf) raised OverflowError, past the refusal, and ended the node
+        [3, 3.0],  # not a version: 3.5 would be truncated
+        [3, True],
+        [3, 4 + 4 + 1],  # one fragment past the ceiling (the cutoff past the reports)
+    ],
+)
+def test_a_snapshot_whose_versions_are_forged_is_refused(versions: list) -> None:
+    with (
+        make_transport() as honest,
+        make_transport(peers=honest.maddrs()) as forger,
+        make_transport(peers=honest.maddrs()) as joiner,
+    ):
+        honest.report_progress([2, 2], 50, 0.0)
+        honest.publish_state(_two_fragment_snapshot([2, 2], 2), [2, 2])
+        forger.publish_state(_two_fragment_snapshot(versions, 3), [3])
+        wait_for(lambda: len(joiner.state_offers()) == 2, what="two offers")
+        config = JoinConfig(run_id=RUN, peers=honest.maddrs(), fragments=2)
+        loop = OuterLoop([torch.zeros(4), torch.zeros(4)], config, joiner, RUN)
+        swarm = {**SWARM, "fragments": 2, "protocol": PROTOCOL_VERSION}
+        sync = StateSync(config, joiner, loop, swarm, threading.Lock(), threading.Event())
+        wait_for(lambda: sync._ceiling() == 2 + 4, what="the honest report")
+        assert sync.sync(required=True) == (honest.peer_id, 2)
+        assert loop.versions == [2, 2] and joiner.stats.rejected["bad_state"] == 1
+
+
+def test_a_snapshots_round_is_never_past_its_versions_and_one_liar_does_not_raise_the_ceiling() -> None:
+    with (
+        make_transport() as honest,
+        make_transport(peers=honest.maddrs()) as liar,
+        make_transport(peers=honest.maddrs()) as joiner,
+    ):
+        honest.report_progress([3], 50, 0.0)
+        liar.report_progress([1000], 50, 0.0)
+        # a sound state whose round is forged: it would end a --max-rounds node at once, and
+        # spread to the joiners that take their round from this one
+        honest.publish_state(_snapshot(3, 1.0, snapshot_round=10**12), [3])
+        liar.publish_state(_snapshot(900, 2.0), [900])  # the liar's version: past the ceiling of 3 + 4
+        wait_for(lambda: len(joiner.state_offers()) == 2, what="two offers")
+        sync = _sync(joiner, honest.maddrs())
+        wait_for(lambda: len(sync._live_reports()) == 2, what="both reports")
+        assert sync._ceiling() == 3 + 4  # the low median of 3 and 1000
+        assert sync.sync(required=True) == (honest.peer_id, 3) and sync.loop.versions == [3]
+        assert joiner.stats.rejected["bad_state"] == 0  # the liar's offer was never fetched
 
 
 def test_the_swarms_version_is_the_median_and_a_just_adopted_sources_own_report() -> None:
