@@ -210,7 +210,9 @@ class NodeOptions(_Part):
     allreduce_timeout: PositiveFloat = Field(
         120.0, description="allreduce: seconds before a round without a group steps on the own update alone"
     )
-    max_rounds: int = Field(0, ge=0, description="stop after this many outer rounds (0: until told to leave)")
+    max_rounds: int = Field(
+        0, ge=0, description="stop after this many outer rounds of this run (0: until told to leave)"
+    )
     eval_every: Positive = Field(1, description="outer rounds between held-out evaluations")
     maddrs_file: str | None = Field(None, description="write this node's multiaddrs here, one per line")
     admin_host: str = Field("127.0.0.1", description="host of the admin gRPC API")

@@ -274,7 +274,13 @@ class Node:
         self._install_signal_handlers()
         self._announce()
         self.resume_or_join()
+        if self._leave.is_set() and self.started_from == "scratch" and c.peers:
+            # told to leave while waiting for the swarm's state: an untrained model is nothing
+            # to offer peers, and a checkpoint of it would make the next start a resume
+            logger.info("left before the swarm's state arrived: nothing saved")
+            return 0
         self.publish_state()
+        start_round = self.round  # --max-rounds counts this run's rounds, not adopted or resumed ones
         if not self.eval_history:
             self.eval_history.append(
                 (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
@@ -285,8 +291,8 @@ class Node:
             self.losses.append(self.trainer.step())
             if self._due is not None and self._step_due():
                 self._apply_turn()
-            if c.max_rounds and self.round >= c.max_rounds:
-                break
+            if c.max_rounds and self.round - start_round >= c.max_rounds:
+                break  # right after an outer step: the steps carried past it stay on θ, unpublished
             if self._block_over(block):
                 self._sync()
         self._finish()
@@ -417,18 +423,19 @@ class Node:
             self.phase_nudges["longer" if self._block_extra > 0 else "shorter"] += 1
 
     def _finish(self) -> None:
-        """Leaving: the fragment whose block is under way syncs now with the steps it has (one
-        version step, as in a full block, so versions keep counting rounds), then checkpoint, and
+        """Stopping. When told to leave, the fragment whose block is under way syncs now with
+        the steps it has (one version step, as in a full block, so versions keep counting
+        rounds); after --max-rounds the last round is whole, and the inner steps carried past its
+        outer step stay on θ for the next block (the checkpoint keeps them). Then checkpoint, and
         give peers a moment to fetch the last fragment."""
         if self._due is not None:
             self._apply_turn()
-        pending = self.trainer.steps > self.block_start
-        if pending:
-            self._sync()
+        if self._leave.is_set() and self.trainer.steps > self.block_start:
+            self._sync()  # with the leave set it steps at once (no apply delay)
         if self.config.checkpoint_dir:
             self.save()
         self._show(self.status(), final=True)
-        if pending and self.transport.live_peers():
+        if self.transport.live_peers():
             time.sleep(LINGER_SECONDS)
 
     def close(self) -> None:

@@ -141,3 +141,54 @@ def test_join_dry_run_validates_flags_and_file(tmp_path):
     bad = subprocess.run([CLI, "join", "--config", str(path), "--fragments", "3", "--dry-run"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "multiple of fragments" in bad.stderr
+
+
+def _lone_node(tmp_path: Path, **overrides):
+    from cgad.node.daemon import Node
+
+    config = JoinConfig(
+        run_id="lifecycle", model="tiny", inner_steps=4, batch_size=2, seq_len=32, eval_batches=1,
+        checkpoint_dir=str(tmp_path / "ckpt"), admin_port=0, dashboard=False, **overrides,
+    )  # fmt: skip
+    return Node(config)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_max_rounds_stops_after_whole_rounds_of_this_run(tmp_path):
+    """The last round is whole: its outer step taken, nothing published after it (the steps
+    carried past it stay on θ); a resumed node runs that many rounds more."""
+    for expected in (2, 4):
+        node = _lone_node(tmp_path, max_rounds=2)
+        try:
+            assert node.run() == 0
+        finally:
+            node.close()
+        state = load_checkpoint(tmp_path / "ckpt")
+        assert state["round"] == expected and state["outer"]["versions"] == [expected]
+        assert state["blocks"] == expected  # no block published without its outer step
+        assert node.loop.counters.published == 2
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_leaving_while_waiting_for_the_swarms_state_saves_nothing(tmp_path):
+    """A node told to leave before any snapshot came neither offers nor checkpoints its
+    untrained model (the next start would resume from it instead of joining)."""
+    import json
+    import threading
+
+    from _netswarm import make_transport  # tests/ is on sys.path under pytest
+
+    from cgad.protocol.records import PROTOCOL_VERSION
+
+    with make_transport({}, run_id="lifecycle") as silent:  # a peer that never offers a state
+        node = _lone_node(tmp_path, peers=silent.maddrs(), join_timeout=120.0)
+        silent.describe_as(json.dumps({**node.swarm, "protocol": PROTOCOL_VERSION}))
+        try:
+            threading.Timer(3.0, node.request_leave).start()
+            assert node.run() == 0
+            assert node.trainer.steps == 0 and not node.transport.store.offers(None)
+        finally:
+            node.close()
+    assert load_checkpoint(tmp_path / "ckpt") is None
