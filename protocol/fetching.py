@@ -5,7 +5,7 @@ holder's announced ``host:port`` when it answers within ``connect_timeout``, els
 libp2p protobuf stream (which goes through relays and NAT). Either way the same header-then-chunks
 ``FetchResponse`` messages flow into a ``ChunkAssembler``, which checks them against the hash in
 the publisher's signed record; a transfer that breaks off resumes at the next holder (or stream)
-from where it stopped.
+from where it stopped, and one whose bytes then fail the hash is fetched again from one holder.
 
 Threads: a ``Fetcher`` lives on the transport's event-loop thread ("cgad-net-*"): its coroutines,
 gRPC channels, ``transfers`` and ``bytes_by_path`` are written there only. The trainer's thread
@@ -98,20 +98,16 @@ class Fetcher:
         self.transfers[candidate.key] = assembler
         loop = asyncio.get_running_loop()
         started = loop.time()
-        gone: set[str] = set()  # holders that said they no longer keep these bytes
+        # holders that no longer keep these bytes, or sent wrong ones: no later pass tries them
+        gone: set[str] = set()
+        contributors: list[str] = []  # whose bytes the assembly holds now
         try:
             async with asyncio.timeout(timeout):
                 for attempt in range(passes):
                     for holder in candidate.holders:
                         if holder.peer_id in gone:
                             continue
-                        try:
-                            data = await self.fetch_from(holder, assembler)
-                        except FragmentError as error:
-                            if error.reason != "not_held":
-                                raise
-                            gone.add(holder.peer_id)  # no later pass finds it there either
-                            continue
+                        data = await self._fetch_judged(holder, assembler, contributors, gone)
                         if data is not None:
                             return data
                     if len(gone) == len(candidate.holders):
@@ -130,6 +126,37 @@ class Fetcher:
             f"{candidate.key}: {ending} at {assembler.received / 1e6:.1f} of {offer.byte_length / 1e6:.1f} MB"
             f" ({assembler.received / seconds / 1e3:.0f} kB/s, {len(candidate.holders)} holder(s))",
         )
+
+    async def _fetch_judged(
+        self, holder: Holdings, assembler: ChunkAssembler, contributors: list[str], gone: set[str]
+    ) -> bytearray | None:
+        """``fetch_from``, with the blame for bytes that fail the hash put where it belongs. The
+        hash covers the whole, so a transfer resumed across holders does not say who sent the
+        wrong part: a copy that one holder sent whole is that holder's fault; a mixed one is
+        fetched again from the holder that completed it, alone and from the first byte, which
+        then either delivers or is the one at fault. So a holder that sends one wrong byte and
+        leaves spoils a transfer once, never the publisher's name or the whole fetch."""
+        before = assembler.received
+        try:
+            data = await self.fetch_from(holder, assembler)
+        except FragmentError as error:
+            if error.reason == "not_held":
+                gone.add(holder.peer_id)
+                return None
+            if error.reason != "bad_hash":
+                raise
+            others = [peer for peer in contributors if peer != holder.peer_id]
+            assembler.restart()
+            contributors.clear()
+            if others:
+                self.reject("bad_hash", f"from one of {', '.join([*others, holder.peer_id])}: {error.detail}")
+                return await self._fetch_judged(holder, assembler, contributors, gone)
+            self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
+            gone.add(holder.peer_id)
+            return None
+        if assembler.received > before and holder.peer_id not in contributors:
+            contributors.append(holder.peer_id)
+        return data
 
     async def describe(self, peer_id: str) -> tuple[str, str]:
         """A peer's run id and swarm identity (JSON), as it states them; at most
@@ -160,8 +187,12 @@ class Fetcher:
         self, holder: Holdings, assembler: ChunkAssembler, paths: Sequence[str] | None = None
     ) -> bytearray | None:
         """Bytes from one holder over the first path that works, resuming where a previous holder
-        or stream stopped; None when this holder could not deliver, ``FragmentError("not_held")``
-        when it says it no longer keeps them."""
+        or stream stopped; None when this holder could not deliver. ``FragmentError`` when it
+        says it no longer keeps them ("not_held"), or when the completed bytes fail the hash
+        ("bad_hash": the caller restarts the assembly and knows who else contributed)."""
+        # the rate floor holds over all of a holder's streams: one that sends a byte per stream
+        # and ends it would otherwise be reopened for ever
+        since = (time.monotonic(), assembler.received)
         for path in paths or self.options.paths:
             # a private swarm's bytes cross gRPC only encrypted (libp2p always is)
             plaintext_only = self.swarm_key is not None and holder.tls is None
@@ -171,21 +202,17 @@ class Fetcher:
             while fruitless < 2:
                 received_before = assembler.received
                 try:
-                    await self._drain(self._open_fetch(path, holder, assembler), assembler)
+                    await self._drain(self._open_fetch(path, holder, assembler), assembler, since)
                     if assembler.received == assembler.byte_length:
                         return assembler.finish()
                     # libp2p reports a dropped connection as a clean end of stream: resume
                     logger.debug("stream from %s over %s ended early", holder.peer_id, path)
                 except FragmentError as error:
-                    if error.reason == "bad_hash":
-                        self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
-                        assembler.restart()
-                        return None  # the holder is lying or broken: no other path to it helps
+                    if error.reason in ("bad_hash", "not_held"):  # no other path to it helps
+                        raise
                     if error.reason == "too_slow":  # what it sent stays: the next holder resumes it
                         self.reject("too_slow", f"from {holder.peer_id} over {path}: {error.detail}")
                         return None
-                    if error.reason == "not_held":  # the same answer over any other path
-                        raise
                     logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
                     break
                 except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
@@ -243,12 +270,15 @@ class Fetcher:
             return self._open_grpc(holder.grpc, holder.tls, GRPC_FETCH, request)
         return self._open_libp2p(holder.peer_id, LIBP2P_FETCH, request, pb.FetchResponse)
 
-    async def _drain(self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler) -> None:
+    async def _drain(
+        self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler, since: tuple[float, int]
+    ) -> None:
         """Read a header-then-chunks stream into ``assembler``, which expects what the signed
-        record names."""
+        record names; ``FragmentError("too_slow")`` when the holder has sent less than
+        ``MIN_TRANSFER_RATE`` on average since ``since`` (its first stream: time, bytes then)."""
         iterator = aiter(stream)
         first = True
-        started, start_bytes = time.monotonic(), assembler.received
+        started, start_bytes = since
         try:
             while True:
                 elapsed = time.monotonic() - started

@@ -279,8 +279,9 @@ class NetworkTransport(Transport):
         assembler = ChunkAssembler(digest, byte_length)
         try:
             data = self._runner.call(self._fetcher.fetch_from(holder, assembler, paths=(path,)), timeout)
-        except FragmentError as error:  # not_held
-            raise FragmentError("unavailable", f"{holder.peer_id} does not keep it") from error
+        except FragmentError as error:  # not_held, or bad_hash: what it sent is not these bytes
+            said = "does not keep it" if error.reason == "not_held" else f"sent other bytes ({error.detail})"
+            raise FragmentError("unavailable", f"{holder.peer_id} {said}") from error
         if data is None:
             raise FragmentError("unavailable", f"{holder.peer_id} did not deliver over {path}")
         return data

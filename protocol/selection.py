@@ -45,6 +45,7 @@ from cgad.protocol.transport import FragmentKey, Kind
 __all__ = ["STATE_CODEC", "Candidate", "OfferSelector", "Rejection", "Selection", "check_offer"]
 
 STATE_CODEC = "state"  # a snapshot's encoding: the node's own packing, opaque to the transport
+MAX_RESERVERS = 3  # re-servers a fetch tries (drawn at random) before the publisher
 
 
 @dataclass(frozen=True)
@@ -260,10 +261,12 @@ class OfferSelector:
     def _holders(
         self, offer: Offer, publisher: Holdings, by_hash: dict[bytes, list[Holdings]]
     ) -> list[Holdings]:
-        """Where to fetch an offer's bytes: re-servers in random order, the publisher last."""
+        """Where to fetch an offer's bytes: up to ``MAX_RESERVERS`` re-servers drawn at random,
+        the publisher last. Anyone can announce bytes it does not serve, and each such holder
+        costs a fetch its timeouts before the next is tried: the draw bounds what a crowd of
+        them can waste, and two or three re-servers already spare the publisher's uplink."""
         others = [h for h in by_hash[offer.content_hash] if h.peer_id != offer.publisher]
-        self.rng.shuffle(others)
-        return [*others, publisher]
+        return [*self.rng.sample(others, min(len(others), MAX_RESERVERS)), publisher]
 
     def forget(self, versions: Sequence[int], now: float) -> None:
         """Bound the ledgers: versions beyond the horizon of this peer's own ``versions`` are

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -31,7 +32,7 @@ async def _stream(pieces: int, pause: float) -> AsyncIterator[pb.FetchResponse]:
 def _drain(pieces: int, pause: float) -> ChunkAssembler:
     fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
     assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
-    asyncio.run(fetcher._drain(_stream(pieces, pause), assembler))
+    asyncio.run(fetcher._drain(_stream(pieces, pause), assembler, (time.monotonic(), 0)))
     return assembler
 
 
@@ -48,7 +49,21 @@ def test_a_trickling_holder_is_dropped_after_the_grace_period(monkeypatch: pytes
     fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
     assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
     with pytest.raises(FragmentError, match="B/s over") as caught:
-        asyncio.run(fetcher._drain(_stream(pieces=len(DATA) // 16, pause=0.05), assembler))  # 320 B/s
+        stream = _stream(pieces=len(DATA) // 16, pause=0.05)  # 320 B/s
+        asyncio.run(fetcher._drain(stream, assembler, (time.monotonic(), 0)))
     assert caught.value.reason == "too_slow"
     # what arrived is kept: the next holder resumes from there, not from zero
     assert 0 < assembler.received < len(DATA)
+
+
+def test_the_rate_floor_counts_from_the_holders_first_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder that sends a little per stream and ends it, to be asked again, is judged by
+    its rate since its first stream, not each stream's: its next stream is dropped at once."""
+    monkeypatch.setattr(fetching, "MIN_RATE_GRACE", 0.3)
+    monkeypatch.setattr(fetching, "MIN_TRANSFER_RATE", 1_000.0)
+    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
+    assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
+    first_stream = (time.monotonic() - 1.0, 0)  # a second ago, and nothing received since
+    with pytest.raises(FragmentError) as caught:
+        asyncio.run(fetcher._drain(_stream(pieces=16, pause=0.0), assembler, first_stream))
+    assert caught.value.reason == "too_slow" and assembler.received == 0

@@ -69,6 +69,34 @@ def test_reserved_bytes_verify_by_hash_and_tampered_are_refused(netswarm: list[N
     assert p3.stats.rejected["bad_hash"] - before == 2
 
 
+@pytest.mark.timeout(90)
+def test_a_holder_that_sends_a_wrong_start_and_leaves_spoils_one_transfer_not_the_fetch(
+    netswarm: list[NetworkTransport],
+) -> None:
+    """The hash covers the whole, so a transfer resumed from another holder cannot tell whose
+    part was wrong: the holder that completed it sends it again alone (the publisher here, which
+    the old code blamed and gave up on)."""
+    p0, p1, p2, p3 = netswarm
+    x = torch.randn(SMALL)
+    p0.publish(Fragment(key(p0, 9, 5), x), codec="fp32")
+    for reserver in (p1, p2):
+        collect(reserver, 9, 1)
+    digest = content_hash(encode(x, "fp32"))
+    wait_for(
+        lambda: {p1.peer_id, p2.peer_id} <= _holders(p3, 9, digest), what="the re-servers' announcements"
+    )
+    for reserver in (p1, p2):  # a wrong byte early on, and nothing after the first half
+        entry = reserver.store.get(digest)
+        assert entry is not None
+        entry.data[100] ^= 0xFF
+        del entry.data[len(entry.data) // 2 :]
+    before = p3.stats.rejected["bad_hash"]
+    p3.expect(9, SMALL)  # p3 has not looked at fragment 9 before: it fetches now, re-servers first
+    [got] = collect(p3, 9, 1)
+    assert torch.equal(got.tensor, x)
+    assert p3.stats.rejected["bad_hash"] - before == 1  # the mixed transfer; the publisher's copy passed
+
+
 def _holders(transport: NetworkTransport, fragment: int, digest: bytes) -> set[str]:
     """The peers whose records in the DHT (as ``transport`` reads them) offer these bytes."""
     assert transport.dht_node is not None

@@ -10,7 +10,15 @@ import pytest
 
 from cgad.protocol.codec import SPARSE_MAX_KEPT, encoded_size
 from cgad.protocol.records import Holdings, Identity, Offer
-from cgad.protocol.selection import Candidate, OfferSelector, Rejection, Selection, check_offer, swarm_version
+from cgad.protocol.selection import (
+    MAX_RESERVERS,
+    Candidate,
+    OfferSelector,
+    Rejection,
+    Selection,
+    check_offer,
+    swarm_version,
+)
 from cgad.protocol.transport import FragmentKey, Kind
 
 pytestmark = pytest.mark.timeout(60)
@@ -204,6 +212,15 @@ def test_holders_are_re_servers_in_random_order_then_the_publisher() -> None:
         assert holders[-1] == ALICE and set(holders[:-1]) == {BOB, CAROL, DAVE}
         orders.add(tuple(holders))
     assert len(orders) > 1
+    # a crowd of announced holders costs a fetch at most MAX_RESERVERS tries before the publisher
+    crowd = [Holdings(peer_id=f"QmCrowd{chr(ord('a') + n)}", grpc=None, offers=[offer]) for n in range(8)]
+    drawn = set()
+    for seed in range(6):
+        [candidate] = _choose(_selector(seed=seed), [*crowd, _own(offer)]).candidates
+        holders = [h.peer_id for h in candidate.holders]
+        assert len(holders) == MAX_RESERVERS + 1 and holders[-1] == ALICE
+        drawn.update(holders[:-1])
+    assert len(drawn) > MAX_RESERVERS  # drawn at random, not always the same ones
     # a re-server of other bytes is no holder of these
     elsewhere = Holdings(peer_id=ERIN, grpc=None, offers=[_offer(FRANK)])
     [candidate] = _choose(_selector(), [elsewhere, _own(offer)]).candidates
