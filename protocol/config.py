@@ -185,7 +185,7 @@ class NetworkOptions(BaseModel):
     )
     fetch_timeout: Seconds = Field(300.0, description="seconds one fragment may take to arrive")
     upload_limit: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="bytes per second this peer serves at most"
+        None, gt=0, allow_inf_nan=False, description="bytes per second this peer serves at most (all streams)"
     )
     startup_timeout: Seconds = Field(60.0, description="seconds to start libp2p and the DHT")
     max_state_bytes: int = Field(1 << 36, ge=1, description="the largest state a joining peer accepts")

@@ -217,9 +217,12 @@ class Publisher:
         heartbeat, holdings = self.options.liveness_ttl / 3, self.options.record_ttl / 3
         clock = asyncio.get_running_loop()
         while True:
-            if clock.time() - self._stored_at.get("progress", -math.inf) >= heartbeat:
-                await self.store_progress()
-            for fragment in [*range(num_fragments), None]:
-                if clock.time() - self._stored_at.get(fragment, -math.inf) >= holdings:
-                    await self.announce(fragment)
+            try:
+                if clock.time() - self._stored_at.get("progress", -math.inf) >= heartbeat:
+                    await self.store_progress()
+                for fragment in [*range(num_fragments), None]:
+                    if clock.time() - self._stored_at.get(fragment, -math.inf) >= holdings:
+                        await self.announce(fragment)
+            except Exception:  # one failed pass must not end the heartbeat: peers would drop us
+                logger.exception("refreshing this peer's records failed; trying again")
             await asyncio.sleep(min(heartbeat, holdings) / 2)

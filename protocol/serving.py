@@ -2,9 +2,9 @@
 
 The same call on both paths: a gRPC server on ``NetworkOptions.grpc_listen`` (unless that is
 none, behind NAT) and a libp2p protobuf handler. Each stream is a header, then the bytes from the
-requested offset in ``CHUNK_BYTES`` chunks, paced to ``upload_limit`` bytes per second (a
-volunteer's uplink is usually the scarcest thing it lends). gRPC gets the messages pre-serialized
-(``serialized_response_stream``), libp2p as messages.
+requested offset in ``CHUNK_BYTES`` chunks, all streams together paced to ``upload_limit`` bytes
+per second (a volunteer's uplink is usually the scarcest thing it lends). gRPC gets the messages
+pre-serialized (``serialized_response_stream``), libp2p as messages.
 
 A state snapshot goes first: while one streams out, each fragment stream holds its next chunk
 until no snapshot streams, or for ``FRAGMENT_HOLD`` seconds (below the fetcher's silence
@@ -85,6 +85,7 @@ class FragmentServer:
         self.peer_id = peer_id
         self.description = ""  # the swarm identity this peer tells askers (JSON, set by its node)
         self.state_streams = 0  # snapshots streaming out now
+        self._uplink_free = 0.0  # loop time by which what was sent is out at ``upload_limit``
         self._no_state: asyncio.Event | None = None  # set while no snapshot streams
         self.grpc_endpoint: str | None = None  # host:port others dial, once the server runs
         # TLS on the gRPC path: always in a private swarm, else when asked
@@ -144,7 +145,6 @@ class FragmentServer:
         stream = serialized_response_stream if serialized else response_stream
         rate = self.options.upload_limit
         loop = asyncio.get_running_loop()
-        started = loop.time()
         position = offset
         state = header.kind == pb.STATE
         for index, message in enumerate(stream(header, data, offset)):
@@ -157,8 +157,10 @@ class FragmentServer:
             size = min(CHUNK_BYTES, len(data) - position)
             position += size
             self.stats.bytes_sent += size
-            if rate:
-                await asyncio.sleep(max(0.0, started + (position - offset) / rate - loop.time()))
+            if rate:  # the limit is the peer's, whatever the number of streams sharing it
+                now = loop.time()
+                self._uplink_free = max(self._uplink_free, now) + size / rate
+                await asyncio.sleep(self._uplink_free - now)
 
     @staticmethod
     def _refusal(reason: str, serialized: bool) -> pb.FetchResponse | bytes:

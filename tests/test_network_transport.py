@@ -194,6 +194,27 @@ def test_a_state_download_has_the_downlink_to_itself() -> None:
         publisher.close()
 
 
+@pytest.mark.timeout(90)
+def test_the_upload_limit_holds_for_all_streams_together() -> None:
+    """Two fetchers of 4 MiB each from a peer limited to 2 MB/s: 8.4 MB take 4 s or more
+    (paced per stream, as before, both were done in about 2 s)."""
+    run = "net-test-uplink"
+    publisher = make_transport(run_id=run, upload_limit=2e6)
+    fetchers = [make_transport({2: 1 << 20}, run_id=run, peers=publisher.maddrs()) for _ in range(2)]
+    try:
+        wait_for(lambda: all(len(f.live_peers()) >= 1 for f in fetchers), what="the fetchers in the swarm")
+        started = time.monotonic()
+        fragment = Fragment(FragmentKey(run, 2, 0, publisher.peer_id), torch.randn(1 << 20))
+        publisher.publish(fragment, codec="fp32")
+        for fetcher in fetchers:
+            collect(fetcher, 2, 1, timeout=60)
+        assert time.monotonic() - started >= 4.0
+        assert publisher.stats.bytes_sent >= 2 * 4 * (1 << 20)
+    finally:
+        for transport in (*fetchers, publisher):
+            transport.close()
+
+
 @pytest.mark.timeout(60)
 def test_publishing_nan_fails_at_once(netswarm: list[NetworkTransport]) -> None:
     p0 = netswarm[0]
