@@ -10,7 +10,8 @@ A state snapshot goes first: while one streams out, each fragment stream holds i
 until no snapshot streams, or for ``FRAGMENT_HOLD`` seconds (below the fetcher's silence
 timeout, so the fetch survives), so a joiner gets the uplink instead of a share of it (a fragment
 that waits only arrives a little older). At most ``MAX_STATE_STREAMS`` snapshots stream
-at once; a further asker is refused and tries another holder.
+at once; a further asker is refused and tries another holder, and a snapshot stream read slower
+than ``MIN_STATE_SERVE_RATE`` is ended.
 
 Threads: a ``FragmentServer`` runs on the transport's event-loop thread ("cgad-net-*"), as do all
 its handlers; ``stats.bytes_sent`` is counted there. The store it serves from has its own lock.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -48,6 +50,12 @@ logger = logging.getLogger(__name__)
 
 Outgoing = AsyncIterator[pb.FetchResponse | bytes]
 MAX_STATE_STREAMS = 2
+# A snapshot stream holds one of the few slots and holds fragment streams back: one read slower
+# than this on average, after the grace period, is ended (the asker resumes elsewhere or later).
+# Honest joiners got 69 kB/s each through a shared 2 Mbit uplink; under --upload-limit the floor
+# is at most the limit's share of a full set of snapshot streams and a fragment stream.
+MIN_STATE_SERVE_RATE = 8_000.0
+STATE_SERVE_GRACE = 30.0  # seconds
 MAX_GRPC_STREAMS = 64  # gRPC refuses further calls at once (RESOURCE_EXHAUSTED): they try elsewhere
 FRAGMENT_HOLD = 5.0  # seconds a fragment chunk waits at most while a snapshot streams
 
@@ -145,9 +153,16 @@ class FragmentServer:
         stream = serialized_response_stream if serialized else response_stream
         rate = self.options.upload_limit
         loop = asyncio.get_running_loop()
+        started = loop.time()
         position = offset
         state = header.kind == pb.STATE
+        floor = min(MIN_STATE_SERVE_RATE, (rate or math.inf) / (MAX_STATE_STREAMS + 1))
         for index, message in enumerate(stream(header, data, offset)):
+            elapsed = loop.time() - started
+            if state and elapsed > STATE_SERVE_GRACE and position - offset < floor * elapsed:
+                self.stats.rejected["slow_reader"] += 1
+                logger.info("ended a snapshot stream read at %.0f B/s", (position - offset) / elapsed)
+                return
             if index > 0 and not state and self._no_state is not None and not self._no_state.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._no_state.wait(), FRAGMENT_HOLD)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -9,9 +10,12 @@ import pytest
 import torch
 
 from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol import serving
+from cgad.protocol.config import NetworkOptions
 from cgad.protocol.records import MAX_OFFERS, Offer
+from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import STATE_EXTRA, STATE_RESUME, FragmentStore, StoredFragment, fragment_header
-from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind
+from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, TransportStats
 from cgad.protocol.wire import content_hash
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,3 +157,24 @@ def test_a_snapshot_being_downloaded_outlives_newer_ones_for_a_while(monkeypatch
         busy.put(entry)
         busy.get(entry.header.content_hash)
     assert _held(busy, own[:5]) == own[5 - 2 - STATE_EXTRA : 5]
+
+
+def test_a_snapshot_stream_read_too_slowly_is_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that holds one of the few snapshot slots (and the fragment streams behind it)
+    while reading almost nothing is cut off after the grace period; a fast one is not."""
+    monkeypatch.setattr(serving, "STATE_SERVE_GRACE", 0.3)
+    monkeypatch.setattr(serving, "MIN_STATE_SERVE_RATE", 1e8)
+    data = bytes(8 << 20)
+    header = pb.FragmentHeader(kind=pb.STATE, byte_length=len(data))
+
+    async def read(pause: float) -> int:
+        server = FragmentServer(NetworkOptions(run_id="t"), FragmentStore(2, 2), TransportStats(), "QmMe")
+        messages = 0
+        async for _ in server._stream_out(header, data, 0, serialized=False):
+            messages += 1
+            await asyncio.sleep(pause)
+        return messages
+
+    chunks = -(-len(data) // serving.CHUNK_BYTES)
+    assert asyncio.run(read(0.0)) == 1 + chunks  # the header and every chunk
+    assert asyncio.run(read(0.1)) < 1 + chunks
