@@ -38,6 +38,8 @@ def wire_codec(name: str) -> str:
 
 
 PATHS = ("grpc", "libp2p")
+# a host others dial: a name, an IPv4 or a bracketed IPv6 address (what a record's endpoint holds)
+HOST = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)$"  # (pydantic-core: $ is the end of the text)
 Port = Annotated[int, Field(ge=0, le=65535)]
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -120,7 +122,7 @@ class NetworkOptions(BaseModel):
     client_mode: bool = Field(False, description="behind NAT: only dial out; be reached through relays")
     use_relay: bool = Field(True, description="use libp2p relays to reach and be reached by NATed peers")
     grpc_host: str = Field(
-        "127.0.0.1", description="host for the direct gRPC data path ('none': libp2p only)"
+        "127.0.0.1", pattern=HOST, description="host for the direct gRPC data path ('none': libp2p only)"
     )
     grpc_port: Port = Field(0, description="port for the direct gRPC data path (0: any free port)")
     grpc_tls: bool = Field(
@@ -129,7 +131,7 @@ class NetworkOptions(BaseModel):
         " (always on with --swarm-key)",
     )
     grpc_announce_host: str | None = Field(
-        None, description="the host others dial for gRPC, when it differs from --grpc-host"
+        None, pattern=HOST, description="the host others dial for gRPC, when it differs from --grpc-host"
     )
     codec: CodecName = Field(
         "auto",

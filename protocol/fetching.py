@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -58,6 +58,7 @@ RETRY_SECONDS = 2.0  # between passes over a candidate's holders
 # uplink (1 Mbit/s split over three fetchers: ~40 kB/s).
 MIN_TRANSFER_RATE = 4_000.0
 MIN_RATE_GRACE = 15.0  # seconds
+MAX_CHANNELS = 32  # open gRPC channels to holders (a swarm of volunteers, not every record ever seen)
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ class Fetcher:
         self.bytes_by_path: Counter[str] = Counter()  # bytes fetched over each path
         self.bytes_in = 0  # payload bytes received so far, counted as chunks land (the link meter's input)
         self.transfers: dict[FragmentKey, ChunkAssembler] = {}  # fetches in progress
-        self._channels: dict[tuple[str, str | None], grpc.aio.Channel] = {}  # by endpoint, certificate
+        # by endpoint and certificate, least recently used first: records name them, so a peer
+        # that restarts (or lies) brings a new one, and only MAX_CHANNELS stay open
+        self._channels: OrderedDict[tuple[str, str | None], grpc.aio.Channel] = OrderedDict()
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -236,6 +239,10 @@ class Fetcher:
                 credentials = channel_credentials(certificate)
                 channel = grpc.aio.secure_channel(endpoint, credentials, channel_options())
             self._channels[endpoint, certificate] = channel
+            if len(self._channels) > MAX_CHANNELS:  # a transfer on it resumes at its next holder
+                _, oldest = self._channels.popitem(last=False)
+                await oldest.close()
+        self._channels.move_to_end((endpoint, certificate))
         await asyncio.wait_for(channel.channel_ready(), self.options.connect_timeout)
         call = channel.unary_stream(method, request_serializer=type(request).SerializeToString)(request)
         try:

@@ -99,11 +99,18 @@ class Offer(_Strict):
     byte_length: _NON_NEGATIVE
 
 
+# a direct gRPC endpoint: host:port, the host a name, an IPv4 or a bracketed IPv6 address
+# (fetchers dial it: no unix: socket, no channel options)
+_ENDPOINT = pydantic.constr(
+    strict=True, max_length=256, regex=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}\Z"
+)
+
+
 class Holdings(_Strict):
     """A holder's record for one fragment: where to reach it and what it serves."""
 
     peer_id: _PEER_ID  # libp2p peer id: the fallback path, through relays if need be
-    grpc: Optional[pydantic.constr(strict=True, max_length=256)]  # noqa: UP045 (pydantic v1)
+    grpc: Optional[_ENDPOINT]  # noqa: UP045 (pydantic v1)
     offers: pydantic.conlist(Offer, max_items=MAX_OFFERS)
     # the PEM certificate its gRPC endpoint presents (protocol/tls.py); None: plaintext gRPC.
     # A P-256 certificate with one name is ~600 characters.
@@ -119,7 +126,7 @@ class Progress(_Strict):
     inner_step: _NON_NEGATIVE
     tokens_per_second: pydantic.confloat(strict=True, ge=0.0)
     time: pydantic.StrictFloat  # DHT time of the report
-    grpc: Optional[pydantic.constr(strict=True, max_length=256)] = None  # noqa: UP045 (direct endpoint)
+    grpc: Optional[_ENDPOINT] = None  # noqa: UP045 (direct endpoint)
     published: _NON_NEGATIVE = 0  # fragments it has published (its own claim: shown, never trusted)
 
 

@@ -67,3 +67,26 @@ def test_the_rate_floor_counts_from_the_holders_first_stream(monkeypatch: pytest
     with pytest.raises(FragmentError) as caught:
         asyncio.run(fetcher._drain(_stream(pieces=16, pause=0.0), assembler, first_stream))
     assert caught.value.reason == "too_slow" and assembler.received == 0
+
+
+def test_grpc_channels_to_holders_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every record names an endpoint; channels to the least recently used are closed beyond
+    ``MAX_CHANNELS`` (a peer restarting on a new port, or a liar naming many, left them open)."""
+    monkeypatch.setattr(fetching, "MAX_CHANNELS", 3)
+    options = NetworkOptions(run_id="t", connect_timeout=0.05)
+    fetcher = Fetcher(options, TransportStats(), lambda reason, detail: None)
+
+    async def dial(port: int) -> None:
+        request = pb.FetchRequest(content_hash=bytes(32), offset=0)
+        with pytest.raises(TimeoutError):  # nothing listens there
+            async for _ in fetcher._open_grpc(f"127.0.0.1:{port}", None, "/x/y", request):
+                pass
+
+    async def main() -> list[str]:
+        for port in (1, 2, 3, 4, 2, 5):
+            await dial(port)
+        ports = [endpoint.rsplit(":", 1)[1] for endpoint, _ in fetcher._channels]
+        await fetcher.close()
+        return ports
+
+    assert asyncio.run(main()) == ["4", "2", "5"]  # 1 and 3 closed; 2 kept by its second use

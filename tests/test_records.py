@@ -120,6 +120,10 @@ def test_schema_refuses_bad_values(alice: Identity) -> None:
         {**good, "offers": [{**good["offers"][0], "kind": "weights"}]},
         {**good, "offers": [{**good["offers"][0], "content_hash": b"short"}]},
         {**good, "offers": good["offers"] * (MAX_OFFERS + 1)},
+        # an endpoint fetchers would dial is host:port, nothing else gRPC would take
+        {**good, "grpc": "unix:/run/some.sock"},
+        {**good, "grpc": "dns:///example.org:443"},
+        {**good, "grpc": "127.0.0.1:80\n"},
     ]
     validator = schema_validator("run", 4)
     for value in bad_values:
