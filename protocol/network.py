@@ -317,6 +317,8 @@ class NetworkTransport(Transport):
         # The state is what this peer needs before anything else: no fragment fetch shares the
         # downlink with it (a 1 Mbit joiner's download ran at a quarter of its link beside them),
         # and those under way stop; fragments fetched now would be of versions it is leaving.
+        self._meter()  # what came before; the download's bytes count as busy time on the link
+        self._metered = (self._metered[0], True)
         self._fetching_state = True
         for task, _ in list(self._in_flight.values()):
             task.cancel()

@@ -188,8 +188,28 @@ def test_a_state_download_has_the_downlink_to_itself() -> None:
         assert received_by_the_end == [0]
         [late] = collect(joiner, 5, 1)  # and it is fetched once the state is in
         assert late.key == key(other, 5, 0)
+
     finally:
         other.close()
+        joiner.close()
+        publisher.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_state_download_is_metered_over_its_own_time() -> None:
+    """The downlink meter (what --codec auto and the fetch queue plan with) counts a snapshot's
+    bytes over the seconds they took: at 2 MB/s it reads about that (the bytes used to land in
+    the meter with no busy time, for a first reading of the whole blob per second)."""
+    run = "net-test-meter"
+    publisher = make_transport(run_id=run, upload_limit=2e6)
+    joiner = make_transport({}, run_id=run, peers=publisher.maddrs())
+    try:
+        blob = os.urandom(6 << 20)
+        publisher.publish_state(blob, [0] * NUM_FRAGMENTS)
+        wait_for(lambda: joiner.state_offers(), what="the snapshot's record")
+        assert bytes(joiner.fetch_state(joiner.state_offers()[0], timeout=30)) == blob
+        assert joiner.downlink_rate is not None and 1e6 < joiner.downlink_rate < 3e6, joiner.downlink_rate
+    finally:
         joiner.close()
         publisher.close()
 
