@@ -172,6 +172,8 @@ class FragmentServer:
             size = min(CHUNK_BYTES, len(data) - position)
             position += size
             self.stats.bytes_sent += size
+            if state:
+                self.store.reading(header.content_hash)
             if rate:  # the limit is the peer's, whatever the number of streams sharing it
                 now = loop.time()
                 self._uplink_free = max(self._uplink_free, now) + size / rate

@@ -71,6 +71,12 @@ class FragmentStore:
                 self._state_read[digest] = time.monotonic()
             return entry
 
+    def reading(self, digest: bytes) -> None:
+        """A snapshot is still being read: a download longer than ``STATE_RESUME`` keeps it too."""
+        with self._lock:
+            if digest in self._state_read:
+                self._state_read[digest] = time.monotonic()
+
     def put(self, entry: StoredFragment) -> None:
         """Store ``entry``, dropping the oldest base versions of its group beyond the bound."""
         header = entry.header

@@ -178,3 +178,30 @@ def test_a_snapshot_stream_read_too_slowly_is_ended(monkeypatch: pytest.MonkeyPa
     chunks = -(-len(data) // serving.CHUNK_BYTES)
     assert asyncio.run(read(0.0)) == 1 + chunks  # the header and every chunk
     assert asyncio.run(read(0.1)) < 1 + chunks
+
+
+def test_a_snapshot_stays_while_its_stream_reads_it_past_the_resume_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A download longer than ``STATE_RESUME`` keeps its blob: each chunk served notes the read,
+    so a break after two newer snapshots came can still resume (it used to be noted only when
+    the stream began)."""
+    store = FragmentStore(keep_own=2, keep_reserved=3)
+    own = [_entry(0, base, own=True, kind=Kind.STATE) for base in (1, 2, 3, 4)]
+    store.put(own[0])
+    first = store.get(own[0].header.content_hash)  # a joiner starts on version 1
+    assert first is not None
+    server = FragmentServer(NetworkOptions(run_id="t"), store, TransportStats(), "QmMe")
+    now = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+
+    async def serve_slowly() -> None:  # three chunks, read at 17 kB/s: slow, not too slow
+        blob = bytes(3 * serving.CHUNK_BYTES)
+        async for message in server._stream_out(first.header, blob, 0, serialized=False):
+            if message.WhichOneof("part") == "chunk":
+                now[0] += STATE_RESUME / 2
+
+    asyncio.run(serve_slowly())
+    for entry in own[1:]:  # three newer snapshots while the download ran
+        store.put(entry)
+    assert store.get(own[0].header.content_hash) is first
