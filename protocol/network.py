@@ -580,9 +580,10 @@ class NetworkTransport(Transport):
         try:
             data = await self._fetcher.fetch(candidate)
         except FragmentError as error:
-            self._reject(
-                error.reason, f"from {candidate.key.publisher}: {error.detail}", candidate.key.publisher
-            )
+            # bytes that never came are no proof against the publisher (a slow link, a holder
+            # that left, a crowd of false holders): only what it vouched for and was refused is
+            blame = None if error.reason == "unavailable" else candidate.key.publisher
+            self._reject(error.reason, f"from {candidate.key.publisher}: {error.detail}", blame)
             return
         finally:
             self._in_flight.pop(candidate.key, None)

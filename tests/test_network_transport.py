@@ -351,6 +351,7 @@ def test_publisher_killed_mid_transfer(netswarm: list[NetworkTransport]) -> None
         os.kill(daemon_pid, signal.SIGKILL)  # a killed process leaves its p2pd behind
         wait_for(lambda: victim not in p1.transfers(), 30, "the fetch to give up")
         assert p1.stats.rejected["unavailable"] == before + 1
+        assert publisher not in p1.stats.rejected_by_peer  # gone mid-way is no fault of its bytes
         assert p1.receive(1) == []
     finally:
         child.kill()
