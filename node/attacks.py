@@ -104,6 +104,9 @@ class ForgingTransport(Transport):
     def round_budget(self) -> float | None:
         return self.inner.round_budget()
 
+    def forget_feedback(self) -> None:
+        self.inner.forget_feedback()
+
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         return self.inner.receive(index, kind)
 

@@ -29,6 +29,7 @@ from another thread holds its own lock around ``sync`` and ``state_dict``.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
@@ -171,10 +172,13 @@ class OuterLoop:
         with torch.no_grad():
             own = torch.cat([(self.phi[i] - self.theta[i].float()).flatten() for i in idx])
             if not torch.isfinite(own).all():
-                # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply
+                # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
+                # With several fragments the other fragments' θ is NaN too (one forward pass made
+                # them so): every non-finite θ goes back to its φ, or the next block diverges again
                 self.counters.rejected["local_non_finite"] += 1
-                for i in idx:
-                    self.theta[i].copy_(self.phi[i])
+                for i, t in enumerate(self.theta):
+                    if i in idx or not torch.isfinite(t).all():
+                        t.copy_(self.phi[i])
                 self._turn[f] = None
                 return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
@@ -513,35 +517,76 @@ class OuterLoop:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ. Checked
         whole before anything changes: a state that does not fit raises and leaves this one."""
-        phi, versions = state["phi"], [int(v) for v in state["versions"]]
+        phi, versions = state["phi"], state["versions"]
+        if not (isinstance(versions, list) and all(type(v) is int and v >= 0 for v in versions)):
+            raise ValueError(f"versions {versions!r}")
         if len(phi) != len(self.phi) or len(versions) != len(self.versions):
             raise ValueError("outer state has a different model or fragment layout")
         for p, q in zip(self.phi, phi, strict=True):
             if not isinstance(q, Tensor) or p.shape != q.shape:
                 raise ValueError(f"outer state tensor {getattr(q, 'shape', q)} != local {tuple(p.shape)}")
-            if not torch.isfinite(q).all():
-                raise ValueError("outer state holds NaN or Inf")
-        if any(v < 0 for v in versions):
-            raise ValueError(f"negative versions {versions}")
-        # moments and step counts from the state; hyperparameters stay this peer's own
-        ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            # as φ will hold it: a float64 1e39 is finite, and Inf in float32
+            if q.dtype not in STATE_DTYPES or not torch.isfinite(q.to(p.dtype)).all():
+                raise ValueError(f"outer state tensor of {q.dtype} holds NaN or Inf, or is not a float")
+        # moments and step counts from the state; hyperparameters stay this peer's own, but the
+        # running freshness is state (a resumed node kept it at 0 and lost its momentum)
+        ours = [
+            {k: v for k, v in g.items() if k not in ("params", "freshness")}
+            for g in self.optimizer.param_groups
+        ]
         saved = self.optimizer.state_dict()
         try:
             self.optimizer.load_state_dict(state["optimizer"])
+            for group, hyper in zip(self.optimizer.param_groups, ours, strict=True):
+                group.update(hyper)
+                if "freshness" in group:
+                    group["freshness"] = _share(group["freshness"])
+            _check_optimizer_state(self.optimizer)
         except Exception as exc:  # torch raises whatever the malformed part provokes
             self.optimizer.load_state_dict(saved)
             raise ValueError(f"the outer optimizer's state does not fit this peer's: {exc!r}") from exc
-        for group, hyper in zip(self.optimizer.param_groups, ours, strict=True):
-            group.update(hyper)
         with torch.no_grad():
             for p, q, t in zip(self.phi, phi, self.theta, strict=True):
                 p.copy_(q)
                 t.copy_(q)
-        self.versions = versions
+        self.versions = list(versions)
         # held deltas of versions the adopted state has passed are in it already
         self._ahead = {
             f: [d for d in held if d.key.base_version >= versions[f]] for f, held in self._ahead.items()
         }
+        # what the old trajectory left unsent, and the φ it published, belong to that trajectory
+        self._unsent.clear()
+        self._sent.clear()
+        self._phi_published.clear()
+        self.transport.forget_feedback()
+
+
+STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what φ may come in
+
+
+def _share(value: object) -> float:
+    """A running share read from a state: a number in [0, 1], else 0 (nothing known)."""
+    return min(1.0, max(0.0, float(value))) if _finite_number(value) else 0.0  # type: ignore[arg-type]
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every per-parameter state tensor of ``optimizer`` has its parameter's shape (or none, a
+    step count) and finite values, and every number is finite: a wrong shape failed at the next
+    outer step, and a NaN moment made φ NaN for good. ``ValueError`` otherwise."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor):
+                    if value.dim() != 0 and value.shape != p.shape:
+                        raise ValueError(f"state {name!r} of shape {tuple(value.shape)} for {tuple(p.shape)}")
+                    if value.is_floating_point() and not torch.isfinite(value).all():
+                        raise ValueError(f"state {name!r} holds NaN or Inf")
+                elif not _finite_number(value):
+                    raise ValueError(f"state {name!r} is {value!r}")
 
 
 def _fits_float16(tensor: Tensor) -> bool:

@@ -163,6 +163,9 @@ class MemoryTransport(Transport):
             self.inbox.clear()
         self.alive = alive
 
+    def forget_feedback(self) -> None:
+        self._feedback.clear()
+
     def publish(self, fragment: Fragment) -> None:
         if not self.alive:
             raise RuntimeError(f"peer {self.peer_id} is down and cannot publish")

@@ -93,6 +93,10 @@ class Publisher:
         self.stats.published += 1
         self._runner.submit(self._add_and_announce(entry))
 
+    def forget_feedback(self) -> None:
+        # on the codec worker, which alone touches the residuals, after what it has in hand
+        self._codec_worker.submit(self._feedback.clear)
+
     def publish_state(self, data: bytes, versions: Sequence[int]) -> None:
         key = FragmentKey(self.options.run_id, 0, min(versions, default=0), self.peer_id, Kind.STATE)
         # hashing a model-sized blob is the codec worker's job, not the trainer's

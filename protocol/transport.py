@@ -86,6 +86,10 @@ class Transport(abc.ABC):
         """Offer bytes the caller encoded (``codec.encode``: the outer loop under ``--codec auto``
         or ``sparse``) as they are, and return at once."""
 
+    def forget_feedback(self) -> None:  # noqa: B027 (doing nothing is the default)
+        """Drop the error-feedback residuals of what this peer sent (its outer state was replaced:
+        they belong to the trajectory it left). A transport without any has nothing to drop."""
+
     def round_budget(self) -> float | None:
         """Bytes of pseudo-gradients per round this peer can send each peer that fetches them in
         time (``scheduling.round_budget``); None while that is not measured, infinite when the

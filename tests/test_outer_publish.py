@@ -2,6 +2,9 @@
 after adopting a state) reaches no peer and no outer step: the peers' deltas move φ as they move
 the peers' own, and θ restarts from there."""
 
+import copy
+
+import pytest
 import torch
 
 from cgad.node.checkpoint import pack
@@ -153,3 +156,71 @@ def test_auto_sends_4bit_on_a_fast_link_and_sparse_with_what_fits_on_a_slow_one(
     assert torch.allclose(me.phi[0].detach(), moved_total, atol=1e-6)
     # what peers got, plus what is still owed, is all of it
     assert torch.allclose(sent_total + me._unsent[0].residual, -moved_total, atol=1e-5)
+
+
+def _cga_loop_after_a_round(name: str = "me") -> OuterLoop:
+    options = OuterOptions(optimizer="cga", cga_momentum=0.5)
+    loop = OuterLoop([torch.zeros(8)], options, VirtualNetwork().join(name), "run")
+    loop.theta[0].add_(1.0)
+    loop.publish(0, tokens=10)
+    loop.apply(0)
+    return loop
+
+
+def test_an_outer_state_that_would_break_the_next_step_is_refused_whole() -> None:
+    """φ that only float64 holds finite, a NaN or wrong-shaped momentum, versions that are no
+    counts: refused before anything changes (a NaN momentum made φ NaN for good; a wrong shape
+    ended the daemon at its next outer step; Infinity as a version raised OverflowError)."""
+    source = _cga_loop_after_a_round()
+    good = source.state_dict()
+    [index] = good["optimizer"]["state"]
+
+    def broken(change) -> dict:
+        state = copy.deepcopy(good)
+        change(state)
+        return state
+
+    cases = [
+        broken(lambda s: s.update(phi=[torch.full((8,), 1e39, dtype=torch.float64)])),
+        broken(lambda s: s.update(phi=[torch.zeros(8, dtype=torch.int64)])),
+        broken(lambda s: s["optimizer"]["state"][index].update(momentum=torch.full((8,), float("nan")))),
+        broken(lambda s: s["optimizer"]["state"][index].update(momentum=torch.zeros(3))),
+        broken(lambda s: s.update(versions=[float("inf")])),
+        broken(lambda s: s.update(versions=[True])),
+    ]
+    target = _cga_loop_after_a_round("target")
+    before = copy.deepcopy(target.state_dict())
+    for state in cases:
+        with pytest.raises(ValueError):
+            target.load_state_dict(state)
+        after = target.state_dict()
+        assert torch.equal(after["phi"][0], before["phi"][0]) and after["versions"] == before["versions"]
+        [momentum] = [s["momentum"] for s in after["optimizer"]["state"].values()]
+        assert torch.equal(momentum, next(iter(before["optimizer"]["state"].values()))["momentum"])
+    target.load_state_dict(good)  # and the sound one is taken
+    assert torch.equal(target.phi[0], source.phi[0])
+
+
+def test_the_running_freshness_is_state_a_resumed_node_keeps() -> None:
+    source = _cga_loop_after_a_round()
+    source.optimizer.param_groups[0]["freshness"] = 0.75
+    resumed = _cga_loop_after_a_round("resumed")
+    resumed.load_state_dict(source.state_dict())
+    assert resumed.optimizer.param_groups[0]["freshness"] == 0.75
+    claimed = source.state_dict()
+    claimed["optimizer"]["param_groups"][0]["freshness"] = 1e9  # a peer's claim, held to [0, 1]
+    resumed.load_state_dict(claimed)
+    assert resumed.optimizer.param_groups[0]["freshness"] == 1.0
+
+
+def test_a_diverged_block_resets_every_fragments_non_finite_theta() -> None:
+    """One forward pass makes every fragment's θ NaN: resetting only the fragment whose turn it
+    was left the others NaN, and every later block diverged again."""
+    network = VirtualNetwork()
+    options = OuterOptions(optimizer="sgd", outer_lr=1.0, fragments=2)
+    loop = OuterLoop([torch.zeros(4), torch.zeros(4)], options, network.join("me"), "run")
+    for t in loop.theta:
+        t.fill_(float("nan"))
+    loop.publish(0, tokens=10)
+    assert loop.counters.rejected["local_non_finite"] == 1
+    assert all(torch.isfinite(t).all() for t in loop.theta)
