@@ -34,7 +34,7 @@ from cgad.node.export import TOKENIZER_DIR
 from cgad.node.joining import StateSync, check_compatible
 from cgad.node.methods import method
 from cgad.node.metrics import Metrics
-from cgad.node.model import build_model
+from cgad.node.model import build_model, model_fingerprint
 from cgad.node.monitor import swarm_rows
 from cgad.node.outer import OuterLoop
 from cgad.node.pacing import Turn, adopted_block_over, phase_nudge
@@ -72,7 +72,7 @@ class Node:
         self.model = build_model(c.model, self.tokenizer.vocab_size, seed=c.seed).to(self.device)
         self.swarm = {
             "run_id": c.run_id,
-            "model": _model_fingerprint(self.model.config.to_dict()),
+            "model": model_fingerprint(self.model.config),
             "tokenizer": self.tokenizer.fingerprint,
             "optimizer": method(c.optimizer).family,
             "fragments": c.fragments,
@@ -557,13 +557,3 @@ class Node:
         else:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
-
-
-def _model_fingerprint(config: dict[str, Any]) -> str:
-    """The shape-defining part of a model config, hashed: peers must train the same network."""
-    keys = (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "tie_word_embeddings", "max_position_embeddings", "model_type",
-    )  # fmt: skip
-    shape = {k: config.get(k) for k in keys}
-    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]

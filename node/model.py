@@ -9,6 +9,7 @@ it the bytes of every pseudo-gradient a peer sends, at no measurable cost in qua
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -119,6 +120,26 @@ def build_model(
     if device is not None and not meta:
         model = model.to(device)
     return model
+
+
+# what makes two configs the same network: shapes, and what the forward pass computes with them
+# (peers exchange parameters: a node whose attention has a bias, or whose rotary base differs,
+# trains another function with the same tensors)
+ARCHITECTURE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+    "max_position_embeddings", "attention_bias", "mlp_bias", "hidden_act", "rms_norm_eps",
+    "rope_parameters", "rope_theta", "rope_scaling",  # the first in transformers 5, the rest before
+    "pretraining_tp",
+)  # fmt: skip
+
+
+def model_fingerprint(config: LlamaConfig) -> str:
+    """The architecture of ``config`` (``ARCHITECTURE_KEYS``), hashed: peers must train the same
+    network."""
+    values = config.to_dict()
+    architecture = {key: values.get(key) for key in ARCHITECTURE_KEYS}
+    return hashlib.sha256(json.dumps(architecture, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parameter_count(model_or_config: torch.nn.Module | LlamaConfig) -> int:

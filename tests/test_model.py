@@ -142,3 +142,15 @@ def test_unknown_preset_lists_the_presets():
         model_config("huge", VOCAB)
     with pytest.raises(ModelConfigError, match="vocab_size"):
         model_config("tiny", 0)
+
+
+def test_the_fingerprint_tells_apart_configs_that_compute_differently() -> None:
+    """Peers compare fingerprints before exchanging anything: a config with an attention bias or
+    another rotary base has the same shapes (or nearly) but trains another function."""
+    from cgad.node.model import model_fingerprint
+
+    base = model_config("tiny", 4096)
+    assert model_fingerprint(base) == model_fingerprint(model_config("tiny", 4096))
+    for change in ({"attention_bias": True}, {"rope_theta": 500000.0}, {"rms_norm_eps": 1e-5},
+                   {"hidden_act": "gelu"}, {"vocab_size": 4097}):  # fmt: skip
+        assert model_fingerprint(model_config("tiny", 4096, **change)) != model_fingerprint(base), change
