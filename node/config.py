@@ -347,6 +347,9 @@ class JoinConfig(_Schedule, TrainingOptions, OuterOptions, NetworkOptions, NodeO
                 raise ValueError("--sync allreduce averages the whole model each block: set --fragments 1")
             if self.mixing != "none" or self.optimizer == "noloco":
                 raise ValueError("--sync allreduce averages pseudo-gradients: no --mixing, no noloco")
+        block = self.inner_steps // self.fragments
+        if self.apply_delay != "auto" and self.apply_delay >= block:
+            raise ValueError(f"--apply-delay ({self.apply_delay}) must be under a block ({block} steps)")
         return self
 
 

@@ -318,8 +318,7 @@ class Node:
         if self.exchange is not None:
             return 0  # the all-reduce has already waited for the group
         block = self.config.inner_steps // self.config.fragments
-        delay = block // 2 if self.config.apply_delay == "auto" else self.config.apply_delay
-        return min(delay, block - 1)
+        return block // 2 if self.config.apply_delay == "auto" else self.config.apply_delay  # < block
 
     def _step_due(self) -> bool:
         """Whether the waiting outer step is to be taken now: its latest step has come, or (with

@@ -121,6 +121,7 @@ def test_bad_yaml(tmp_path, text, match):
         ({"data": "does/not/exist"}, "does not exist"),
         ({"params_codec": "sparse"}, "pseudo-gradients only"),
         ({"codec": "sparse", "error_feedback": False}, "needs --error-feedback"),
+        ({"inner_steps": 10, "apply_delay": 10}, "must be under a block"),  # was capped silently
     ],
 )
 def test_bad_node_config(kwargs, match):
