@@ -16,7 +16,8 @@ Threads, and who owns what:
   reads them (reference swap and a ``dict`` copy, atomic under the GIL).
 - the event-loop thread "cgad-net-<end of the peer id>": the DHT node, P2P, the fetcher, the
   server, the selector's ledgers, the fetch queue and its meters, ``_in_flight``, ``polls`` and
-  ``_live`` (replaced whole, read by the trainer as a snapshot). It puts into ``_inbox``, which
+  ``_live`` (replaced whole by each poll, its own entry set in place when it reports; read by the
+  trainer as a copy). It puts into ``_inbox``, which
   the trainer pops (an ``Inbox``, with its own lock).
 - the codec worker thread "cgad-codec" (one torch thread): encoding for ``publish``, with the
   publisher's error-feedback residuals (touched nowhere else), and decoding fetched bytes.
@@ -83,7 +84,9 @@ def _peer_ids(maddrs: Sequence[str]) -> list[str]:
 
 
 STATE_PASSES = 5  # a snapshot's holders are tried this many times over (busy ones free up)
-CLOCK_SKEW = 60.0  # seconds a peer's clock may run ahead of ours (DHT time is each peer's own)
+# seconds a progress record's time may run ahead of ours (DHT time is each peer's own); private
+# swarms' tickets have their own allowance (auth.CLOCK_SKEW)
+PROGRESS_SKEW = 60.0
 FAREWELL_TIMEOUT = 5.0  # seconds a leaving peer spends telling the swarm before it goes anyway
 REJOIN_EVERY = 10.0  # seconds between pings of the peers it knew, while a peer sees none live
 KNOWN_PEERS = 64  # the most recently seen peers it remembers for that (records are cheap to forge)
@@ -551,7 +554,7 @@ class NetworkTransport(Transport):
                 self._reject(error.reason, error.detail)
 
         if record == "progress":
-            parse = partial(parse_live_progress, now=now, clock_skew=CLOCK_SKEW)
+            parse = partial(parse_live_progress, now=now, clock_skew=PROGRESS_SKEW)
             return read_records(entry, self._allowed(parse), faulty)
         return read_records(entry, self._allowed(self._holdings), faulty)
 
