@@ -17,14 +17,15 @@ The rules:
   holds versions an attacker picks far ahead. It is counted once as a fault (``future``) only when
   it is that far ahead of the swarm too (the median of live peers' reports, which the caller
   passes and no single peer moves); within that it only says this peer is behind (joining or
-  re-syncing), counted in ``behind``;
+  re-syncing), counted in ``behind``; either is counted once per publisher, fragment and kind
+  while the verdict is remembered, whatever versions it names;
 - at most ``fan_in`` publishers per (fragment, kind, base version), drawn at random;
 - a DELTA key (publisher, fragment, base version) is delivered at most once: the same key
   announced again with other bytes is a replay, re-announcing the same bytes is nothing;
 - an offer whose record already shows it unusable (``check_offer``) is refused before any byte
   moves; an offer once attempted (fetched, in flight or refused) is not tried again;
-- holders are tried re-servers first, in random order, and the publisher last, so that a popular
-  fragment's load spreads over those who already hold it.
+- holders are tried re-servers first (up to ``MAX_RESERVERS``, drawn at random) and the
+  publisher last, so that a popular fragment's load spreads over those who already hold it.
 
 Threads: not thread-safe; the network transport uses a selector only on its event-loop thread
 ("cgad-net-*").
@@ -186,7 +187,9 @@ class OfferSelector:
             kind = Kind(offer.kind)
             key = FragmentKey(self.run_id, fragment, offer.base_version, offer.publisher, kind)
             if offer.base_version > own + self.max_ahead:
-                if not self.judge(("ahead", key), now):
+                # judged per publisher, fragment and kind, not per version: versions are the
+                # attacker's to pick, and each would be one more entry
+                if not self.judge(("ahead", key.publisher, fragment, kind), now):
                     continue
                 if offer.base_version <= max(own, swarm or 0) + self.max_ahead:
                     selection.behind += 1

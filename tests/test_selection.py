@@ -309,6 +309,10 @@ def test_an_offer_far_ahead_is_refused_once_and_taken_once_this_peer_catches_up(
     assert not first.candidates and [r.reason for r in first.rejections] == ["future"]
     again = _choose(selector, holdings, own=10, now=1.0)
     assert not again.candidates and not again.rejections  # counted once
+    # each version the claimer picks is no new entry in any ledger
+    for base in range(2000, 2100):
+        assert not _choose(selector, [_own(_offer(ALICE, base=base))], own=10, now=1.5).rejections
+    assert len(selector.judged) == 1
     assert not selector.attempted and not selector.delivered  # nothing the attacker picked is kept
     caught_up = _choose(selector, holdings, own=998, now=2.0)  # a re-sync brought this peer there
     assert [c.key.base_version for c in caught_up.candidates] == [1000]
