@@ -20,8 +20,9 @@ from what the log holds.
 
 `--scaled` runs the spec's scale, 8 workers over 150 rounds, for the default against the floor
 and the baselines, each at the setting the 4-worker sweep tuned, in every condition but random:4
-(stragglers: half of the workers 2-3x slower), and the default and averaging without the
-direction screen at τ = 0 and random:8; it writes bench/results/long_sweep_8x150.{runs.jsonl,json,png}.
+(stragglers: half of the workers 2-3x slower); and the default and averaging without the
+direction screen, and with the screen that judges a peer by its record, at τ = 0 (and random:8);
+it writes bench/results/long_sweep_8x150.{runs.jsonl,json,png}.
 
     python bench/long_sweep.py [--scaled] [--jobs 2] [--stage 1|2] [--report] [--rerun COND ...]
 """
@@ -92,8 +93,13 @@ METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
         "cga", {"mixing": "late", "cga_momentum": 0.5, "min_cosine": -1.0}, None
     ),
     "sgd, no screen": ("sgd", {"outer_lr": 1.0, "min_cosine": -1.0}, None),
+    # the settings of the rows above them, run at the code whose screen judges a peer by its
+    # record of direction (node/outer.py, 2026-12-02) instead of each round's cosine
+    "cga + late gossip, screen by record": ("cga", {"mixing": "late", "cga_momentum": 0.5}, None),
+    "sgd, screen by record": ("sgd", {"outer_lr": 1.0}, None),
 }  # fmt: skip
 SCREEN_OFF = ("cga + late gossip, no screen", "sgd, no screen")
+SCREEN_BY_RECORD = ("cga + late gossip, screen by record", "sgd, screen by record")
 # tuned once without delay and once under random delay; the delayed conditions use the latter
 # (stragglers and churn also put stale deliveries into the outer step)
 TUNED_AT = {
@@ -123,16 +129,22 @@ class Sweep(NamedTuple):
         return RESULTS / f"{self.name}.runs.jsonl"
 
 
-LONG = Sweep("long_sweep", BASE, CONDITIONS, tuple(m for m in METHODS if m not in SCREEN_OFF))
+LONG = Sweep(
+    "long_sweep", BASE, CONDITIONS, tuple(m for m in METHODS if m not in SCREEN_OFF + SCREEN_BY_RECORD)
+)
 SCALED = Sweep(
     "long_sweep_8x150",
     {**BASE, "workers": 8, "rounds": 150},
     {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"],
      "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]},
      "churn+drop": CONDITIONS["churn+drop"]},
-    ("local", "cga + late gossip", "sgd (averaging)", "gossip", "nesterov", "noloco", *SCREEN_OFF),
+    ("local", "cga + late gossip", "sgd (averaging)", "gossip", "nesterov", "noloco",
+     *SCREEN_OFF, *SCREEN_BY_RECORD),
     tuned_by=LONG,
-    skip=frozenset((m, c) for m in SCREEN_OFF for c in ("stragglers", "churn+drop")),
+    skip=frozenset(
+        [(m, c) for m in SCREEN_OFF + SCREEN_BY_RECORD for c in ("stragglers", "churn+drop")]
+        + [("sgd, screen by record", "random:8")]
+    ),
 )  # fmt: skip
 
 
