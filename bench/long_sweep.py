@@ -242,9 +242,9 @@ def _commit(sweep: Sweep) -> str:
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        # the log this sweep appends to is not a change to the code that made the runs
-        log = f":(exclude){sweep.log.relative_to(ROOT)}"
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", log)
+        # the files this sweep writes (its log, JSON and PNG) are no change to the code that made the runs
+        outputs = f":(exclude,glob){(RESULTS / sweep.name).relative_to(ROOT)}.*"
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", outputs)
     except OSError:
         return "unknown"
     return (head or "unknown") + ("+changes" if dirty else "")
