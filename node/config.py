@@ -109,8 +109,8 @@ class OuterOptions(_Part):
         0.0,
         ge=-1.0,
         le=1.0,
-        description="clip: a peer whose record (the running mean of its pseudo-gradients' cosines "
-        "with the own update) is below this is refused (counted 'opposed'); -1 takes every direction",
+        description="clip: a peer's pseudo-gradient whose cosine with the own update is below this is "
+        "refused (counted 'opposed'); -1 takes every direction",
     )
     alpha: float = Field(DEFAULT_ALPHA, ge=0, allow_inf_nan=False, description="CGAD: decay per round of age")
     cutoff: PositiveFloat = Field(

@@ -133,8 +133,6 @@ class OuterLoop:
         # the latest finite Δ this node computed per fragment, shared or not: the yardstick
         # peers' deltas are clipped around (robust.AroundOwn)
         self._yardstick: dict[int, Fragment] = {}
-        # per publisher, the running cosine of its deltas with the own Δ (``_direction_record``)
-        self._direction: dict[str, float] = {}
         # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
         self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
@@ -348,7 +346,7 @@ class OuterLoop:
                 if frag.kept not in judges:
                     judges[frag.kept] = AroundOwn(self._reference(f, frag.kept), self.options.clip_radius)
                 cosine, delta, clipped = judges[frag.kept].judge(delta)
-                if self._direction_record(frag.key.publisher, cosine) < self.options.min_cosine:
+                if cosine < self.options.min_cosine:
                     self.counters.rejected["opposed"] += 1
                     self.counters.rejected_by_peer[frag.key.publisher] += 1
                     continue
@@ -367,20 +365,6 @@ class OuterLoop:
             self.counters.age_count += 1
         self.history.extend(deliveries)
         return taken, deliveries
-
-    def _direction_record(self, publisher: str, cosine: float) -> float:
-        """A peer's record of direction: the running mean (``RECORD_DECAY`` per delivery) of its
-        deltas' cosines with the own Δ, this one's included; its first delivery's cosine alone.
-        The screen refuses a peer by its record, not by one round: late in training an honest
-        Δ points against the own one now and then (4-15% of them in 8 workers' 150 rounds, which
-        left the workers' φ apart and cost 0.1 in loss at τ = 0), while a reversing peer's
-        record is negative round after round."""
-        before = self._direction.pop(publisher, None)
-        record = cosine if before is None else RECORD_DECAY * before + (1 - RECORD_DECAY) * cosine
-        self._direction[publisher] = record  # newest last: the oldest go first past the bound
-        while len(self._direction) > MAX_RECORDS:
-            del self._direction[next(iter(self._direction))]
-        return record
 
     def _reference(self, f: int, kept: int | None) -> Tensor:
         """The yardstick as a delivery that keeps ``kept`` values per block (None: dense) would
@@ -578,10 +562,6 @@ class OuterLoop:
 
 
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what φ may come in
-# the direction screen's memory: a peer's record keeps this much of itself per delivery (an honest
-# peer's occasional opposed Δ moves it by 0.3 of its cosine), and at most MAX_RECORDS peers
-RECORD_DECAY = 0.7
-MAX_RECORDS = 4096
 
 
 def _share(value: object) -> float:
