@@ -176,8 +176,9 @@ class OuterLoop:
                 # With several fragments the other fragments' θ is NaN too (one forward pass made
                 # them so): every non-finite θ goes back to its φ, or the next block diverges again
                 self.counters.rejected["local_non_finite"] += 1
+                own_block = set(idx)
                 for i, t in enumerate(self.theta):
-                    if i in idx or not torch.isfinite(t).all():
+                    if i in own_block or not torch.isfinite(t).all():
                         t.copy_(self.phi[i])
                 self._turn[f] = None
                 return
