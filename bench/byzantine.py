@@ -4,7 +4,7 @@ clipped around the receiver's own), beside the same swarm without an attacker an
 floor (each worker training alone).
 
 5 workers of the sweep model (bench/sweep_model.json, 1024-token BPE of the bundled corpus), the
-last of them the attacker (it trains, then forges what it publishes: node/attacks.py); `cga` at
+last of them the attacker (it trains, then forges what it publishes: protocol/attacks.py); `cga` at
 its defaults, random delays up to 4 rounds, H = 10, batch 4 × 64, inner lr 1e-3, 30 rounds,
 seeds 0-2. The loss is the honest workers' mean held-out loss at the end. Writes
 bench/results/byzantine.json and byzantine.png; docs/SECURITY.md quotes the table.
@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from cgad.node.progress import progress_bar
+from cgad.node.front.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "byzantine.json"
@@ -53,9 +53,9 @@ def run_cell(cell: tuple[str, str | None, str, int]) -> dict[str, Any]:
     import torch
 
     from cgad.node.config import SimConfig
-    from cgad.node.data import load_dataset
-    from cgad.node.simulate import simulate
-    from cgad.node.tokenizer import load_tokenizer
+    from cgad.node.sim.simulate import simulate
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(None, vocab_size=1024)

@@ -17,7 +17,7 @@ import json
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from cgad.node.progress import progress_bar
+from cgad.node.front.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "codec_effect.json"
@@ -45,9 +45,9 @@ def run_cell(cell: tuple[str, str, str, str, int]) -> dict:
     import torch
 
     from cgad.node.config import SimConfig
-    from cgad.node.data import load_dataset
-    from cgad.node.simulate import simulate
-    from cgad.node.tokenizer import load_tokenizer
+    from cgad.node.sim.simulate import simulate
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(None, vocab_size=1024)

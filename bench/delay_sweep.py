@@ -23,8 +23,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from cgad.node.config import SimConfig
-from cgad.node.progress import progress_bar
-from cgad.node.report import delay_sort_key, plot_records, summarize
+from cgad.node.front.progress import progress_bar
+from cgad.node.front.report import delay_sort_key, plot_records, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -76,9 +76,9 @@ def _init_worker() -> None:
 
 
 def _run(c: SimConfig) -> dict:
-    from cgad.node.data import load_dataset
-    from cgad.node.simulate import simulate
-    from cgad.node.tokenizer import load_tokenizer
+    from cgad.node.sim.simulate import simulate
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     return simulate(c, load_dataset(tokenizer), tokenizer.vocab_size)

@@ -35,9 +35,9 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from cgad.node.data import load_dataset
-from cgad.node.model import build_model
-from cgad.node.tokenizer import load_tokenizer
+from cgad.node.training.data import load_dataset
+from cgad.node.training.model import build_model
+from cgad.node.training.tokenizer import load_tokenizer
 
 # InnerTrainer's defaults
 LR, WEIGHT_DECAY, BETAS, CLIP = 4e-4, 0.1, (0.9, 0.95), 1.0

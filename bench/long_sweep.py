@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from cgad.node.config import SimConfig
-from cgad.node.progress import progress_bar
-from cgad.node.report import summarize
+from cgad.node.front.progress import progress_bar
+from cgad.node.front.report import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -170,9 +170,9 @@ def _init_worker() -> None:
 
 
 def _run(c: SimConfig) -> dict:
-    from cgad.node.data import load_dataset
-    from cgad.node.simulate import simulate
-    from cgad.node.tokenizer import load_tokenizer
+    from cgad.node.sim.simulate import simulate
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None, vocab_size=VOCAB)
     record = simulate(c, load_dataset(tokenizer), tokenizer.vocab_size)
@@ -318,7 +318,7 @@ def main() -> None:
 def write_report(
     sweep: Sweep, chosen: dict[str, dict[str, dict]], table: list[tuple[str, str, int, dict]]
 ) -> None:
-    from cgad.node.report import plot_long_sweep
+    from cgad.node.front.report import plot_long_sweep
 
     done = load_log(sweep)
     rows: dict[str, dict[str, dict]] = {}

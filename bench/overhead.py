@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from cgad.node.config import JoinConfig
-from cgad.node.daemon import Node
-from cgad.node.data import load_dataset
-from cgad.node.model import build_model
-from cgad.node.tokenizer import load_tokenizer
+from cgad.node.daemon.node import Node
+from cgad.node.training.data import load_dataset
+from cgad.node.training.model import build_model
+from cgad.node.training.tokenizer import load_tokenizer
 
 RESULT = Path(__file__).parent / "results" / "overhead.json"
 

@@ -2,7 +2,7 @@
 
 ``JoinConfig`` (a daemon), ``SimConfig`` (the simulator) and ``DemoConfig`` (the demo) are built
 from the same parts by inheritance, so a field is declared once: its type, its default, its range
-and its description, which is also the flag's help. ``cgad.node.cli`` turns every field into a
+and its description, which is also the flag's help. ``cgad.node.front.cli`` turns every field into a
 flag (``inner_steps`` is ``--inner-steps``); a YAML file (``--config``) may spell keys either way.
 The outer loop takes the ``OuterOptions`` part and the transport the ``NetworkOptions`` part of
 the very same object: nothing is copied field by field.
@@ -44,7 +44,7 @@ __all__ = [
 ADMIN_PORT = 7780  # where `cgad-node status` and `leave` look by default
 DASHBOARD_PORT = 7781  # where a node's dashboard is, http://127.0.0.1:7781/, unless that port is taken
 
-# The outer methods by name; cgad.node.methods holds what each one does (and checks it has one
+# The outer methods by name; cgad.node.member.methods holds what each one does (and checks it has one
 # method per name).
 OptimizerName = Literal[
     "cga", "cgad", "pa-cgad", "adam-decay", "adam", "nesterov", "delayed-nesterov", "sgd", "noloco", "local"
@@ -312,7 +312,7 @@ class SimOptions(_Part):
     @field_validator("attack")
     @classmethod
     def _attack(cls, value: str | None) -> str | None:
-        from cgad.node.attacks import Attack  # imports torch
+        from cgad.protocol.attacks import Attack  # imports torch
 
         return None if value is None else str(Attack.parse(value))
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cgad.node.admin import call_admin
+from cgad.node.daemon.admin import call_admin
 
 HOSTILE_NODE = Path(__file__).with_name("_hostile_node.py")
 CLI = str(Path(sys.executable).with_name("cgad-node"))

@@ -12,7 +12,7 @@ import torch
 from _daemons import CLI, FRESH_LOSS, SETTINGS, NodeProcess  # tests/ is on sys.path under pytest
 
 from cgad.node.config import JoinConfig
-from cgad.node.joining import IncompatibleSwarm, check_compatible
+from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
 from cgad.protocol.allreduce import GROUP_PUBLISHER, AllReduceExchange, averager_bootstrap, listen_anywhere
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey

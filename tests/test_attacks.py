@@ -9,11 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cgad.node.attacks import Attack, ForgingTransport
 from cgad.node.config import SimConfig
-from cgad.node.data import load_dataset
-from cgad.node.simulate import simulate
-from cgad.node.tokenizer import load_tokenizer
+from cgad.node.sim.simulate import simulate
+from cgad.node.training.data import load_dataset
+from cgad.node.training.tokenizer import load_tokenizer
+from cgad.protocol.attacks import Attack, ForgingTransport
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 

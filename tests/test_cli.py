@@ -54,7 +54,7 @@ def test_status_and_leave_stay_light(command):
     """The compose health check runs `status` every 30 s: it must not pay for torch."""
     code = (
         "import sys\n"
-        "from cgad.node.cli import main\n"
+        "from cgad.node.front.cli import main\n"
         f"rc = main([{command!r}, '--admin', '127.0.0.1:9'])\n"
         "heavy = sorted(m for m in ('torch', 'hivemind', 'transformers') if m in sys.modules)\n"
         "print(rc, heavy)\n"
@@ -64,7 +64,7 @@ def test_status_and_leave_stay_light(command):
 
 
 def test_the_status_summary_reads_a_fresh_node_and_a_busy_one() -> None:
-    from cgad.node.status import status_report
+    from cgad.node.daemon.status import status_report
 
     fresh = {
         "peer_id": "QmMe", "run_id": "r", "optimizer": "cga", "device": "cpu", "uptime": 5.0,
@@ -95,7 +95,7 @@ def test_metrics_are_counters_and_gauges_a_scraper_can_read() -> None:
     import socket
     import urllib.request
 
-    from cgad.node.metrics import Metrics
+    from cgad.node.daemon.metrics import Metrics
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cgad.node.cli import build_parser
+from cgad.node.front.cli import build_parser
 from cgad.protocol.records import Identity
 
 ROOT = Path(__file__).resolve().parent.parent

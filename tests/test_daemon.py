@@ -8,8 +8,8 @@ import subprocess
 import pytest
 from _daemons import CLI, FRESH_LOSS, SETTINGS, NodeProcess  # tests/ is on sys.path under pytest
 
-from cgad.node.admin import call_admin, check_health
-from cgad.node.export import export_checkpoint
+from cgad.node.daemon.admin import call_admin, check_health
+from cgad.node.front.export import export_checkpoint
 
 pytestmark = pytest.mark.integration
 

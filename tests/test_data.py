@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cgad.node.data import (
+from cgad.node.training.data import (
     BUNDLED_SOURCE,
     DataError,
     TokenDataset,
@@ -14,7 +14,7 @@ from cgad.node.data import (
     cache_root,
     load_dataset,
 )
-from cgad.node.tokenizer import (
+from cgad.node.training.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     TokenizerError,
     load_hf_tokenizer,

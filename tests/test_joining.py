@@ -12,10 +12,10 @@ import pytest
 import torch
 from _netswarm import RUN, make_transport, wait_for  # tests/ is on sys.path under pytest
 
-from cgad.node.checkpoint import pack
 from cgad.node.config import JoinConfig
-from cgad.node.joining import MAX_ADOPTIONS, IncompatibleSwarm, StateSync, settled
-from cgad.node.outer import OuterLoop
+from cgad.node.daemon.checkpoint import pack
+from cgad.node.daemon.joining import MAX_ADOPTIONS, IncompatibleSwarm, StateSync, settled
+from cgad.node.member.outer import OuterLoop
 from cgad.protocol.records import PROTOCOL_VERSION, fragment_key, progress_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

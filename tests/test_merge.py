@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cgad.node.config import OPTIMIZERS, OuterOptions, SimConfig
-from cgad.node.methods import METHODS, method
+from cgad.node.member.methods import METHODS, method
 from cgad.optim import AUTO_LR_SCALE, merge, staleness_weight
 
 

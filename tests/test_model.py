@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from cgad.node.model import PRESETS, ModelConfigError, build_model, model_config, parameter_count
+from cgad.node.training.model import PRESETS, ModelConfigError, build_model, model_config, parameter_count
 
 VOCAB = 4096
 # What each preset is advertised as, at the bundled tokenizer's vocabulary.
@@ -147,7 +147,7 @@ def test_unknown_preset_lists_the_presets():
 def test_the_fingerprint_tells_apart_configs_that_compute_differently() -> None:
     """Peers compare fingerprints before exchanging anything: a config with an attention bias or
     another rotary base has the same shapes (or nearly) but trains another function."""
-    from cgad.node.model import model_fingerprint
+    from cgad.node.training.model import model_fingerprint
 
     base = model_config("tiny", 4096)
     assert model_fingerprint(base) == model_fingerprint(model_config("tiny", 4096))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _netswarm import RUN, SMALL, key, make_transport, settle, wait_for
 
-from cgad.node.monitor import render
+from cgad.node.daemon.monitor import render
 from cgad.protocol.transport import Fragment
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgad.node.checkpoint import (
+from cgad.node.config import ConfigError, JoinConfig, build_config, load_yaml
+from cgad.node.daemon.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
     load_checkpoint,
@@ -16,7 +17,6 @@ from cgad.node.checkpoint import (
     save_checkpoint,
     unpack,
 )
-from cgad.node.config import ConfigError, JoinConfig, build_config, load_yaml
 
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 
@@ -64,7 +64,7 @@ def test_a_crash_mid_write_keeps_the_previous_checkpoint(tmp_path):
     # a child process that dies (SIGKILL) while writing a much larger checkpoint
     code = (
         "import os, signal, torch\n"
-        "import cgad.node.checkpoint as c\n"
+        "import cgad.node.daemon.checkpoint as c\n"
         "real = os.fsync\n"
         "def die(fd):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -145,7 +145,7 @@ def test_join_dry_run_validates_flags_and_file(tmp_path):
 
 
 def _lone_node(tmp_path: Path, **overrides):
-    from cgad.node.daemon import Node
+    from cgad.node.daemon.node import Node
 
     config = JoinConfig(
         run_id="lifecycle", model="tiny", inner_steps=4, batch_size=2, seq_len=32, eval_batches=1,

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from cgad.node.checkpoint import pack
 from cgad.node.config import OuterOptions
-from cgad.node.outer import OuterLoop
+from cgad.node.daemon.checkpoint import pack
+from cgad.node.member.outer import OuterLoop
 from cgad.protocol.codec import encoded_size
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.scheduling import AUTO_LINK_SHARE

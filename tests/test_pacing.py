@@ -1,6 +1,6 @@
-"""Keeping a daemon's block boundaries in phase with its peers' (node/pacing.py)."""
+"""Keeping a daemon's block boundaries in phase with its peers' (node/member/pacing.py)."""
 
-from cgad.node.pacing import adopted_block_over, phase_nudge
+from cgad.node.member.pacing import adopted_block_over, phase_nudge
 
 
 def test_a_node_whose_wait_ends_short_of_its_peers_is_ahead_and_waits_longer_next_block():

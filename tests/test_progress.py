@@ -3,7 +3,7 @@
 import io
 import re
 
-from cgad.node.progress import LineProgress
+from cgad.node.front.progress import LineProgress
 
 
 def test_lines_say_how_far_how_long_and_the_latest_result() -> None:

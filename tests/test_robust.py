@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cgad.node.config import OuterOptions
-from cgad.node.outer import OuterLoop
+from cgad.node.member.outer import OuterLoop
 from cgad.optim import AroundOwn
 from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.memory import VirtualNetwork

@@ -127,7 +127,7 @@ def test_version_clock_from_progress_reports():
 
 def test_what_the_node_calls_too_old_follows_its_method():
     from cgad.node.config import OuterOptions
-    from cgad.node.methods import method
+    from cgad.node.member.methods import method
 
     options = OuterOptions(cutoff=2.5)
     assert method("cga").stale_after(options) == 3  # σ(3) = 0 past a cutoff of 2.5

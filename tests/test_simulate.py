@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from cgad.node.config import JoinConfig, OuterOptions, SimConfig, parse_stragglers
-from cgad.node.data import load_dataset
-from cgad.node.model import build_model
-from cgad.node.outer import OuterLoop
-from cgad.node.simulate import simulate, worker_batches
-from cgad.node.tokenizer import load_tokenizer
-from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.node.member.outer import OuterLoop
+from cgad.node.sim.simulate import simulate, worker_batches
+from cgad.node.training.data import load_dataset
+from cgad.node.training.model import build_model
+from cgad.node.training.tokenizer import load_tokenizer
+from cgad.node.training.trainer import InnerTrainer, evaluate
 from cgad.optim import CGAD
 from cgad.protocol.codec import encoded_size
 from cgad.protocol.memory import Delay, VirtualNetwork

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checks import EXPECTATIONS, check
 from testbed import Link, Testbed, available
 
-from cgad.node.admin import call_admin
-from cgad.node.progress import progress_bar
+from cgad.node.daemon.admin import call_admin
+from cgad.node.front.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "wan"
@@ -150,7 +150,7 @@ def phi_spread(checkpoints: list[Path]) -> dict[str, Any] | None:
     updates keeps this near 0; isolated nodes drift apart freely."""
     import torch
 
-    from cgad.node.checkpoint import load_checkpoint
+    from cgad.node.daemon.checkpoint import load_checkpoint
 
     flats = []
     for directory in checkpoints:

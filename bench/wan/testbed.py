@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cgad.node.status import read_proc_stat
+from cgad.node.daemon.status import read_proc_stat
 
 PREFIX = "cgadwan"
 SUBNET = "10.77.0"

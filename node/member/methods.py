@@ -30,7 +30,7 @@ from cgad.optim import (
 )
 
 if TYPE_CHECKING:
-    from cgad.node.outer import OuterLoop
+    from cgad.node.member.outer import OuterLoop
 
 __all__ = ["METHODS", "Contribution", "OuterMethod", "method"]
 

@@ -25,22 +25,21 @@ from typing import Any
 
 import torch
 
-from cgad.node.admin import AdminServer
-from cgad.node.checkpoint import load_checkpoint, pack, save_checkpoint
 from cgad.node.config import JoinConfig
-from cgad.node.dashboard import DashboardServer
-from cgad.node.data import load_dataset
-from cgad.node.export import TOKENIZER_DIR
-from cgad.node.joining import StateSync, check_compatible
-from cgad.node.methods import method
-from cgad.node.metrics import Metrics
-from cgad.node.model import build_model, model_fingerprint
-from cgad.node.monitor import swarm_rows
-from cgad.node.outer import OuterLoop
-from cgad.node.pacing import Turn, adopted_block_over, phase_nudge
-from cgad.node.status import cpu_seconds_by_thread, status_line
-from cgad.node.tokenizer import load_tokenizer
-from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.node.daemon.admin import AdminServer
+from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint, pack, save_checkpoint
+from cgad.node.daemon.dashboard import DashboardServer
+from cgad.node.daemon.joining import StateSync, check_compatible
+from cgad.node.daemon.metrics import Metrics
+from cgad.node.daemon.monitor import swarm_rows
+from cgad.node.daemon.status import cpu_seconds_by_thread, status_line
+from cgad.node.member.methods import method
+from cgad.node.member.outer import OuterLoop
+from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
+from cgad.node.training.data import load_dataset
+from cgad.node.training.model import build_model, model_fingerprint
+from cgad.node.training.tokenizer import load_tokenizer
+from cgad.node.training.trainer import InnerTrainer, evaluate
 from cgad.protocol.allreduce import AllReduceExchange, averager_bootstrap, listen_anywhere
 from cgad.protocol.files import atomic_write
 from cgad.protocol.network import NetworkTransport

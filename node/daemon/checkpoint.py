@@ -24,7 +24,17 @@ from safetensors.torch import save as save_tensors
 
 from cgad.protocol.files import atomic_write
 
-__all__ = ["CHECKPOINT_NAME", "CheckpointError", "load_checkpoint", "pack", "save_checkpoint", "unpack"]
+__all__ = [
+    "CHECKPOINT_NAME",
+    "TOKENIZER_DIR",
+    "CheckpointError",
+    "load_checkpoint",
+    "pack",
+    "save_checkpoint",
+    "unpack",
+]
+
+TOKENIZER_DIR = "tokenizer"  # beside the checkpoint: the tokenizer the node trained with
 
 CHECKPOINT_NAME = "node.safetensors"
 _TENSOR = "__tensor__"

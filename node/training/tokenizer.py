@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as _RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from cgad.node.data import bundled_corpus_files, cache_root
+from cgad.node.training.corpus import bundled_corpus_files, cache_root
 from cgad.protocol.files import atomic_write
 
 DEFAULT_VOCAB_SIZE = 4096

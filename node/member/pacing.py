@@ -3,7 +3,7 @@ in phase with the peers'.
 
 A node publishes fragment f's pseudo-gradient at the end of its block and takes the outer step
 up to ``--apply-delay`` inner steps later, as soon as every live peer's fragment of the same
-version is in (node/daemon.py). That makes ages 0 only if the peers' blocks end near its own.
+version is in (node/daemon/node.py). That makes ages 0 only if the peers' blocks end near its own.
 """
 
 from __future__ import annotations

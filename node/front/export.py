@@ -8,12 +8,11 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cgad.node.checkpoint import load_checkpoint
-from cgad.node.tokenizer import load_hf_tokenizer
+from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint
+from cgad.node.training.tokenizer import load_hf_tokenizer
 
-__all__ = ["TOKENIZER_DIR", "export_checkpoint"]
+__all__ = ["export_checkpoint"]
 
-TOKENIZER_DIR = "tokenizer"  # beside the checkpoint: the tokenizer the node trained with
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:

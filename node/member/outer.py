@@ -11,7 +11,7 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
    (the default) a peer's Δ pointing against the own one is refused (``opposed``) and the rest
    are clipped around it (``cgad.optim.AroundOwn``), and a peer's token claim weighs at most
    ``TOKEN_CAP`` times the own block;
-3. the outer method (``cgad.node.methods``) takes one step on f, whatever arrived: the age-aware
+3. the outer method (``cgad.node.member.methods``) takes one step on f, whatever arrived: the age-aware
    family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
    Nesterov and SGD the token-weighted mean; Delayed Nesterov takes each delivery as one
    arrival; NoLoCo averages with one random peer of the round;
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from cgad.node.config import OuterOptions
-from cgad.node.methods import Contribution, method
+from cgad.node.member.methods import Contribution, method
 from cgad.optim import AroundOwn, staleness_weight
 from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode, encoded_size
 from cgad.protocol.config import LOOP_CODECS, SPARSE_KEPT, wire_codec

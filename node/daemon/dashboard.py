@@ -1,4 +1,4 @@
-"""The dashboard every node serves: one self-contained page (node/dashboard.html, no asset from the
+"""The dashboard every node serves: one self-contained page (node/daemon/dashboard.html, no asset from the
 internet) that polls ``/api/status`` and draws this node's losses, the swarm's live peers from
 their signed progress records, the ages of applied fragments, refusals and traffic.
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cgad.node.admin import call_admin
 from cgad.node.config import DemoConfig, OuterOptions, TrainingOptions
-from cgad.node.status import status_line
+from cgad.node.daemon.admin import call_admin
+from cgad.node.daemon.status import status_line
 
 __all__ = ["run_demo"]
 
@@ -50,7 +50,7 @@ def _join_options(config: DemoConfig) -> dict[str, Any]:
 def _join_command(
     index: int, workdir: Path, ports: tuple[int, int], peers: list[str], options: dict[str, Any]
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "cgad.node.cli", "join", "--run-id", "demo"]
+    cmd = [sys.executable, "-m", "cgad.node.front.cli", "join", "--run-id", "demo"]
     cmd += ["--checkpoint-dir", str(workdir / f"node{index}"), "--admin-port", str(ports[0])]
     cmd += ["--dashboard-port", str(ports[1])]
     cmd += ["--identity", str(workdir / f"node{index}.key")]

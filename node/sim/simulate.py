@@ -3,7 +3,7 @@
 Each worker is what a daemon is: a model replica, an inner AdamW trainer on its own data shard, an
 ``OuterLoop`` and a transport, here a ``MemoryTransport`` with injected delay, loss, bandwidth,
 stragglers and churn; the last ``attackers`` workers forge what they publish
-(``node/attacks.py``), and the swarm is judged by the others. Time is virtual: an inner step
+(``protocol/attacks.py``), and the swarm is judged by the others. Time is virtual: an inner step
 costs ``step_time × speed factor`` seconds.
 
 Workers advance in sync events ordered by virtual time. At each sync time, every worker due then
@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cgad.node.attacks import Attack, ForgingTransport
 from cgad.node.config import SimConfig
-from cgad.node.data import BatchIterator, TokenDataset
-from cgad.node.model import build_model
-from cgad.node.outer import Delivery, OuterLoop
-from cgad.node.trainer import InnerTrainer, evaluate
+from cgad.node.member.outer import Delivery, OuterLoop
+from cgad.node.training.data import BatchIterator, TokenDataset
+from cgad.node.training.model import build_model
+from cgad.node.training.trainer import InnerTrainer, evaluate
+from cgad.protocol.attacks import Attack, ForgingTransport
 from cgad.protocol.memory import Delay, MemoryTransport, VirtualNetwork
 
 __all__ = ["simulate", "worker_batches"]

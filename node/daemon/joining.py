@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Any
 
-from cgad.node.checkpoint import CheckpointError, unpack
 from cgad.node.config import JoinConfig
-from cgad.node.outer import OuterLoop
+from cgad.node.daemon.checkpoint import CheckpointError, unpack
+from cgad.node.member.outer import OuterLoop
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION

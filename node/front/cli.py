@@ -69,7 +69,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from cgad.node.methods import METHODS
+    from cgad.node.member.methods import METHODS
 
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     print(f"cgad-node     {__version__}")
@@ -189,7 +189,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # this package's loggers only: debug from hivemind and gRPC would drown what says why
     logging.getLogger("cgad").setLevel(args.log_level.upper())
-    from cgad.node.daemon import Node
+    from cgad.node.daemon.node import Node
 
     node = Node(config)
     try:
@@ -261,8 +261,8 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from cgad.node.admin import call_admin
-    from cgad.node.status import status_report
+    from cgad.node.daemon.admin import call_admin
+    from cgad.node.daemon.status import status_report
 
     status = call_admin(args.admin, "Status")
     print(json.dumps(status, indent=1) if args.json else status_report(status))
@@ -272,7 +272,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_swarm(args: argparse.Namespace) -> int:
     import time
 
-    from cgad.node.monitor import as_json, open_monitor, render, swarm_rows
+    from cgad.node.daemon.monitor import as_json, open_monitor, render, swarm_rows
     from cgad.protocol.config import NetworkOptions
 
     options = NetworkOptions(run_id=args.run_id, peers=args.peers, swarm_key=args.swarm_key)
@@ -292,7 +292,7 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
 
 
 def _cmd_leave(args: argparse.Namespace) -> int:
-    from cgad.node.admin import call_admin
+    from cgad.node.daemon.admin import call_admin
 
     call_admin(args.admin, "Leave")
     print(f"asked the node at {args.admin} to leave")
@@ -300,7 +300,7 @@ def _cmd_leave(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from cgad.node.export import export_checkpoint
+    from cgad.node.front.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint_dir, args.out)
     print(f"wrote a Hugging Face model directory to {out}")
@@ -326,7 +326,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from cgad.node.config import DemoConfig
-    from cgad.node.demo import run_demo
+    from cgad.node.front.demo import run_demo
 
     png, interrupted = run_demo(_config_from(DemoConfig, args))
     print(f"loss curves: {png.resolve()}")
@@ -385,11 +385,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from cgad.node.data import load_dataset
-    from cgad.node.progress import progress_bar
-    from cgad.node.report import plot_records
-    from cgad.node.simulate import simulate
-    from cgad.node.tokenizer import load_tokenizer
+    from cgad.node.front.progress import progress_bar
+    from cgad.node.front.report import plot_records
+    from cgad.node.sim.simulate import simulate
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,0 +1,1 @@
+"""Training: text to tokens (corpus, tokenizer, data), the model, and the inner steps (trainer)."""
