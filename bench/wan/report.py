@@ -1,16 +1,16 @@
 """Compare WAN testbed runs: each scenario against the isolated floor, at the same wall-clock.
 
-Reads the result files of ``bench/wan/run.py`` (bench/results/wan/<name>.json), and for each
-scenario reports, per node and as mean [range] over nodes: the held-out loss at a common
-wall-clock time (the shortest run's end, so every scenario is judged at the same seconds), and
-the mean of its evaluations in the minute before (one evaluation is a few batches: noisy),
-utilisation (inner steps done / the floor's mean inner steps in the same seconds), fragments
-applied, mean age, and what was rejected or skipped; and, apart from utilisation, what the
-exchange did per unit of compute: each node's loss at its last evaluation against the floor's at
-the same number of inner steps (interpolated; comparing rounds would not do, since a swarm node
-trains on while it waits and carries those steps into the round). Writes
-bench/results/wan/summary.json, a PNG of mean loss against wall-clock and against inner steps per
-scenario, and prints a markdown table (docs/WAN.md).
+Reads the runs of ``bench/wan/run.py`` (bench/results/wan/<name>.jsonl.gz, or <name>.json as
+they were written before; runlog.py reads both), and for each scenario reports, per node and as
+mean [range] over nodes: the held-out loss at a common wall-clock time (the shortest run's end,
+so every scenario is judged at the same seconds), and the mean of its evaluations in the minute
+before (one evaluation is a few batches: noisy), utilisation (inner steps done / the floor's
+mean inner steps in the same seconds), fragments applied, mean age, and what was rejected or
+skipped; and, apart from utilisation, what the exchange did per unit of compute: each node's
+loss at its last evaluation against the floor's at the same number of inner steps (interpolated;
+comparing rounds would not do, since a swarm node trains on while it waits and carries those
+steps into the round). Writes bench/results/wan/summary.json, a PNG of mean loss against
+wall-clock and against inner steps per scenario, and prints a markdown table (docs/WAN.md).
 
     python bench/wan/report.py [--floor 10mbit-4-isolated] [--out summary] [names...]
 """
@@ -21,11 +21,21 @@ import argparse
 import itertools
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runlog import find_run, read_run, run_names
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "wan"
+
+
+def load(name: str, directory: Path = RESULTS) -> dict[str, Any]:
+    """Run ``name``'s record, in either format."""
+    return read_run(find_run(directory, name))
 
 
 def node_series(result: dict[str, Any], index: int, field: str) -> list[tuple[float, float]]:
@@ -129,24 +139,31 @@ def summarize(
     }
 
 
+def compare(results: dict[str, dict[str, Any]], floor_name: str) -> dict[str, Any]:
+    """The summary of ``results`` (name -> run; the floor's among them) against the floor's run,
+    at the end of the shortest run: what ``main`` writes as JSON."""
+    t = min(max(s["t"] for s in r["samples"]) for r in results.values())
+    floor_nodes = summarize(results[floor_name], t, None, None)["nodes"]
+    floor_steps = statistics.fmean(n["inner_steps"] for n in floor_nodes if n["inner_steps"] is not None)
+    floor = floor_curve(results[floor_name], t)
+    summary = {name: summarize(r, t, floor_steps, floor) for name, r in results.items()}
+    return {"floor": floor_name, "scenarios": summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("names", nargs="*", help="scenario names (default: every result file)")
+    parser.add_argument("names", nargs="*", help="scenario names (default: every run in bench/results/wan)")
     parser.add_argument("--floor", default="10mbit-4-isolated", help="the isolated run to compare with")
     parser.add_argument("--out", default="summary", help="name of the JSON and PNG written (a comparison)")
     args = parser.parse_args()
-    names = args.names or sorted(p.stem for p in RESULTS.glob("*.json") if not p.stem.startswith("summary"))
-    results = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in names}
+    names = args.names or run_names(RESULTS)
+    results = {name: load(name) for name in names}
     if args.floor not in results:
-        results[args.floor] = json.loads((RESULTS / f"{args.floor}.json").read_text())
-    t = min(max(s["t"] for s in r["samples"]) for r in results.values())
-    floor_nodes = summarize(results[args.floor], t, None, None)["nodes"]
-    floor_steps = statistics.fmean(n["inner_steps"] for n in floor_nodes if n["inner_steps"] is not None)
-    floor = floor_curve(results[args.floor], t)
-    summary = {name: summarize(r, t, floor_steps, floor) for name, r in results.items()}
-    (RESULTS / f"{args.out}.json").write_text(
-        json.dumps({"floor": args.floor, "scenarios": summary}, indent=1) + "\n"
-    )
+        results[args.floor] = load(args.floor)
+    compared = compare(results, args.floor)
+    summary = compared["scenarios"]
+    t = next(iter(summary.values()))["at_seconds"]
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(compared, indent=1) + "\n")
     plot(results, RESULTS / f"{args.out}.png")
     print(
         f"| scenario (loss at {t:.0f} s) | eval loss, mean [range] | last minute's mean | utilisation"

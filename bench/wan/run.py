@@ -8,9 +8,9 @@ checks.py; the runner exits 1 when a check fails). Node 0 starts the swarm; the 
 unless ``isolated`` is set (the floor: the same nodes, each training alone). Every few seconds
 the runner asks each node's admin API for its status; at the end every node is asked to leave.
 
-Writes bench/results/wan/<name>.json (the scenario, the testbed, every status sample, each
-node's final status, the checks' verdicts) and a PNG of held-out loss against wall-clock time
-per node.
+Writes bench/results/wan/<name>.jsonl.gz (the scenario, the testbed, every status sample, each
+node's final status, the checks' verdicts; per sample only what changed: runlog.py reads it back)
+and a PNG of held-out loss against wall-clock time per node.
 
     sudo .venv/bin/python bench/wan/run.py bench/wan/scenarios/10mbit-4.json [more.json ...] [--minutes M]
         [--keep-logs DIR]
@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from checks import EXPECTATIONS, check
+from runlog import LEGACY_SUFFIX, SUFFIX, write_run
 from testbed import Link, Testbed, available
 
 from cgad.node.daemon.admin import call_admin
@@ -243,7 +244,9 @@ def main() -> None:
             if args.keep_logs:  # everything but checkpoints and identity keys
                 shutil.copytree(tmp, Path(args.keep_logs) / scenario["name"], dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("ckpt", "*.key"))  # fmt: skip
-        (out / f"{scenario['name']}.json").write_text(json.dumps(result, indent=1) + "\n")
+        written = write_run(out / f"{scenario['name']}{SUFFIX}", result)
+        # a record of an earlier run of this name, in the format before, would now be read instead
+        (out / f"{scenario['name']}{LEGACY_SUFFIX}").unlink(missing_ok=True)
         png = plot(result, out / f"{scenario['name']}.png")
         for index, status in sorted(result["final"].items()):
             loss = None if status is None else status.get("eval_loss")
@@ -251,7 +254,7 @@ def main() -> None:
             print(f"node {index}: final eval loss {loss}; CPU seconds {cpu}")
         for verdict in result["checks"]:
             print(f"{'ok  ' if verdict['ok'] else 'FAIL'} {verdict['check']}: {verdict['detail']}")
-        print(f"wrote {out / (scenario['name'] + '.json')} and {png}")
+        print(f"wrote {written} and {png}")
         if not all(verdict["ok"] for verdict in result["checks"]):
             failed.append(scenario["name"])
     if failed:
