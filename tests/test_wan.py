@@ -1,12 +1,15 @@
 """The WAN testbed: how a run is kept (runlog.py), that the committed summaries are what report.py
-makes of the committed runs, and the short scenario: 3 real daemons in network namespaces on
-10 Mbit links, one SIGKILLed and restarted (skipped, with the reason, where namespaces cannot be
-made)."""
+makes of the committed runs, what a run records of the code and data order it ran
+(provenance.py), the floor a swarm is checked against, and the short scenario: 3 real daemons in
+network namespaces on 10 Mbit links, one SIGKILLed and restarted (skipped, with the reason, where
+namespaces cannot be made)."""
 
 import gzip
+import importlib
 import json
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,9 +20,19 @@ WAN = ROOT / "bench" / "wan"
 RESULTS = ROOT / "bench" / "results" / "wan"
 sys.path.insert(0, str(WAN))
 
+import checks  # noqa: E402
+import provenance  # noqa: E402
 import report  # noqa: E402
 import runlog  # noqa: E402
 from testbed import available  # noqa: E402
+
+SCENARIOS = WAN / "scenarios"
+
+
+@pytest.fixture
+def runner():
+    """bench/wan/run.py (it imports the daemon's admin client: here, not at collection)."""
+    return importlib.import_module("run")
 
 
 def _status(step: int, history: list, **more) -> dict:
@@ -119,15 +132,156 @@ def test_the_committed_summaries_are_what_report_makes_of_the_committed_runs():
         assert on_the_keys_of(kept, made) == kept, path.name
 
 
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def test_a_run_records_the_commit_and_a_tree_with_changes_outside_results_is_refused(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "node").mkdir(parents=True)
+    (repo / "bench" / "results" / "wan").mkdir(parents=True)
+    (repo / "node" / "a.py").write_text("x = 1\n")
+    (repo / "bench" / "results" / "wan" / "kept.png").write_text("old")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.org", "commit", "-q", "-m", "start")
+    head = _git(repo, "rev-parse", "HEAD").strip()
+
+    state = provenance.tree_state(repo)
+    assert state == {"commit": head, "clean": True, "changes": []}
+    assert provenance.refusal(state, None) is None
+    # what runs write: new results, and a result made again under its name
+    (repo / "bench" / "results" / "wan" / "new.jsonl.gz").write_bytes(b"x")
+    (repo / "bench" / "results" / "wan" / "kept.png").write_text("new")
+    assert provenance.tree_state(repo)["clean"]
+    # code changed, or a file beside it the code may import
+    (repo / "node" / "a.py").write_text("x = 2\n")
+    (repo / "node" / "b.py").write_text("")
+    state = provenance.tree_state(repo)
+    assert state["commit"] == head and not state["clean"]
+    assert state["changes"] == [" M node/a.py", "?? node/b.py"]
+    why = provenance.refusal(state, None)
+    assert why and "node/a.py" in why and "--experiment" in why
+    assert provenance.refusal(state, "a.py at x = 2") is None
+
+
+def test_main_refuses_a_tree_with_changes_before_anything_else(runner, monkeypatch):
+    dirty = {"commit": "0" * 40, "clean": False, "changes": [" M node/x.py"]}
+    monkeypatch.setattr(runner, "tree_state", lambda root: dirty)
+    monkeypatch.setattr(runner, "available", lambda: pytest.fail("checked the testbed first"))
+    monkeypatch.setattr(sys, "argv", ["run.py", str(SCENARIOS / "smoke-3.json")])
+    with pytest.raises(SystemExit, match=r"node/x\.py"):
+        runner.main()
+    monkeypatch.setattr(sys, "argv", ["run.py", str(SCENARIOS / "smoke-3.json"), "--experiment", " "])
+    with pytest.raises(SystemExit, match="needs a note"):
+        runner.main()
+
+
+def test_node_i_gets_the_same_data_seed_in_a_swarm_and_its_floor(runner):
+    swarm = runner.load_scenario(SCENARIOS / "10mbit-4-h50-downloading-joiners.json")
+    floor = runner.load_scenario(SCENARIOS / f"{swarm['floor']}.json")
+    assert swarm["data_seed"] and floor["data_seed"]  # on unless a scenario says otherwise
+
+    def seed(scenario, index, run_seed=0):
+        args = runner.node_args(scenario, index, run_seed)
+        assert args.count("--data-seed") == 1, args
+        return int(args[args.index("--data-seed") + 1])
+
+    for index in range(4):
+        assert seed(swarm, index) == seed(floor, index) == provenance.data_seed(index, 0)
+    seeds = {seed(swarm, i, run_seed) for i in range(4) for run_seed in range(3)}
+    assert len(seeds) == 12 and all(0 <= s < 2**32 for s in seeds)
+    assert runner.node_args(swarm, 1, 0)[-4:-2] == ["--seed", "1"]  # a node's own flags kept
+    # a scenario may leave data order to the nodes, or give a node its own seed
+    assert "--data-seed" not in runner.node_args({**swarm, "data_seed": False}, 0, 0)
+    own = {**swarm, "node_args": {"2": ["--data-seed", "7"]}}
+    assert runner.node_args(own, 2, 0)[-2:] == ["--data-seed", "7"]
+    assert runner.node_args(own, 2, 0).count("--data-seed") == 1
+
+
+def test_every_scenario_loads_and_a_named_floor_runs_first_once(runner, tmp_path):
+    paths = sorted(SCENARIOS.glob("*.json"))
+    for path in paths:
+        scenario = runner.load_scenario(path)
+        if "floor" in scenario:
+            floor = runner.load_scenario(SCENARIOS / f"{scenario['floor']}.json")
+            assert floor["isolated"] and floor["nodes"] == scenario["nodes"], path.name
+    names = [
+        s["name"] for s in runner.plan([SCENARIOS / "10mbit-4-h50.json", SCENARIOS / "2mbit-4-h50.json"])
+    ]
+    assert names == ["10mbit-4-h50-isolated", "10mbit-4-h50", "2mbit-4-h50"]
+    given_after = runner.plan([SCENARIOS / "10mbit-4.json", SCENARIOS / "10mbit-4-isolated.json"])
+    assert [s["name"] for s in given_after] == ["10mbit-4-isolated", "10mbit-4"]
+    assert [s["name"] for s in runner.plan([SCENARIOS / "chaos-leave.json"])] == ["chaos-leave"]
+    (tmp_path / "swarm.json").write_text(json.dumps({"nodes": 3, "mbit": 10, "minutes": 1, "floor": "alone"}))
+    (tmp_path / "alone.json").write_text(json.dumps({"nodes": 4, "mbit": 10, "minutes": 1, "isolated": True}))
+    with pytest.raises(ValueError, match="not 3 isolated nodes"):
+        runner.plan([tmp_path / "swarm.json"])
+    (tmp_path / "typo.json").write_text(json.dumps({"nodes": 3, "mbit": 10, "minutes": 1, "data_seed": 5}))
+    with pytest.raises(ValueError, match="data_seed is true or false"):
+        runner.load_scenario(tmp_path / "typo.json")
+
+
+def _ended(
+    losses: dict, *, isolated: bool = False, started: str = "2025-12-08T10:00:00+00:00", **more
+) -> dict:
+    scenario = {"name": "s", "nodes": len(losses), "minutes": 10, "events": [], "isolated": isolated}
+    if not isolated:
+        scenario["floor"] = "alone"
+    final = {str(i): {"eval_history": [[0, 8.0], [9, loss]]} for i, loss in losses.items()}
+    return {"scenario": scenario, "commit": "c" * 40, "started_at": started, "run_seed": 0,
+            "data_seeds": {"0": 1, "1": 2}, "final": final, **more}  # fmt: skip
+
+
+def test_a_swarm_is_checked_against_its_floor_of_the_same_hour():
+    floor = _ended({0: 4.2, 1: 4.3}, isolated=True, started="2025-12-08T10:11:00+00:00")
+    verdict = checks.check_floor(_ended({0: 4.0, 1: 4.1}), floor)
+    assert verdict["check"] == "below_floor" and verdict["ok"], verdict
+    assert "4.050" in verdict["detail"] and "4.250" in verdict["detail"] and "-0.200" in verdict["detail"]
+    assert not checks.check_floor(_ended({0: 4.2, 1: 4.4}), floor)["ok"]
+    # a node that was told to leave is not counted; one silent at the end neither
+    left = _ended({0: 4.0, 1: 9.0})
+    left["scenario"]["events"] = [{"at": 5, "leave": 1}]
+    assert checks.final_losses(left) == {0: 4.0}
+    assert checks.check_floor(left, floor)["ok"]
+    # runs that do not compare are not compared
+    for unlike, why in [
+        (None, "no run of its floor alone"),
+        ({**floor, "commit": "d" * 40}, "commit"),
+        ({**floor, "run_seed": 1}, "run_seed"),
+        ({**floor, "data_seeds": {}}, "data_seeds"),
+        ({**floor, "scenario": {**floor["scenario"], "minutes": 6}}, "10 minutes against 6"),
+        ({**floor, "started_at": "2025-12-08T11:00:01+00:00"}, "more than an hour"),
+        ({**floor, "final": {"0": None}}, "final losses of 2 swarm and 0 floor nodes"),
+    ]:
+        verdict = checks.check_floor(_ended({0: 4.0, 1: 4.1}), unlike)
+        assert not verdict["ok"] and why in verdict["detail"], verdict
+
+
+def test_a_figure_says_what_ran():
+    ran = _ended({0: 4.0}, experiment="gossip every round", clean=False)
+    assert (
+        provenance.describe(ran)
+        == "cccccccccc with uncommitted changes; experiment: gossip every round; run seed 0"
+    )
+    assert provenance.describe(ran, short=True) == "cccccccccc+changes experiment"
+    old = {"commit": "1a0a345-dirty"}  # as the runner recorded it before
+    assert provenance.describe(old) == provenance.describe(old, short=True) == "1a0a345-dirty"
+    assert provenance.what_ran(old)["clean"] is None
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(available() is not None, reason=str(available()))
 @pytest.mark.timeout(600)
 def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, monkeypatch):
-    from run import load_scenario, run
+    from run import load_scenario, run, takes_data_seed
 
+    executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent))
+    if not takes_data_seed(executable):
+        pytest.skip("this cgad-node has no --data-seed yet (the runner gives every node one)")
     monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
     scenario = load_scenario(ROOT / "bench" / "wan" / "scenarios" / "smoke-3.json")
-    executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent))
     result = run(scenario, tmp_path, executable)
     # the scenario's own expectations (bench/wan/checks.py): losses finite, every node answering
     # and learning, the joiners joined, the restarted node back within 4 versions of the swarm
@@ -142,6 +296,9 @@ def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, mon
     spread = result["phi_spread"]
     assert spread is not None and spread["nodes"] == 3, spread
     assert all(0 <= d < 1 for d in spread["relative_distance_to_mean"]), spread
+    # what ran: the code (dirty or not, recorded either way) and each node's data seed
+    assert len(result["commit"]) == 40 and isinstance(result["clean"], bool)
+    assert set(result["data_seeds"]) == {"0", "1", "2"}
     # and the record kept of it reads back whole
     path = runlog.write_run(tmp_path / f"smoke{runlog.SUFFIX}", json.loads(json.dumps(result)))
     assert runlog.same(runlog.read_run(path), json.loads(json.dumps(result)))

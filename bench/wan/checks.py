@@ -18,17 +18,25 @@ A scenario states its expectations as data (``"expect"`` in its JSON); each beco
 - ``rounds_with_fresh``: for each node up at the end, at least this fraction of the outer steps
   seen in the samples applied a peer fragment at age 0 or 1 (on a thin link the bytes go to
   fragments that count).
+
+And where the scenario names its floor (``"floor"``: the same nodes, each training alone, run in
+the same invocation), ``check_floor`` makes one more verdict, ``below_floor``: the swarm's mean
+final held-out loss (each node's last evaluation, over the nodes up at the end) is below the
+floor's, the two runs being comparable: the same commit, run seed and per-node data seeds, the
+same minutes, started within the hour of each other.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from datetime import datetime
 from typing import Any
 
-__all__ = ["EXPECTATIONS", "check"]
+__all__ = ["EXPECTATIONS", "SAME_HOUR_SECONDS", "check", "check_floor", "final_losses"]
 
 EXPECTATIONS = {"learns", "recovers", "peers_at_end", "joins", "rounds_with_fresh"}
+SAME_HOUR_SECONDS = 3600.0
 
 
 def _verdict(name: str, ok: bool, detail: str) -> dict[str, Any]:
@@ -113,6 +121,55 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
         ok = all(share >= expect["rounds_with_fresh"] for share in shares.values())
         verdicts.append(_verdict("rounds_with_fresh", ok, f"share of outer steps {_fmt(shares)}"))
     return verdicts
+
+
+def final_losses(result: dict[str, Any]) -> dict[int, float]:
+    """Each node's last held-out loss, for the nodes that answered at the end and were not told
+    to leave (or killed without a restart)."""
+    gone = _gone(result["scenario"])
+    losses = {}
+    for index, status in result["final"].items():
+        if status is not None and int(index) not in gone and status.get("eval_history"):
+            losses[int(index)] = float(status["eval_history"][-1][1])
+    return losses
+
+
+def check_floor(result: dict[str, Any], floor: dict[str, Any] | None) -> dict[str, Any]:
+    """``below_floor``: the swarm's mean final held-out loss against its floor's (``floor``: the
+    floor's run, None where there is none), or why the two do not compare."""
+    name = result["scenario"].get("floor")
+    if floor is None:
+        return _verdict("below_floor", False, f"no run of its floor {name} beside it")
+    unlike = []
+    for key in ("commit", "run_seed", "data_seeds"):
+        if result.get(key) != floor.get(key):
+            unlike.append(f"{key} {result.get(key)} against the floor's {floor.get(key)}")
+    if result["scenario"]["minutes"] != floor["scenario"]["minutes"]:
+        unlike.append(f"{result['scenario']['minutes']} minutes against {floor['scenario']['minutes']}")
+    apart = _seconds_apart(result.get("started_at"), floor.get("started_at"))
+    if apart is None:
+        unlike.append("no start time")
+    elif apart > SAME_HOUR_SECONDS:
+        unlike.append(f"started {apart:.0f} s apart, more than an hour")
+    swarm, alone = final_losses(result), final_losses(floor)
+    if not swarm or not alone:
+        unlike.append(f"final losses of {len(swarm)} swarm and {len(alone)} floor nodes")
+    if unlike:
+        return _verdict("below_floor", False, f"not comparable with its floor {name}: {'; '.join(unlike)}")
+    mean, floor_mean = sum(swarm.values()) / len(swarm), sum(alone.values()) / len(alone)
+    return _verdict(
+        "below_floor",
+        mean < floor_mean,
+        f"mean final held-out loss {mean:.3f} [{min(swarm.values()):.3f}-{max(swarm.values()):.3f}] against"
+        f" {floor_mean:.3f} [{min(alone.values()):.3f}-{max(alone.values()):.3f}] for {name}"
+        f" ({mean - floor_mean:+.3f}; started {apart:.0f} s apart)",
+    )
+
+
+def _seconds_apart(a: str | None, b: str | None) -> float | None:
+    if not a or not b:
+        return None
+    return abs((datetime.fromisoformat(a) - datetime.fromisoformat(b)).total_seconds())
 
 
 def _applied_after_last_event(result: dict[str, Any], node: int) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from provenance import describe, what_ran
 from runlog import find_run, read_run, run_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +137,7 @@ def summarize(
         "eval_loss_last_minute_range": [min(minute), max(minute)] if minute else None,
         "utilisation_mean": statistics.fmean(utilisation) if utilisation else None,
         "vs_floor_same_steps_mean": statistics.fmean(same_steps) if same_steps else None,
+        "what_ran": what_ran(result),
     }
 
 
@@ -202,7 +204,9 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
             values = [v for v in values if v is not None]
             if values:
                 points.append((t, statistics.fmean(values)))
-        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], label=name)
+        (line,) = ax.plot(
+            [p[0] for p in points], [p[1] for p in points], label=f"{name} ({describe(result, True)})"
+        )
         for i in nodes:
             evaluated = evaluations(result, i, float("inf"))
             steps, losses = [e[0] for e in evaluated], [e[1] for e in evaluated]

@@ -8,12 +8,24 @@ checks.py; the runner exits 1 when a check fails). Node 0 starts the swarm; the 
 unless ``isolated`` is set (the floor: the same nodes, each training alone). Every few seconds
 the runner asks each node's admin API for its status; at the end every node is asked to leave.
 
+A swarm scenario may name its floor (``"floor": "10mbit-4-h50-isolated"``, a scenario beside it):
+the runner then runs the floor too, in the same invocation and before the swarms that name it
+(unless it is given itself), and checks that the swarm's mean final held-out loss is below the
+floor's (checks.py). Node i of every run gets the same ``--data-seed``, derived from its index
+and the run seed (``--run-seed``, 0 by default; provenance.py), so that runs compared with each
+other, and a swarm with its floor, see the same data in the same order (``"data_seed": false``
+in a scenario, or ``--no-data-seed``, leaves each node to draw its own from its peer id).
+
+A run records the commit it ran (``git rev-parse HEAD``) and whether the tree held changes beside
+it; the runner refuses a tree with changes outside bench/results/ unless given
+``--experiment NOTE``, which each run's record keeps.
+
 Writes bench/results/wan/<name>.jsonl.gz (the scenario, the testbed, every status sample, each
 node's final status, the checks' verdicts; per sample only what changed: runlog.py reads it back)
 and a PNG of held-out loss against wall-clock time per node.
 
     sudo .venv/bin/python bench/wan/run.py bench/wan/scenarios/10mbit-4.json [more.json ...] [--minutes M]
-        [--keep-logs DIR]
+        [--keep-logs DIR] [--run-seed N] [--no-data-seed] [--experiment NOTE]
 """
 
 from __future__ import annotations
@@ -26,12 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checks import EXPECTATIONS, check
+from checks import EXPECTATIONS, check, check_floor
+from provenance import data_seed, describe, refusal, tree_state
 from runlog import LEGACY_SUFFIX, SUFFIX, write_run
 from testbed import Link, Testbed, available
 
@@ -45,7 +59,7 @@ POLL_SECONDS = 5.0
 
 SCENARIO_KEYS = {
     "name", "nodes", "mbit", "links", "minutes", "args", "node_args", "events", "isolated",
-    "shape_after_join", "expect",
+    "shape_after_join", "expect", "floor", "data_seed",
 }  # fmt: skip
 
 
@@ -60,6 +74,11 @@ def load_scenario(path: str | Path) -> dict[str, Any]:
     scenario.setdefault("events", [])
     scenario.setdefault("args", [])
     scenario.setdefault("isolated", False)
+    scenario.setdefault("data_seed", True)
+    if not isinstance(scenario["data_seed"], bool):
+        raise ValueError(f"{path}: data_seed is true or false (the value comes from the run seed)")
+    if "floor" in scenario and (scenario["isolated"] or not isinstance(scenario["floor"], str)):
+        raise ValueError(f"{path}: floor names the scenario of a swarm's floor, and a floor has none")
     nodes = scenario["nodes"]
     same = {"up_mbit": scenario.get("mbit"), "down_mbit": scenario.get("mbit")}
     links = scenario.get("links") or [same] * nodes
@@ -69,20 +88,47 @@ def load_scenario(path: str | Path) -> dict[str, Any]:
     return scenario
 
 
-def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, Any]:
+def node_args(scenario: dict[str, Any], index: int, run_seed: int) -> list[str]:
+    """The flags node ``index`` gets from the scenario: everyone's, its own, and its data seed
+    (unless the scenario gives it one, or leaves data order to the nodes)."""
+    args = [*scenario["args"], *scenario.get("node_args", {}).get(str(index), [])]
+    if scenario.get("data_seed", True) and "--data-seed" not in args:
+        args += ["--data-seed", str(data_seed(index, run_seed))]
+    return args
+
+
+def _last(args: list[str], flag: str) -> str | None:
+    """The value of the last ``flag`` in ``args`` (the one the daemon takes), or None."""
+    values = [args[k + 1] for k, arg in enumerate(args[:-1]) if arg == flag]
+    return values[-1] if values else None
+
+
+def takes_data_seed(executable: str) -> bool:
+    """Whether ``cgad-node join`` here has ``--data-seed``."""
+    shown = subprocess.run([executable, "join", "--help"], capture_output=True, text=True)
+    return "--data-seed" in shown.stdout
+
+
+def run(
+    scenario: dict[str, Any], workdir: Path, executable: str, run_seed: int = 0, experiment: str | None = None
+) -> dict[str, Any]:
+    """Run ``scenario`` and return its record (``experiment``: the note the run goes by, or None;
+    the record says whether the tree was clean either way)."""
     links = [Link(**link) for link in scenario["links"]]
     samples: list[dict[str, Any]] = []
     finals: dict[int, Any] = {}
     events = sorted(scenario["events"], key=lambda e: e["at"])
-    # the code the daemons run (they import it when they start): "-dirty" when it has changes
-    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude", "*"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "unknown"  # fmt: skip
+    # the code the daemons run (they import it when they start)
+    state = tree_state(ROOT)
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    given = {str(i): _last(node_args(scenario, i, run_seed), "--data-seed") for i in range(len(links))}
+    seeds = {i: int(value) for i, value in given.items() if value is not None}
     shape_after = scenario.get("shape_after_join", False)
     with Testbed([Link() for _ in links] if shape_after else links) as bed:
 
         def start(index: int, peers: list[str]) -> None:
-            own = scenario.get("node_args", {}).get(str(index), [])
-            args = [*scenario["args"], *own, "--checkpoint-dir", str(workdir / f"n{index}" / "ckpt"),
+            args = [*node_args(scenario, index, run_seed),
+                    "--checkpoint-dir", str(workdir / f"n{index}" / "ckpt"),
                     "--identity", str(workdir / f"n{index}.key")]  # fmt: skip
             if peers:
                 args += ["--peers", *peers]
@@ -139,8 +185,10 @@ def run(scenario: dict[str, Any], workdir: Path, executable: str) -> dict[str, A
         testbed = bed.describe()
         logs = {i: node.log.read_text()[-4000:] for i, node in bed.nodes.items()}
         spread = phi_spread([workdir / f"n{i}" / "ckpt" for i in sorted(bed.nodes)])
-    result = {"scenario": scenario, "commit": commit, "testbed": testbed, "samples": samples, "final": finals,
-              "log_tails": logs, "phi_spread": spread, "cpu_seconds_by_process": cpu}  # fmt: skip
+    result = {"scenario": scenario, **state, "experiment": experiment, "started_at": started_at,
+              "run_seed": run_seed, "data_seeds": seeds, "testbed": testbed, "samples": samples,
+              "final": finals, "log_tails": logs, "phi_spread": spread,
+              "cpu_seconds_by_process": cpu}  # fmt: skip
     result["checks"] = check(result)
     return result
 
@@ -207,12 +255,41 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     for s in result["samples"]:
         if "event" in s:
             ax.axvline(s["t"], color="grey", lw=0.6, ls=":")
-    ax.set(xlabel="wall-clock seconds", ylabel="held-out loss", title=result["scenario"]["name"])
+    ax.set(
+        xlabel="wall-clock seconds",
+        ylabel="held-out loss",
+        title=f"{result['scenario']['name']}\n{describe(result)}",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plan(paths: list[str | Path]) -> list[dict[str, Any]]:
+    """The scenarios in ``paths``, in the order they run: as given, but with the floor a swarm
+    names (a scenario beside the swarm's file) before the first swarm that names it, added where
+    it is not given itself."""
+    given = [load_scenario(path) for path in paths]
+    by_name: dict[str, dict[str, Any]] = {}
+    for scenario in given:
+        if scenario["name"] in by_name:
+            raise ValueError(f"{scenario['name']} given twice")
+        by_name[scenario["name"]] = scenario
+    for path, scenario in zip(paths, given, strict=True):
+        floor = scenario.get("floor")
+        if floor is not None and floor not in by_name:
+            by_name[floor] = load_scenario(Path(path).parent / f"{floor}.json")
+        alone = floor is None or (by_name[floor]["isolated"] and by_name[floor]["nodes"] == scenario["nodes"])
+        if not alone:
+            raise ValueError(f"{scenario['name']}'s floor {floor} is not {scenario['nodes']} isolated nodes")
+    order: list[str] = []
+    for scenario in given:
+        for name in (scenario.get("floor"), scenario["name"]):
+            if name is not None and name not in order:
+                order.append(name)
+    return [by_name[name] for name in order]
 
 
 def main() -> None:
@@ -221,7 +298,24 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, help="override each scenario's duration")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--keep-logs", metavar="DIR", help="copy each node's whole log to DIR/<scenario>/")
+    parser.add_argument(
+        "--run-seed", type=int, default=0, metavar="N",
+        help="node i's --data-seed derives from (i, N): the same in every run with this N",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-data-seed", action="store_true",
+        help="give no --data-seed: each node draws its data order from its peer id",
+    )  # fmt: skip
+    parser.add_argument(
+        "--experiment", metavar="NOTE",
+        help="run on a tree with uncommitted changes; NOTE, what is tried, goes in each run's record",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.experiment is not None and not args.experiment.strip():
+        sys.exit("--experiment needs a note: what the run tries, or what the uncommitted changes are")
+    why = refusal(tree_state(ROOT), args.experiment)
+    if why:
+        sys.exit(why)
     why = available()
     if why:
         sys.exit(f"cannot build the testbed here: {why}")
@@ -229,21 +323,37 @@ def main() -> None:
     # default Python dies at once and leaves the namespaces and the nodes in them running
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"stopped by signal {signum}"))
     try:  # a typo fails before any run
-        scenarios = [load_scenario(path) for path in args.scenarios]
+        scenarios = plan(args.scenarios)
     except (OSError, ValueError) as error:
         sys.exit(str(error))
     executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent)) or "cgad-node"
+    for scenario in scenarios:
+        if args.no_data_seed:
+            scenario["data_seed"] = False
+        if args.minutes:
+            scenario["minutes"] = args.minutes
+    if any(s["data_seed"] for s in scenarios) and not takes_data_seed(executable):
+        sys.exit(f"{executable} join has no --data-seed: update it, or run with --no-data-seed")
+    given = {load_scenario(path)["name"] for path in args.scenarios}
+    added = [s["name"] for s in scenarios if s["name"] not in given]
+    if added:
+        print(f"running the floor(s) named, first: {', '.join(added)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     failed = []
+    results: dict[str, dict[str, Any]] = {}
     for scenario in scenarios:
-        if args.minutes:
-            scenario["minutes"] = args.minutes
+        why = refusal(tree_state(ROOT), args.experiment)  # changed while the last one ran?
+        if why:
+            sys.exit(why)
         with tempfile.TemporaryDirectory(prefix="cgad-wan-") as tmp:
-            result = run(scenario, Path(tmp), executable)
+            result = run(scenario, Path(tmp), executable, args.run_seed, args.experiment)
             if args.keep_logs:  # everything but checkpoints and identity keys
                 shutil.copytree(tmp, Path(args.keep_logs) / scenario["name"], dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("ckpt", "*.key"))  # fmt: skip
+        if "floor" in scenario:
+            result["checks"].append(check_floor(result, results.get(scenario["floor"])))
+        results[scenario["name"]] = result
         written = write_run(out / f"{scenario['name']}{SUFFIX}", result)
         # a record of an earlier run of this name, in the format before, would now be read instead
         (out / f"{scenario['name']}{LEGACY_SUFFIX}").unlink(missing_ok=True)
