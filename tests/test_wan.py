@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -269,6 +270,106 @@ def test_a_figure_says_what_ran():
     old = {"commit": "1a0a345-dirty"}  # as the runner recorded it before
     assert provenance.describe(old) == provenance.describe(old, short=True) == "1a0a345-dirty"
     assert provenance.what_ran(old)["clean"] is None
+
+
+class _FakeNode:
+    def __init__(self, index: int, args: list[str], workdir: Path):
+        self.index, self.args, self.admin = index, args, f"node-{index}"
+        self.log = workdir / "log.txt"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log.write_text("started\n")
+        self.process = type("Process", (), {"wait": lambda self, timeout=None: 0})()
+
+    def alive(self) -> bool:
+        return True
+
+    def cpu_seconds(self) -> dict:
+        return {"python": 1.0}
+
+
+class _FakeBed:
+    """The testbed's interface, without namespaces or daemons: what the runner does around them."""
+
+    started: ClassVar[list] = []
+
+    def __init__(self, links):
+        self.links, self.nodes = links, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return None
+
+    def start(self, index, executable, args, workdir):
+        self.nodes[index] = _FakeNode(index, args, workdir)
+        self.started.append(self.nodes[index])
+
+    def multiaddr(self, index):
+        return f"/ip4/10.77.0.{index + 1}/tcp/31337/p2p/Qm{index}"
+
+    def describe(self):
+        return {"links": [], "addresses": []}
+
+
+def test_the_runner_runs_a_named_floor_first_and_checks_the_swarm_against_it(runner, monkeypatch, tmp_path):
+    """run.py's main around fake daemons: the floor runs first, every node gets its data seed, both
+    records are written in the new format and the swarm's says how it compares with its floor."""
+    losses = {"10mbit-4-h50-isolated": 4.2, "10mbit-4-h50": 4.0}
+    running = []
+    _FakeBed.started.clear()
+
+    def status(admin, method, timeout=None):
+        node = next(n for n in reversed(_FakeBed.started) if n.admin == admin)
+        loss = losses[running[-1]] + 0.01 * node.index
+        return {"eval_loss": loss, "eval_history": [[0, 8.0], [1, loss]], "inner_step": 10, "round": 1,
+                "applied": 0, "applied_by_age": {}} if method == "Status" else {}  # fmt: skip
+
+    real_run = runner.run
+
+    def run(scenario, *args):
+        running.append(scenario["name"])
+        return real_run(scenario, *args)
+
+    clean = {"commit": "c" * 40, "clean": True, "changes": []}
+    monkeypatch.setattr(runner, "Testbed", _FakeBed)
+    monkeypatch.setattr(runner, "call_admin", status)
+    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(runner, "tree_state", lambda root: clean)
+    monkeypatch.setattr(runner, "available", lambda: None)
+    monkeypatch.setattr(runner, "takes_data_seed", lambda executable: True)
+    monkeypatch.setattr(runner, "POLL_SECONDS", 0.05)
+    out = tmp_path / "out"
+    argv = [
+        "run.py",
+        str(SCENARIOS / "10mbit-4-h50.json"),
+        "--minutes",
+        "0.005",
+        "--out",
+        str(out),
+        "--run-seed",
+        "3",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    runner.main()  # exits 1 where a check fails
+
+    assert running == ["10mbit-4-h50-isolated", "10mbit-4-h50"]
+    seeds = [int(n.args[n.args.index("--data-seed") + 1]) for n in _FakeBed.started]
+    assert seeds == [provenance.data_seed(i, 3) for i in range(4)] * 2
+    swarm, floor = (runlog.read_run(out / f"{name}{runlog.SUFFIX}") for name in reversed(running))
+    assert (out / "10mbit-4-h50.png").exists() and (out / "10mbit-4-h50-isolated.png").exists()
+    assert swarm["commit"] == "c" * 40 and swarm["clean"] and swarm["experiment"] is None
+    assert swarm["run_seed"] == floor["run_seed"] == 3
+    assert swarm["data_seeds"] == floor["data_seeds"] == {str(i): seeds[i] for i in range(4)}
+    below = [v for v in swarm["checks"] if v["check"] == "below_floor"]
+    assert len(below) == 1 and below[0]["ok"], swarm["checks"]
+    assert "4.015" in below[0]["detail"] and "4.215" in below[0]["detail"]
+    assert not any(v["check"] == "below_floor" for v in floor["checks"])
+    # a swarm above its floor fails the run
+    losses["10mbit-4-h50"] = 4.5
+    _FakeBed.started.clear()
+    with pytest.raises(SystemExit, match="checks failed in 10mbit-4-h50"):
+        runner.main()
 
 
 @pytest.mark.integration
