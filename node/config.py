@@ -179,6 +179,12 @@ class NodeOptions(_Part):
         None, description="checkpoint here, and resume from it if it holds one"
     )
     checkpoint_every: Positive = Field(5, description="outer rounds between checkpoints")
+    data_seed: int | None = Field(
+        None,
+        ge=0,
+        description="seed of this node's training-batch order (default: drawn from its peer id); runs"
+        " that are compared, a swarm and its floor, give node i the same value",
+    )
     join_timeout: float = Field(
         120.0,
         gt=0,

@@ -39,7 +39,7 @@ def poison_state(node: Node) -> None:
         lead = max(1, claim - min(outer["versions"])) if reports else 3
         outer["phi"] = [torch.full_like(p, float("nan")) for p in outer["phi"]]
         outer["versions"] = [v + lead for v in outer["versions"]]
-        blob = pack({"swarm": node.swarm, "outer": outer, "round": node.round + lead})
+        blob = pack({"swarm": node.swarm, "outer": outer, "round": node.member.round + lead})
         node.transport.publish_state(blob, outer["versions"])
 
     node.publish_state = publish_state  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ from cgad.node.config import JoinConfig
 from cgad.node.daemon.checkpoint import pack
 from cgad.node.daemon.joining import MAX_ADOPTIONS, IncompatibleSwarm, StateSync, settled
 from cgad.node.member.outer import OuterLoop
+from cgad.node.member.swarm import swarm_versions
 from cgad.protocol.records import PROTOCOL_VERSION, fragment_key, progress_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -148,7 +149,7 @@ def test_a_snapshots_round_is_never_past_its_versions_and_one_liar_does_not_rais
         liar.publish_state(_snapshot(900, 2.0), [900])  # the liar's version: past the ceiling of 3 + 4
         wait_for(lambda: len(joiner.state_offers()) == 2, what="two offers")
         sync = _sync(joiner, honest.maddrs())
-        wait_for(lambda: len(sync._live_reports()) == 2, what="both reports")
+        wait_for(lambda: len(sync.reports()) == 2, what="both reports")
         assert sync._ceiling() == 3 + 4  # the low median of 3 and 1000
         assert sync.sync(required=True) == (honest.peer_id, 3) and sync.loop.versions == [3]
         assert joiner.stats.rejected["bad_state"] == 0  # the liar's offer was never fetched
@@ -171,11 +172,17 @@ def test_the_swarms_version_is_the_median_and_a_just_adopted_sources_own_report(
             sync = _sync(me, first.maddrs())
             # ``me`` is not counted: the median_low of 0, 1 and 900 (waited for: the records
             # reach ``me`` over the DHT at their own pace)
-            wait_for(lambda: sync.swarm_versions() == [1], what="the median of the three peers' reports")
-            assert sync.swarm_versions(joiner.peer_id) == [1]
+            wait_for(
+                lambda: swarm_versions(sync.reports(), 1) == [1],
+                what="the median of the three peers' reports",
+            )
+            assert swarm_versions(sync.reports(), 1, joiner.peer_id) == [1]
             joiner.report_progress([0], 20, 0.0)
             claimer.report_progress([0], 20, 0.0)  # three honest joiners at 0 now
             first.report_progress([2], 110, 0.0)
-            wait_for(lambda: sync.swarm_versions(first.peer_id) == [2], what="the source's own report")
-            wait_for(lambda: sync.swarm_versions() == [0], what="the median of 0, 0 and 2")
-            assert sync.swarm_versions(joiner.peer_id) == [0]
+            wait_for(
+                lambda: swarm_versions(sync.reports(), 1, first.peer_id) == [2],
+                what="the source's own report",
+            )
+            wait_for(lambda: swarm_versions(sync.reports(), 1) == [0], what="the median of 0, 0 and 2")
+            assert swarm_versions(sync.reports(), 1, joiner.peer_id) == [0]

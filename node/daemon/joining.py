@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import threading
 import time
 from typing import Any
@@ -21,10 +20,11 @@ from typing import Any
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.checkpoint import CheckpointError, unpack
 from cgad.node.member.outer import OuterLoop
+from cgad.node.member.swarm import behind, snapshot_ceiling, swarm_versions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION
-from cgad.protocol.selection import Candidate, swarm_version
+from cgad.protocol.selection import Candidate
 
 __all__ = ["IncompatibleSwarm", "StateSync", "check_compatible", "settled"]
 
@@ -81,7 +81,8 @@ def check_compatible(ours: dict[str, Any], theirs: dict[str, Any], where: str) -
 
 class StateSync:
     """Adopts peers' snapshots into ``loop`` (under ``outer_lock``, never half an outer step);
-    ``swarm`` is this node's identity of the swarm; ``leave`` ends any wait."""
+    ``swarm`` is this node's identity of the swarm; ``leave`` ends any wait. It is also the
+    member engine's view of the swarm (``SwarmView``): live peers, arrivals, progress reports."""
 
     def __init__(
         self,
@@ -181,7 +182,7 @@ class StateSync:
             raise ConnectionError(f"could not download the swarm's state: {why}")
         return None
 
-    def _live_reports(self) -> dict[str, list[int]]:
+    def reports(self) -> dict[str, list[int]]:
         """The versions each live peer reports (this node's own report is not among them), for
         as many fragments as this node has."""
         live = set(self.transport.live_peers())
@@ -191,42 +192,23 @@ class StateSync:
             if pid in live and len(p.versions) == len(self.loop.versions)
         }
 
-    def swarm_versions(self, source: str | None = None) -> list[int] | None:
-        """The swarm's version of each fragment: the median (low) over live peers of their
-        reported versions, so no single peer's claim moves it; None with no live peer.
-        ``source``, the peer whose snapshot this node has just adopted, raises it to that peer's
-        own report: its state was taken as the swarm's, and so is how far it went on since (at
-        the start, three joiners a round behind the first node are the median's majority)."""
-        reports = self._live_reports()
-        if not reports:
-            return None
-        columns = list(reports.values())
-        swarm = [swarm_version(columns, f) or 0 for f in range(len(self.loop.versions))]
-        told = reports.get(source) if source is not None else None
-        return swarm if told is None else [max(s, v) for s, v in zip(swarm, told, strict=True)]
+    def live_peers(self) -> list[str]:
+        return self.transport.live_peers()
+
+    def arrived(self, index: int, base_version: int) -> int:
+        return self.transport.arrived(index, base_version)
 
     def behind(self) -> int:
-        """How far this peer's slowest fragment trails the swarm's (``swarm_versions``)."""
-        swarm = self.swarm_versions()
-        if swarm is None:
-            return 0
-        return max(s - v for s, v in zip(swarm, self.loop.versions, strict=True))
+        """How far this peer's slowest fragment trails the swarm's (``swarm.behind``)."""
+        return behind(self.reports(), self.loop.versions)
 
     def _swarm_version(self) -> int:
-        """The swarm's slowest fragment's version (``swarm_versions``); 0 with no live peer."""
-        return min(self.swarm_versions() or [0])
+        """The swarm's slowest fragment's version; 0 with no live peer."""
+        return min(swarm_versions(self.reports(), len(self.loop.versions)) or [0])
 
     def _ceiling(self) -> int:
-        """The furthest version a snapshot may be at: the cutoff past the median (low) of the
-        live peers' reports, leaving out peers that report nothing past version 0 (joiners
-        waiting like this one would pull it down to where no snapshot is) and this node's own.
-        With two peers in view the low median is the lower report: a liar claiming a far
-        version cannot raise it. With no report in view, nothing past this node's own version."""
-        reports = [
-            min(versions) for versions in self._live_reports().values() if versions and max(versions) > 0
-        ]
-        base = statistics.median_low(reports) if reports else min(self.loop.versions)
-        return base + self.config.cutoff
+        """The furthest version a snapshot may be at (``swarm.snapshot_ceiling``)."""
+        return snapshot_ceiling(self.reports(), self.loop.versions, self.config.cutoff)
 
     def _worth_adopting(self, at_least_ours: bool) -> list[Candidate]:
         """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest

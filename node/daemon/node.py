@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,9 @@ from cgad.node.daemon.joining import StateSync, check_compatible
 from cgad.node.daemon.metrics import Metrics
 from cgad.node.daemon.monitor import swarm_rows
 from cgad.node.daemon.status import cpu_seconds_by_thread, status_line
+from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.methods import method
 from cgad.node.member.outer import OuterLoop
-from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model, model_fingerprint
 from cgad.node.training.tokenizer import load_tokenizer
@@ -61,7 +61,7 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Node:
+class Node(MemberHooks):
     def __init__(self, config: JoinConfig) -> None:
         self.config = c = config
         self.device = _device(c.device)
@@ -81,8 +81,13 @@ class Node:
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
         self.peer_id = self.identity.peer_id
         # no coordinator assigns shards: each peer draws windows from the whole training split
-        # with a stream seeded by its own id, so peers' batches differ
-        seed = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "little")
+        # with a stream seeded by its own id, so peers' batches differ (or by --data-seed, so that
+        # runs compared with each other, and a swarm with its floor, see the same data order)
+        seed = (
+            c.data_seed
+            if c.data_seed is not None
+            else int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "little")
+        )
         self.batches = self.dataset.shard(0, 1).batches(c.batch_size, c.seq_len, seed=seed)
         self.trainer = InnerTrainer(
             self.model,
@@ -134,20 +139,11 @@ class Node:
                 sparse_keep=c.sparse_keep,
                 params_codec=c.params_codec,
             )
-            self.round = 0
-            self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
-            self.block_start = 0  # the inner step at which the current block began
-            self._due: Turn | None = None  # the published fragment awaiting its outer step
-            self._block_extra = 0  # inner steps added to (or, < 0, taken from) this block: phase
-            self.phase_nudges: Counter[str] = Counter()  # blocks made longer / shorter
             self.started_at = time.time()
+            self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens
             self.losses: deque[float] = deque(maxlen=50)
             self.eval_history: list[tuple[int, float]] = []
             self.tokens_per_second = 0.0
-            self.resyncs = 0
-            self.unshared_blocks = 0  # blocks still to be kept from peers after adopting a state
-            self._adopted_block = False  # the block under way began with an adopted state
-            self._adopted_from: str | None = None  # whose state, until the first outer step after
             self.started_from = "scratch"  # where the outer state came from: scratch, checkpoint, peer ID
             self.resumed = False  # restarted from this node's own checkpoint
             self._leave = threading.Event()
@@ -155,6 +151,20 @@ class Node:
             self.metrics = Metrics(c.metrics_port, c.metrics_host) if c.metrics_port is not None else None
             self.state_sync = StateSync(
                 c, self.transport, self.loop, self.swarm, self._outer_lock, self._leave
+            )
+            # the round itself: the wall clock and the network drive the one member engine;
+            # an all-reduce has waited for its group already, so it takes its step at once
+            self.member = Member(
+                self.loop,
+                self.state_sync,
+                Schedule.of(
+                    c,
+                    apply_delay=0 if self.exchange is not None else c.apply_delay,
+                    fan_in=c.fan_in,
+                    align_after_adopting=self.exchange is None,
+                ),
+                hooks=self,
+                lock=self._outer_lock,
             )
             self.admin = AdminServer(
                 c.admin_host, c.admin_port, status=self.admin_status, leave=self.request_leave
@@ -178,7 +188,7 @@ class Node:
         with self._outer_lock:  # one consistent snapshot, never half an outer step
             versions = list(self.loop.versions)
             outer = self.loop.state_dict(compact=True)
-            blob = pack({"swarm": self.swarm, "outer": outer, "round": self.round})
+            blob = pack({"swarm": self.swarm, "outer": outer, "round": self.member.round})
         self.transport.publish_state(blob, versions)
 
     def _checkpoint_state(self) -> dict[str, Any]:
@@ -190,9 +200,7 @@ class Node:
             "inner_optimizer": self.trainer.optimizer.state_dict(),
             "inner_step": self.trainer.steps,
             "tokens": self.trainer.tokens,
-            "round": self.round,
-            "blocks": self.blocks,
-            "block_start": self.block_start,
+            **self.member.state_dict(),  # round, blocks, block_start
             "data": self.batches.state_dict(),
             "eval_history": [list(e) for e in self.eval_history],
             "model_config": self.model.config.to_dict(),
@@ -219,15 +227,11 @@ class Node:
             self.trainer.steps = state["inner_step"]
             self.trainer.tokens = state["tokens"]
             self.batches.load_state_dict(state["data"])
-            self.round = state["round"]
-            # checkpoints from before the node kept its schedule: whole blocks up to the step
-            block = c.inner_steps // c.fragments
-            self.blocks = state.get("blocks", self.trainer.steps // block)
-            self.block_start = state.get("block_start", self.blocks * block)
+            self.member.load_state_dict(state, self.trainer.steps)
             self.eval_history = [tuple(e) for e in state["eval_history"]]
             self.started_from = "checkpoint"
             self.resumed = True
-            logger.info("resumed from %s at round %d", c.checkpoint_dir, self.round)
+            logger.info("resumed from %s at round %d", c.checkpoint_dir, self.member.round)
         described = self.state_sync.check_bootstrap_peers() if c.peers else []
         if self.exchange is not None:
             self._start_allreduce(described)
@@ -248,23 +252,53 @@ class Node:
         self.transport.describe_as(json.dumps({**self.swarm, "averager": self.exchange.maddrs()}))
 
     def sync_from_swarm(self, required: bool) -> bool:
-        """Adopt a peer's snapshot ahead of this node (``StateSync.sync``); True when one was."""
-        adopted = self.state_sync.sync(required)
-        if adopted is None:
+        """Adopt a peer's snapshot ahead of this node (``Member.adopt``); True when one was."""
+        source = self.member.adopt(required)
+        if source is None:
             return False
-        peer, self.round = adopted[0], max(self.round, adopted[1])
-        self.started_from = f"peer {peer}"
-        # the first outer step catches up with the versions the source went on to meanwhile
-        self._adopted_from = peer
-        # The inner optimizer's moments do not travel with a snapshot: the first steps after an
-        # adoption are large and noisy (measured on 10 Mbit: the first node's loss rose 5.72 ->
-        # 6.19 when three joiners' first deltas arrived). Their round only warms the moments up:
-        # it reaches no peer and no outer step (OuterLoop.publish with share=False).
-        self.unshared_blocks = self.config.fragments
-        # and its first block ends with the peers' (adopted_block_over); an all-reduce waits for
-        # its group itself
-        self._adopted_block = self.exchange is None
+        self.started_from = f"peer {source}"
         return True
+
+    # ------------------------------------------------------------------ the member's hooks
+
+    def adopt_state(self, required: bool) -> tuple[str, int] | None:
+        if not required:
+            logger.warning("%d versions behind the swarm: re-syncing", self.member.behind())
+        return self.state_sync.sync(required)
+
+    def diverged(self, fragment: int) -> None:
+        # θ_f was reset to φ_f; restart the inner moments too
+        logger.warning("non-finite pseudo-gradient on fragment %d: block discarded", fragment)
+        self.trainer.optimizer.state.clear()
+
+    def round_ended(self, round_: int) -> None:
+        c = self.config
+        # over the whole round, outer steps and waits included: what the swarm gets from us
+        now, (since, tokens_then) = time.monotonic(), self._round_mark
+        self.tokens_per_second = (self.trainer.tokens - tokens_then) / max(now - since, 1e-9)
+        self._round_mark = (now, self.trainer.tokens)
+        evaluated = round_ % c.eval_every == 0
+        if evaluated:
+            loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
+            self.eval_history.append((round_, loss))
+        recent = list(self.losses)
+        self.timeline.append({
+            "round": round_, "seconds": time.time() - self.started_at,
+            "loss": sum(recent) / len(recent) if recent else None,
+            "eval_loss": self.eval_history[-1][1] if evaluated else None,
+            "tokens_per_second": self.tokens_per_second,
+        })  # fmt: skip
+        if c.checkpoint_dir and round_ % c.checkpoint_every == 0:
+            self.save()
+        if round_ % c.state_every == 0:
+            self.publish_state()
+
+    def stepped(self, fragment: int, deliveries: list, round_ended: bool) -> None:
+        self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
+        status = self.status()
+        if self.metrics:
+            self.metrics.update(status)
+        self._show(status)
 
     # ------------------------------------------------------------------ the loop
 
@@ -279,157 +313,22 @@ class Node:
             logger.info("left before the swarm's state arrived: nothing saved")
             return 0
         self.publish_state()
-        start_round = self.round  # --max-rounds counts this run's rounds, not adopted or resumed ones
+        self.member.start_round = self.member.round  # --max-rounds counts this run's rounds
         if not self.eval_history:
-            self.eval_history.append(
-                (self.round, evaluate(self.model, self.eval_batches, self.device, self.autocast))
-            )
-        block = c.inner_steps // c.fragments
+            loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
+            self.eval_history.append((self.member.round, loss))
         self._round_mark = (time.monotonic(), self.trainer.tokens)
-        while not self._leave.is_set():
+        while not self._leave.is_set() and not self.member.done:
             self.losses.append(self.trainer.step())
-            if self._due is not None and self._step_due():
-                self._apply_turn()
-            if c.max_rounds and self.round - start_round >= c.max_rounds:
-                break  # right after an outer step: the steps carried past it stay on θ, unpublished
-            if self._block_over(block):
-                self._sync()
+            self.member.after_inner_step(self.trainer.steps)
         self._finish()
         return 0
 
-    def _block_over(self, block: int) -> bool:
-        steps = self.trainer.steps - self.block_start
-        if not self._adopted_block:
-            return steps >= block + self._block_extra
-        fragment = self.blocks % self.config.fragments
-        # the peers' fragments of the round they are in now (a joiner a round behind has theirs
-        # of the round it missed already: those end nothing, they are replayed)
-        swarm = self.state_sync.swarm_versions(self._adopted_from)
-        version = max(self.loop.versions[fragment], swarm[fragment] if swarm else 0)
-        peers_in = self.transport.arrived(fragment, version)
-        return adopted_block_over(steps, block, peers_in, bool(self.transport.live_peers()))
-
-    @property
-    def apply_delay(self) -> int:
-        """Inner steps between publishing a fragment and its outer step at the latest
-        (``--apply-delay``; auto: half a block, which measured better on a 10 Mbit swarm than
-        waiting up to a whole block: docs/WAN.md)."""
-        if self.exchange is not None:
-            return 0  # the all-reduce has already waited for the group
-        block = self.config.inner_steps // self.config.fragments
-        return block // 2 if self.config.apply_delay == "auto" else self.config.apply_delay  # < block
-
-    def _step_due(self) -> bool:
-        """Whether the waiting outer step is to be taken now: its latest step has come, or (with
-        ``--apply-delay auto``) every live peer's fragment of the same version has arrived (at
-        most fan-in of them), so that waiting longer would gain nothing."""
-        turn = self._due
-        assert turn is not None
-        if self.trainer.steps >= turn.latest:
-            return True
-        if turn.awaited is None:
-            return False
-        return self.transport.arrived(turn.fragment, turn.version) >= turn.awaited
-
-    def _sync(self) -> None:
-        """The turn of the fragment whose block just ended (whole, or cut short by leaving):
-        publish its pseudo-gradient now, and take the outer step once the peers' fragments of
-        the same version are in, at most ``apply_delay`` inner steps later (they count at age 0
-        then, not 1); the steps in between are carried over the outer step."""
-        c = self.config
-        if self._due is not None:
-            self._apply_turn()  # the previous turn's step, if it is still waiting
-        fragment = self.blocks % c.fragments
-        version = self.loop.versions[fragment]
-        tokens = (self.trainer.steps - self.block_start) * c.batch_size * c.seq_len
-        with self._outer_lock:
-            bad_before = self.loop.counters.rejected["local_non_finite"]
-            self.loop.publish(fragment, tokens=tokens, share=self.unshared_blocks == 0)
-            self.unshared_blocks = max(0, self.unshared_blocks - 1)
-            if self.loop.counters.rejected["local_non_finite"] > bad_before:
-                # the block diverged locally: θ_f was reset to φ_f; restart the inner moments too
-                logger.warning("non-finite pseudo-gradient on fragment %d: block discarded", fragment)
-                self.trainer.optimizer.state.clear()
-        self.blocks += 1
-        self.block_start = self.trainer.steps
-        self._adopted_block = False
-        delay = 0 if self._leave.is_set() else self.apply_delay
-        # how many fragments end the wait early, counted once here, not at every inner step
-        waits = c.apply_delay == "auto" and delay > 0
-        awaited = min(len(self.transport.live_peers()), c.fan_in) if waits else None
-        early = self.transport.arrived(fragment, version)
-        self._due = Turn(fragment, version, self.trainer.steps + delay, awaited, early)
-        self._block_extra = 0
-        if delay == 0:
-            self._apply_turn()
-
-    def _apply_turn(self) -> None:
-        """The outer step of the fragment published last, then the round's bookkeeping."""
-        turn = self._due
-        assert turn is not None
-        fragment = turn.fragment
-        self._due = None
-        c = self.config
-        if turn.awaited:
-            self._align_phase(turn, self.transport.arrived(fragment, turn.version))
-        swarm = self.state_sync.swarm_versions(self._adopted_from)
-        self._adopted_from = None  # caught up with the source once; the median rules after
-        with self._outer_lock:  # carrying only when inner steps ran since the publish
-            self.loop.apply(
-                fragment,
-                carry=self.trainer.steps > self.block_start,
-                swarm_version=swarm[fragment] if swarm else None,
-            )
-        self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
-        if fragment == c.fragments - 1:
-            self.round += 1
-            # over the whole round, outer steps and waits included: what the swarm gets from us
-            now, (since, tokens_then) = time.monotonic(), self._round_mark
-            self.tokens_per_second = (self.trainer.tokens - tokens_then) / max(now - since, 1e-9)
-            self._round_mark = (now, self.trainer.tokens)
-            evaluated = self.round % c.eval_every == 0
-            if evaluated:
-                loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
-                self.eval_history.append((self.round, loss))
-            recent = list(self.losses)
-            self.timeline.append({
-                "round": self.round, "seconds": time.time() - self.started_at,
-                "loss": sum(recent) / len(recent) if recent else None,
-                "eval_loss": self.eval_history[-1][1] if evaluated else None,
-                "tokens_per_second": self.tokens_per_second,
-            })  # fmt: skip
-            if c.checkpoint_dir and self.round % c.checkpoint_every == 0:
-                self.save()
-            if self.round % c.state_every == 0:
-                self.publish_state()
-            behind = self.state_sync.behind()
-            if behind > c.cutoff:
-                logger.warning("%d versions behind the swarm: re-syncing", behind)
-                if self.sync_from_swarm(required=False):
-                    self.resyncs += 1
-        status = self.status()
-        if self.metrics:
-            self.metrics.update(status)
-        self._show(status)
-
-    def _align_phase(self, turn: Turn, arrived: int) -> None:
-        """Lengthen or shorten the block under way (``phase_nudge``), counted."""
-        assert turn.awaited is not None
-        block = self.config.inner_steps // self.config.fragments
-        self._block_extra = phase_nudge(block, turn.early, arrived, turn.awaited)
-        if self._block_extra:
-            self.phase_nudges["longer" if self._block_extra > 0 else "shorter"] += 1
-
     def _finish(self) -> None:
-        """Stopping. When told to leave, the fragment whose block is under way syncs now with
-        the steps it has (one version step, as in a full block, so versions keep counting
-        rounds); after --max-rounds the last round is whole, and the inner steps carried past its
-        outer step stay on θ for the next block (the checkpoint keeps them). Then checkpoint, and
-        give peers a moment to fetch the last fragment."""
-        if self._due is not None:
-            self._apply_turn()
-        if self._leave.is_set() and self.trainer.steps > self.block_start:
-            self._sync()  # with the leave set it steps at once (no apply delay)
+        """Stopping (``Member.finish``): the waiting step, and when told to leave the block under
+        way with the steps it has; then checkpoint, and give peers a moment to fetch the last
+        fragment."""
+        self.member.finish(self.trainer.steps, leaving=self._leave.is_set())
         if self.config.checkpoint_dir:
             self.save()
         self._show(self.status(), final=True)
@@ -481,7 +380,7 @@ class Node:
             "run_id": self.config.run_id,
             "optimizer": self.config.optimizer,
             "versions": list(self.loop.versions),
-            "round": self.round,
+            "round": self.member.round,
             "inner_step": self.trainer.steps,
             "loss": sum(recent) / len(recent) if recent else None,
             "eval_loss": self.eval_history[-1][1] if self.eval_history else None,
@@ -503,7 +402,7 @@ class Node:
             "discarded": counters.discarded,
             "replayed": counters.replayed,
             "held_ahead": counters.held_ahead,
-            "phase_nudges": dict(self.phase_nudges),
+            "phase_nudges": dict(self.member.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "records_stored": dict(self.transport.stats.records_stored),
             "downlink_bytes_per_second": self.transport.downlink_rate,
@@ -515,7 +414,7 @@ class Node:
             "fetches_waiting": self.transport.fetches_waiting,
             "mean_age": self.loop.mean_age(),
             "outer_momentum": self.loop.method.momentum_now(self.loop.optimizer),
-            "resyncs": self.resyncs,
+            "resyncs": self.member.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
             "started_from": self.started_from,
             "resumed": self.resumed,

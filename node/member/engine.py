@@ -1,0 +1,317 @@
+"""The member engine: one peer's round, whoever's clock it runs on.
+
+A member trains inner steps and tells the engine after each one (``after_inner_step``). The
+engine owns everything the round decides:
+
+- **block turns**: fragment f = blocks mod F publishes its pseudo-gradient when its block of
+  H/F inner steps is over (``OuterLoop.publish``);
+- **the apply delay**: the outer step waits up to ``apply_delay`` inner steps (auto: half a
+  block, ended early once every live peer's fragment of the same version is in), training on
+  meanwhile, and carries those steps over the step; the wait keeps block ends in phase with the
+  peers' (``pacing.phase_nudge``);
+- **the block after adopting a state**: kept from the peers and the own step (it warms up the
+  inner optimizer), and ended when the peers end theirs (``pacing.adopted_block_over``);
+- **replay and hold-ahead**: each outer step passes the swarm's version (``swarm.swarm_versions``,
+  raised to the adopted source's own report for the first step after an adoption), up to which
+  the loop replays peers' deltas of versions it missed;
+- **the re-sync rule**: at the end of a round, a member more than the cutoff behind the swarm
+  (``swarm.behind``) adopts a peer's state again;
+- **the round count** and ``max_rounds``.
+
+What differs between a daemon and the simulator comes in from outside: the ``SwarmView`` (the
+network's progress records and inbox, or the virtual network's), and ``MemberHooks`` (how a
+state is fetched and adopted, what happens at the end of a round: evaluation, checkpoints,
+snapshots, metrics, the console). The engine reads no clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cgad.node.member.outer import Delivery, OuterLoop
+from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
+from cgad.node.member.swarm import SwarmView, behind, swarm_versions
+
+__all__ = ["Member", "MemberHooks", "Schedule"]
+
+
+class MemberHooks:
+    """What a driver does at the engine's moments; each does nothing unless overridden."""
+
+    def adopt_state(self, required: bool) -> tuple[str, int] | None:
+        """Fetch a peer's outer state ahead of this member and load it into the loop; its source
+        and the round it was at, or None when none was adopted (``required``: a fresh member that
+        has nothing to train from yet)."""
+        return None
+
+    def diverged(self, fragment: int) -> None:
+        """The block of ``fragment`` diverged locally and was discarded (θ back to φ)."""
+
+    def round_ended(self, round_: int) -> None:
+        """The member finished round ``round_`` (its last fragment's outer step was taken)."""
+
+    def stepped(self, fragment: int, deliveries: list[Delivery], round_ended: bool) -> None:
+        """An outer step was taken on ``fragment`` (and the round's bookkeeping done)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The round's shape, from the configuration.
+
+    Args:
+        fragments: F, fragments synced in turn.
+        inner_steps: H, inner steps per round (a block is H / F).
+        apply_delay: inner steps the outer step may wait after publishing; "auto": half a block,
+            ended early once every live peer's fragment of the version is in.
+        fan_in: peers' fragments per fragment and round a member takes at most (what ends the
+            wait early); None: every live peer's.
+        cutoff: the age at which a delivery stops counting; the re-sync threshold.
+        tokens_per_step: tokens one inner step trains on (a delivery's weight).
+        max_rounds: rounds to run before ``done`` (0: for ever).
+        align_after_adopting: whether the block after adopting a state ends with the peers' (an
+            all-reduce group waits for its members itself).
+    """
+
+    fragments: int
+    inner_steps: int
+    apply_delay: int | Literal["auto"] = "auto"
+    fan_in: int | None = None
+    cutoff: int = 8
+    tokens_per_step: int = 1
+    max_rounds: int = 0
+    align_after_adopting: bool = True
+
+    @property
+    def block(self) -> int:
+        return self.inner_steps // self.fragments
+
+    @property
+    def delay(self) -> int:
+        """The apply delay in inner steps (auto: half a block)."""
+        return self.block // 2 if self.apply_delay == "auto" else int(self.apply_delay)
+
+    @classmethod
+    def of(cls, config: Any, **overrides: Any) -> Schedule:
+        """The schedule a daemon's or the simulator's configuration sets."""
+        fields = {
+            "fragments": config.fragments,
+            "inner_steps": config.inner_steps,
+            "apply_delay": config.apply_delay,
+            "fan_in": getattr(config, "fan_in", None),
+            "cutoff": config.cutoff,
+            "tokens_per_step": config.batch_size * config.seq_len,
+            "max_rounds": getattr(config, "max_rounds", 0) or getattr(config, "rounds", 0),
+        }
+        return cls(**{**fields, **overrides})
+
+
+class Member:
+    """One member's round over ``loop`` (``OuterLoop``), against ``swarm``, with ``hooks``.
+
+    ``lock``, when given, is held around every change of the outer state (a daemon serves its
+    state to joiners from another thread)."""
+
+    def __init__(
+        self,
+        loop: OuterLoop,
+        swarm: SwarmView,
+        schedule: Schedule,
+        hooks: MemberHooks | None = None,
+        lock: threading.Lock | None = None,
+    ) -> None:
+        self.loop = loop
+        self.swarm = swarm
+        self.schedule = schedule
+        self.hooks = hooks or MemberHooks()
+        self.lock = lock or contextlib.nullcontext()
+        self.round = 0
+        self.start_round = 0  # max_rounds counts this run's rounds, not adopted or resumed ones
+        self.blocks = 0  # fragment turns taken: the next turn is fragment blocks % F
+        self.block_start = 0  # the inner step at which the block under way began
+        self.resyncs = 0
+        self.phase_nudges: Counter[str] = Counter()  # blocks made longer / shorter
+        self.due: Turn | None = None  # the published fragment awaiting its outer step
+        self._block_extra = 0  # inner steps added to (or, < 0, taken from) this block: phase
+        self._unshared = 0  # blocks still to be kept from peers after adopting a state
+        self._adopted_block = False  # the block under way began with an adopted state
+        self._adopted_from: str | None = None  # whose state, until the first outer step after
+
+    # -- driving it ------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """Whether ``max_rounds`` rounds of this run are over."""
+        return bool(self.schedule.max_rounds) and self.round - self.start_round >= self.schedule.max_rounds
+
+    @property
+    def fragment(self) -> int:
+        """The fragment whose block is under way."""
+        return self.blocks % self.schedule.fragments
+
+    def after_inner_step(self, steps: int) -> None:
+        """The member has taken inner step number ``steps``: take the waiting outer step when it
+        is due, and end the block when it is over (publishing its fragment)."""
+        self.step_if_due(steps)
+        if self.done:
+            return  # right after an outer step: the steps carried past it stay on θ, unpublished
+        if self.end_block_if_over(steps):
+            self.step_if_due(steps)
+
+    def end_block_if_over(self, steps: int) -> bool:
+        """Publish the fragment whose block is over at inner step ``steps``; whether it was."""
+        if self.done or not self._block_over(steps):
+            return False
+        self.end_block(steps)
+        return True
+
+    def step_if_due(self, steps: int) -> list[Delivery] | None:
+        """Take the waiting outer step if it is due at inner step ``steps``: its latest step has
+        come, or every live peer's fragment of the same version is in (at most fan-in of them),
+        so that waiting longer would gain nothing. The deliveries it took, or None."""
+        turn = self.due
+        if turn is None:
+            return None
+        if steps < turn.latest and (
+            turn.awaited is None or self.swarm.arrived(turn.fragment, turn.version) < turn.awaited
+        ):
+            return None
+        return self._take_step(steps)
+
+    def end_block(self, steps: int, leaving: bool = False) -> None:
+        """The turn of the fragment whose block just ended (whole, or cut short by leaving):
+        publish its pseudo-gradient now, and schedule its outer step for when the peers'
+        fragments of the same version are in, at most the apply delay later (they count at age
+        0 then, not 1); the steps in between are carried over the outer step."""
+        s = self.schedule
+        if self.due is not None:
+            self._take_step(steps)  # the previous turn's step, if it is still waiting
+        fragment = self.fragment
+        version = self.loop.versions[fragment]
+        tokens = (steps - self.block_start) * s.tokens_per_step
+        with self.lock:
+            bad_before = self.loop.counters.rejected["local_non_finite"]
+            self.loop.publish(fragment, tokens=tokens, share=self._unshared == 0)
+            self._unshared = max(0, self._unshared - 1)
+            diverged = self.loop.counters.rejected["local_non_finite"] > bad_before
+        if diverged:
+            self.hooks.diverged(fragment)
+        self.blocks += 1
+        self.block_start = steps
+        self._adopted_block = False
+        self._block_extra = 0
+        delay = 0 if leaving else s.delay
+        # how many fragments end the wait early, counted once here, not at every inner step
+        waits = s.apply_delay == "auto" and delay > 0
+        live = len(self.swarm.live_peers())
+        awaited = (live if s.fan_in is None else min(live, s.fan_in)) if waits else None
+        early = self.swarm.arrived(fragment, version)
+        self.due = Turn(fragment, version, steps + delay, awaited, early)
+        if delay == 0:
+            self._take_step(steps)
+
+    def finish(self, steps: int, leaving: bool) -> None:
+        """Stopping. The waiting outer step is taken; when told to leave, the fragment whose
+        block is under way syncs now with the steps it has (one version step, as in a full block,
+        so versions keep counting rounds). After ``max_rounds`` the last round is whole."""
+        if self.due is not None:
+            self._take_step(steps)
+        if leaving and steps > self.block_start:
+            self.end_block(steps, leaving=True)
+
+    # -- adopting a state -------------------------------------------------------------------
+
+    def adopt(self, required: bool) -> str | None:
+        """Adopt a peer's state ahead of this member (``MemberHooks.adopt_state``); its source, or
+        None. The next block warms up the inner optimizer only (its round reaches no peer and no
+        outer step: the inner moments do not travel with a state, and the first steps after an
+        adoption are large and noisy), and ends with the peers' blocks; the first outer step then
+        catches up with the versions the source went on to meanwhile."""
+        adopted = self.hooks.adopt_state(required)
+        if adopted is None:
+            return None
+        source, round_ = adopted
+        self.round = max(self.round, round_)
+        self._adopted_from = source
+        self._unshared = self.schedule.fragments
+        self._adopted_block = self.schedule.align_after_adopting
+        return source
+
+    def sync_if_behind(self) -> bool:
+        """The re-sync rule: a member sharing its work whose slowest fragment trails the swarm by
+        more than the cutoff adopts a peer's state again. Whether it did."""
+        if not self.loop.method.shares or self.behind() <= self.schedule.cutoff:
+            return False
+        if self.adopt(required=False) is None:
+            return False
+        self.resyncs += 1
+        return True
+
+    def swarm_versions(self) -> list[int] | None:
+        """The swarm's version of each fragment as this member's next outer step takes it."""
+        return swarm_versions(self.swarm.reports(), len(self.loop.versions), self._adopted_from)
+
+    def behind(self) -> int:
+        """How far this member's slowest fragment trails the swarm's."""
+        return behind(self.swarm.reports(), self.loop.versions)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        return {"round": self.round, "blocks": self.blocks, "block_start": self.block_start}
+
+    def load_state_dict(self, state: dict[str, Any], steps: int) -> None:
+        """The round and schedule from a checkpoint taken at inner step ``steps`` (checkpoints
+        from before the schedule was kept: whole blocks up to that step)."""
+        block = self.schedule.block
+        self.round = int(state["round"])
+        self.blocks = int(state.get("blocks", steps // block))
+        self.block_start = int(state.get("block_start", self.blocks * block))
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _block_over(self, steps: int) -> bool:
+        block = self.schedule.block
+        taken = steps - self.block_start
+        if not self._adopted_block:
+            return taken >= block + self._block_extra
+        # the peers' fragments of the round they are in now (a joiner a round behind has theirs
+        # of the round it missed already: those end nothing, they are replayed)
+        fragment = self.fragment
+        swarm = self.swarm_versions()
+        version = max(self.loop.versions[fragment], swarm[fragment] if swarm else 0)
+        peers_in = self.swarm.arrived(fragment, version)
+        return adopted_block_over(taken, block, peers_in, bool(self.swarm.live_peers()))
+
+    def _take_step(self, steps: int) -> list[Delivery]:
+        """The outer step of the fragment published last, then the round's bookkeeping."""
+        turn = self.due
+        assert turn is not None
+        self.due = None
+        fragment = turn.fragment
+        if turn.awaited:
+            self._align_phase(turn, self.swarm.arrived(fragment, turn.version))
+        swarm = self.swarm_versions()
+        self._adopted_from = None  # caught up with the source once; the median rules after
+        with self.lock:  # carrying only when inner steps ran since the publish
+            deliveries = self.loop.apply(
+                fragment, carry=steps > self.block_start, swarm_version=swarm[fragment] if swarm else None
+            )
+        round_ended = fragment == self.schedule.fragments - 1
+        if round_ended:
+            self.round += 1
+            self.hooks.round_ended(self.round)
+            if not self.done:
+                self.sync_if_behind()
+        self.hooks.stepped(fragment, deliveries, round_ended)
+        return deliveries
+
+    def _align_phase(self, turn: Turn, arrived: int) -> None:
+        """Lengthen or shorten the block under way (``phase_nudge``), counted."""
+        assert turn.awaited is not None
+        self._block_extra = phase_nudge(self.schedule.block, turn.early, arrived, turn.awaited)
+        if self._block_extra:
+            self.phase_nudges["longer" if self._block_extra > 0 else "shorter"] += 1

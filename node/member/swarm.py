@@ -1,0 +1,87 @@
+"""Where a member stands against its swarm, from its live peers' reported versions.
+
+Every rule here reads ``reports``: the outer versions each live peer last reported (a daemon
+reads them from the signed progress records, the simulator from its other workers), this
+member's own left out. No single peer's report moves any of them: each is a low median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from cgad.protocol.selection import swarm_version
+
+__all__ = ["SwarmView", "behind", "snapshot_ceiling", "swarm_versions"]
+
+
+class SwarmView(Protocol):
+    """What a member needs to know of its peers, whichever network they are on."""
+
+    def live_peers(self) -> list[str]:
+        """Peer ids seen alive, this member excluded."""
+        ...
+
+    def arrived(self, index: int, base_version: int) -> int:
+        """Publishers whose pseudo-gradient of fragment ``index``, of this version or newer, has
+        arrived and waits to be taken."""
+        ...
+
+    def reports(self) -> dict[str, list[int]]:
+        """The versions each live peer last reported, for as many fragments as this member has."""
+        ...
+
+
+def swarm_versions(
+    reports: Mapping[str, Sequence[int]], fragments: int, source: str | None = None
+) -> list[int] | None:
+    """The swarm's version of each fragment: the low median over live peers' reports; None with
+    no report. ``source``, the peer whose state this member has just adopted, raises it to that
+    peer's own report: its state was taken as the swarm's, and so is how far it went on since
+    (at the start, three joiners a round behind the first node are the median's majority).
+
+    Args:
+        reports: live peers' reported versions, by peer id.
+        fragments: how many fragments this member has (reports of another length are left out).
+        source: the peer whose state was adopted last, until the first outer step after it.
+    """
+    columns = [list(v) for v in reports.values() if len(v) == fragments]
+    if not columns:
+        return None
+    swarm = [swarm_version(columns, f) or 0 for f in range(fragments)]
+    told = reports.get(source) if source is not None else None
+    if told is None or len(told) != fragments:
+        return swarm
+    return [max(s, int(v)) for s, v in zip(swarm, told, strict=True)]
+
+
+def behind(reports: Mapping[str, Sequence[int]], versions: Sequence[int]) -> int:
+    """How far this member's slowest fragment trails the swarm's (``swarm_versions``); 0 with no
+    report. The re-sync rule compares it with the cutoff.
+
+    Args:
+        reports: live peers' reported versions, by peer id.
+        versions: this member's own versions.
+    """
+    swarm = swarm_versions(reports, len(versions))
+    if swarm is None:
+        return 0
+    return max(s - v for s, v in zip(swarm, versions, strict=True))
+
+
+def snapshot_ceiling(reports: Mapping[str, Sequence[int]], versions: Sequence[int], cutoff: int) -> int:
+    """The furthest version a snapshot to adopt may be at: the cutoff past the low median of the
+    live peers' reports, leaving out peers that report nothing past version 0 (joiners waiting like
+    this one would pull it down to where no snapshot is). With two peers in view the low median is
+    the lower report: a liar claiming a far version cannot raise it. With no report in view,
+    nothing past this member's own version.
+
+    Args:
+        reports: live peers' reported versions, by peer id.
+        versions: this member's own versions.
+        cutoff: the age at which a delivery stops counting (``--cutoff``).
+    """
+    told = [min(v) for v in reports.values() if len(v) == len(versions) and v and max(v) > 0]
+    base = statistics.median_low(told) if told else min(versions)
+    return base + cutoff
