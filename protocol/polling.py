@@ -1,0 +1,227 @@
+"""Polling the DHT: what the swarm's records say, read, checked and turned into fetches.
+
+Each poll gets the records under the run's keys in one request: every peer's progress record (who
+is live, and how far), every holder's record of each fragment this peer receives, and the
+snapshots on offer. Sound records of allowed peers (``--allow``) are parsed (holdings once while
+they stand, ``records.ParseCache``); faulty ones are counted once each. The selector
+(``selection``) chooses the offers to fetch, which go to the receiver's queue (``receiving``);
+then the receiver drops the fetches in flight that could no longer count and starts queued ones.
+While no peer is live, the peers this one knew are pinged, so that both sides of a healed
+partition find each other again.
+
+Threads: a ``Poller`` runs on the transport's event-loop thread. ``interest`` gains entries from
+the trainer's thread (read here as a copy); ``live`` is replaced whole by each poll, its own
+entry set in place when it reports, and read by the trainer as a copy; ``progress`` returns a
+reference the trainer's thread replaces whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
+from typing import TypeVar
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.errors import FragmentError
+from cgad.protocol.receiving import Receiver
+from cgad.protocol.records import (
+    Holdings,
+    ParseCache,
+    Progress,
+    fragment_key,
+    parse_holdings,
+    parse_live_progress,
+    progress_key,
+    read_records,
+    state_key,
+)
+from cgad.protocol.scheduling import VersionClock, poll_pause
+from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version, swarm_version
+from cgad.protocol.transport import TransportStats
+
+__all__ = ["KNOWN_PEERS", "PROGRESS_SKEW", "REJOIN_EVERY", "Poller"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T", Holdings, Progress)
+
+# seconds a progress record's time may run ahead of ours (DHT time is each peer's own); private
+# swarms' tickets have their own allowance (auth.CLOCK_SKEW)
+PROGRESS_SKEW = 60.0
+REJOIN_EVERY = 10.0  # seconds between pings of the peers it knew, while a peer sees none live
+KNOWN_PEERS = 64  # the most recently seen peers it remembers for that (records are cheap to forge)
+
+
+def _peer_ids(maddrs: Sequence[str]) -> list[str]:
+    """The peer ids in bootstrap multiaddrs (``/p2p/<id>``; those without one are skipped)."""
+    return [m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m]
+
+
+class Poller:
+    """This peer's view of the swarm, refreshed by ``poll_forever``. ``interest`` maps the
+    fragments to receive to the number of values each must have; ``allow`` is ``--allow`` with
+    this peer in it (empty: every peer is allowed); ``progress`` returns this peer's latest own
+    report; ``reject`` counts a refusal (blaming the publisher named, if any)."""
+
+    def __init__(
+        self,
+        options: NetworkOptions,
+        peer_id: str,
+        *,
+        interest: dict[int, int],
+        allow: Collection[str],
+        stats: TransportStats,
+        selector: OfferSelector,
+        receiver: Receiver,
+        version_clock: VersionClock,
+        progress: Callable[[], Progress],
+        reject: Callable[[str, str, str | None], None],
+    ) -> None:
+        self.options = options
+        self.peer_id = peer_id
+        self.interest = interest
+        self.stats = stats
+        self.dht_node: DHTNode | None = None  # set once the loop has started it
+        self.polls = 0  # looks at the DHT completed
+        self.live: dict[str, Progress] = {}
+        self.state_candidates: list[Candidate] = []  # replaced whole by each poll
+        self._allow = allow
+        self._selector = selector
+        self._receiver = receiver
+        self._version_clock = version_clock
+        self._progress = progress
+        self._reject = reject
+        self._holdings = ParseCache(parse_holdings)  # holders' records, parsed once while they stand
+        # whom to ping when no peer is left: --peers always, and the peers last seen live (newest
+        # last; bounded, as identities are free to make)
+        self._bootstrap_ids = _peer_ids(options.peers)
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._rejoined_at = 0.0
+
+    def live_peers(self) -> list[str]:
+        """The other peers whose progress record is younger than ``liveness_ttl``."""
+        now = get_dht_time()
+        return sorted(
+            peer
+            for peer, progress in self.live.items()
+            if peer != self.peer_id and progress.time + self.options.liveness_ttl > now
+        )
+
+    async def poll_forever(self) -> None:
+        while True:
+            try:
+                await self._poll_once()
+                self.polls += 1
+                if not self.live_peers() and time.monotonic() - self._rejoined_at > REJOIN_EVERY:
+                    await self._rejoin()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("polling the DHT failed; retrying")
+            versions = self._progress().versions
+            await asyncio.sleep(
+                poll_pause(self.options.poll_interval, self._version_clock.seconds_per_version, len(versions))
+            )
+
+    async def _rejoin(self) -> None:
+        """Ping the peers this one knew. After a partition both sides have dropped each other
+        from their DHT routing tables (every request across it failed), so neither would look
+        for the other again; a ping that is answered puts each in the other's table."""
+        self._rejoined_at = time.monotonic()
+        assert self.dht_node is not None
+        pings = []
+        for peer in dict.fromkeys([*self._bootstrap_ids, *self._known]):
+            with contextlib.suppress(Exception):  # an id that does not parse is not pinged
+                pings.append(self.dht_node.protocol.call_ping(PeerID.from_base58(peer), strict=False))
+        replies = await asyncio.gather(*pings, return_exceptions=True)
+        answered = sum(1 for reply in replies if reply is not None and not isinstance(reply, BaseException))
+        if answered:
+            logger.info("no live peer: %d of %d known peers answered a ping", answered, len(pings))
+
+    async def _poll_once(self) -> None:
+        assert self.dht_node is not None
+        run_id = self.options.run_id
+        interest = dict(self.interest)
+        keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id), state_key(run_id)]
+        found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"))
+        now = get_dht_time()
+        self.state_candidates = self._parse_states(found.get(state_key(run_id)), now)
+
+        live = {p.peer_id: p for p in self._records(found.get(progress_key(run_id)), "progress", now)}
+        live.setdefault(self.peer_id, self._progress())
+        self.live = live
+        for peer in live.keys() - {self.peer_id}:
+            self._known[peer] = None
+            self._known.move_to_end(peer)
+        while len(self._known) > KNOWN_PEERS:
+            self._known.popitem(last=False)
+
+        versions = self._progress().versions
+        reports = [p.versions for peer, p in live.items() if peer != self.peer_id]
+        for fragment, numel in interest.items():
+            holdings = self._records(found.get(fragment_key(run_id, fragment)), fragment, now)
+            if not holdings:
+                continue
+            own, swarm = own_version(versions, fragment), swarm_version(reports, fragment)
+            selection = self._selector.choose(fragment, numel, holdings, own, now, swarm)
+            self._reject_all(selection.rejections)
+            self.stats.skipped["fan_in"] += selection.fan_in_skipped
+            self.stats.skipped["behind"] += selection.behind
+            for candidate in selection.candidates:
+                self._receiver.enqueue(candidate)
+        self._selector.forget(versions, now)
+        self._holdings.rotate()
+        self._receiver.cancel_stale(versions)
+        self._receiver.dispatch()
+
+    # ---------------------------------------------------------------- reading the records
+
+    def _records(self, entry: object, record: int | str, now: float) -> list:
+        """The sound records under one key: progress records for ``record`` "progress", else
+        holdings (``record`` names the key in the ledger of faulty records, which counts each
+        faulty record once)."""
+
+        def faulty(error: FragmentError, owner: bytes, expiration: float) -> None:
+            if self._selector.judge((record, owner, expiration), now):
+                self._reject(error.reason, error.detail, None)
+
+        if record == "progress":
+            parse = partial(parse_live_progress, now=now, clock_skew=PROGRESS_SKEW)
+            return read_records(entry, self._allowed(parse), faulty)
+        return read_records(entry, self._allowed(self._holdings), faulty)
+
+    def _allowed(self, parse: Callable[[bytes, object], T]) -> Callable[[bytes, object], T]:
+        """``parse``, refusing the record of a peer outside ``--allow`` (and, in a holder's
+        record, passing over offers of fragments such a peer published)."""
+        allowed = self._allow
+        if not allowed:
+            return parse
+
+        def parse_allowed(owner: bytes, value: object) -> T:
+            record = parse(owner, value)
+            if record.peer_id not in allowed:
+                raise FragmentError("not_allowed", f"{record.peer_id} is not in --allow")
+            if isinstance(record, Holdings):
+                record = record.copy(update={"offers": [o for o in record.offers if o.publisher in allowed]})
+            return record
+
+        return parse_allowed
+
+    def _parse_states(self, entry: object, now: float) -> list[Candidate]:
+        selection = self._selector.choose_states(
+            self._records(entry, "state", now), self.options.max_state_bytes, now
+        )
+        self._reject_all(selection.rejections)
+        return selection.candidates
+
+    def _reject_all(self, rejections: Sequence[Rejection]) -> None:
+        for rejection in rejections:
+            self._reject(rejection.reason, rejection.detail, rejection.publisher)
