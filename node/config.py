@@ -275,11 +275,11 @@ class SimOptions(_Part):
         SPARSE_KEPT, ge=1, le=SPARSE_MAX_KEPT, description="sparse: values sent per block of 256"
     )
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
-    apply_delay: int = Field(
-        0,
-        ge=0,
-        description="inner steps a worker trains on between publishing and its outer step, carried over "
-        "it as a daemon's are while it waits for its peers' fragments (less than a block)",
+    apply_delay: NonNegative | Literal["auto"] = Field(
+        "auto",
+        description="inner steps a worker trains on between publishing and its outer step at the latest,"
+        " carried over it, as a daemon's (auto: as soon as every live peer's fragment is in, and at most"
+        " half a block later; 0: at once)",
     )
     churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
     step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
@@ -373,7 +373,7 @@ class SimConfig(_Schedule, TrainingOptions, OuterOptions, SimOptions):
         if self.attackers and self.attack is None:
             raise ValueError("--attackers needs --attack (what they send)")
         block = self.inner_steps // self.fragments
-        if self.apply_delay >= block:
+        if self.apply_delay != "auto" and self.apply_delay >= block:
             raise ValueError(f"apply_delay ({self.apply_delay}) must be under a block ({block} inner steps)")
         return self
 

@@ -98,6 +98,21 @@ class VirtualNetwork:
         self.error_feedback = error_feedback
         self.rng = random.Random(seed)
         self.peers: dict[str, MemoryTransport] = {}
+        # sends of the instant under way, when a driver runs several peers at one virtual instant
+        # (``hold``): they land together at ``flush``, so that no peer of the instant sees another's
+        # before it has published its own
+        self._held: list[tuple[MemoryTransport, _Delivery]] | None = None
+
+    def hold(self) -> None:
+        """Keep what is sent from now on until ``flush`` (one virtual instant)."""
+        self._held = []
+
+    def flush(self) -> None:
+        """Deliver what was sent since ``hold``, and deliver at once again from now on."""
+        held, self._held = self._held or [], None
+        for receiver, delivery in held:
+            if receiver.alive:
+                receiver.inbox.append(delivery)
 
     def _receivers(self, sender: MemoryTransport) -> list[MemoryTransport]:
         return [p for p in self.peers.values() if p is not sender and p.alive]
@@ -130,7 +145,10 @@ class VirtualNetwork:
                 sender.stats.rejected["dropped_in_flight"] += 1
                 continue
             delivery = _Delivery(fragment, receiver.round + self.delay.draw(self.rng), ready_time, size)
-            receiver.inbox.append(delivery)
+            if self._held is not None:
+                self._held.append((receiver, delivery))
+            else:
+                receiver.inbox.append(delivery)
 
 
 class MemoryTransport(Transport):
@@ -226,6 +244,19 @@ class MemoryTransport(Transport):
             ready = fresh
         self.stats.received += len(ready)
         return ready
+
+    def arrived(self, index: int, base_version: int) -> int:
+        """Publishers whose pseudo-gradient of this fragment, of this version or newer, is ready
+        (by this peer's round and clock) and waits for ``receive``."""
+        return len({
+            d.fragment.key.publisher
+            for d in self.inbox
+            if d.fragment.key.kind == Kind.DELTA
+            and d.fragment.key.fragment == index
+            and d.fragment.key.base_version >= base_version
+            and d.ready_round <= self.round
+            and d.ready_time <= self.now
+        })  # fmt: skip
 
     def live_peers(self) -> list[str]:
         return [p.peer_id for p in self.network.peers.values() if p is not self and p.alive]

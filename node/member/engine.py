@@ -203,15 +203,17 @@ class Member:
         self.block_start = steps
         self._adopted_block = False
         self._block_extra = 0
-        delay = 0 if leaving else s.delay
+        # a member that shares nothing (training alone) has nobody's fragment to wait for
+        shares = self.loop.method.shares
+        delay = 0 if leaving or (s.apply_delay == "auto" and not shares) else s.delay
         # how many fragments end the wait early, counted once here, not at every inner step
         waits = s.apply_delay == "auto" and delay > 0
         live = len(self.swarm.live_peers())
         awaited = (live if s.fan_in is None else min(live, s.fan_in)) if waits else None
         early = self.swarm.arrived(fragment, version)
+        # taken by the next ``step_if_due``, at once with no delay: a driver that runs several
+        # members at one instant publishes all their fragments before any of them steps
         self.due = Turn(fragment, version, steps + delay, awaited, early)
-        if delay == 0:
-            self._take_step(steps)
 
     def finish(self, steps: int, leaving: bool) -> None:
         """Stopping. The waiting outer step is taken; when told to leave, the fragment whose
@@ -221,6 +223,7 @@ class Member:
             self._take_step(steps)
         if leaving and steps > self.block_start:
             self.end_block(steps, leaving=True)
+            self._take_step(steps)
 
     # -- adopting a state -------------------------------------------------------------------
 

@@ -510,7 +510,7 @@ class OuterLoop:
                 }
                 for index, state in optimizer["state"].items()
             }
-            phi = [p.to(torch.float16) if _fits_float16(p) else p.detach().clone() for p in self.phi]
+            phi = [p.detach().to(torch.float16) if _fits_float16(p) else p.detach().clone() for p in self.phi]
         else:
             phi = [p.detach().clone() for p in self.phi]
         return {"phi": phi, "versions": list(self.versions), "optimizer": optimizer}

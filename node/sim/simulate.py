@@ -1,15 +1,18 @@
-"""The virtual swarm: W workers in one process, the daemon's outer loop over an in-memory network.
+"""The virtual swarm: W members in one process, each the daemon's member engine on a virtual clock.
 
 Each worker is what a daemon is: a model replica, an inner AdamW trainer on its own data shard, an
-``OuterLoop`` and a transport, here a ``MemoryTransport`` with injected delay, loss, bandwidth,
-stragglers and churn; the last ``attackers`` workers forge what they publish
-(``protocol/attacks.py``), and the swarm is judged by the others. Time is virtual: an inner step
-costs ``step_time × speed factor`` seconds.
+``OuterLoop`` driven by the same ``Member`` engine (node/member/engine.py) that drives a daemon,
+and a transport, here a ``MemoryTransport`` with injected delay, loss, bandwidth, stragglers and
+churn; the last ``attackers`` workers forge what they publish (``protocol/attacks.py``), and the
+swarm is judged by the others. What differs from a daemon is only the clock and the network: an
+inner step costs ``step_time × speed factor`` virtual seconds, the swarm's progress reports are
+the other workers' versions as they are, and a state is adopted from a live peer's memory.
 
-Workers advance in sync events ordered by virtual time. At each sync time, every worker due then
-first runs its inner steps and publishes, and only then do they all apply what arrived, so with
-equal speeds and no delay the swarm is exactly synchronous DiLoCo, and a delay of τ rounds shows
-up as an age of exactly τ.
+Time advances in inner steps. At each virtual instant every worker due then takes its step and,
+at the end of a block, publishes; what was sent at that instant lands only then, and then each
+takes its outer step if it is due (``Member.step_if_due``: the apply delay, ended early once every
+live peer's fragment is in). So with equal speeds and no delay the swarm is exactly synchronous
+DiLoCo, and a delay of τ rounds shows up as an age of exactly τ.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import copy
 import heapq
 import math
 import random
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,7 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cgad.node.config import SimConfig
+from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.outer import Delivery, OuterLoop
+from cgad.node.member.swarm import snapshot_ceiling
 from cgad.node.training.data import BatchIterator, TokenDataset
 from cgad.node.training.model import build_model
 from cgad.node.training.trainer import InnerTrainer, evaluate
@@ -44,17 +48,62 @@ class _Worker:
     transport: MemoryTransport
     loop: OuterLoop
     speed: float
+    member: Member = field(init=False)
     clock: float = 0.0
     compute_seconds: float = 0.0
     down_seconds: float = 0.0
-    round: int = 0
-    block: int = 0  # sync events completed
-    losses: list[float] = field(default_factory=list)
-    resyncs: int = 0
+    losses: list[float] = field(default_factory=list)  # held-out loss after each round
     away_since: float | None = None  # virtual time it left, while away (churn)
-    unshared: int = 0  # blocks still to keep from peers after adopting a state (as the daemon does)
-    carried: int = 0  # inner steps of the block under way taken before the last outer step
     hostile: bool = False  # forges what it publishes (--attackers); never judged, never adopted
+
+    @property
+    def present(self) -> bool:
+        return self.transport.alive and self.away_since is None
+
+
+class _Peers(MemberHooks):
+    """One worker's view of the others (``SwarmView``) and its engine's hooks: what a daemon
+    reads from progress records and inboxes, and how it adopts a snapshot, here in memory."""
+
+    def __init__(self, wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: list) -> None:
+        self.wk, self.workers, self.c, self.eval_batches = wk, workers, c, eval_batches
+
+    def _others(self) -> list[_Worker]:
+        return [o for o in self.workers if o is not self.wk and o.present]
+
+    def live_peers(self) -> list[str]:
+        return [o.transport.peer_id for o in self._others()]
+
+    def arrived(self, index: int, base_version: int) -> int:
+        return self.wk.transport.arrived(index, base_version)
+
+    def reports(self) -> dict[str, list[int]]:
+        # an attacker's report counts too, as a daemon's progress record would
+        return {o.transport.peer_id: list(o.loop.versions) for o in self._others()}
+
+    def adopt_state(self, required: bool) -> tuple[str, int] | None:
+        """The newest snapshot ahead of this worker and within the ceiling, as a daemon picks one
+        (``StateSync``), from a trusted live worker (an attacker's is never adopted), sent as a
+        daemon sends it (compact: φ in float16, the optimizer's moments in bfloat16). The rounds
+        it skips count at the loss of the state it adopted."""
+        wk = self.wk
+        mine = min(wk.loop.versions)
+        ceiling = snapshot_ceiling(self.reports(), wk.loop.versions, self.c.cutoff)
+        offers = [
+            o for o in self._others()
+            if not o.hostile and mine < min(o.loop.versions) <= ceiling
+        ]  # fmt: skip
+        if not offers:
+            return None
+        source = max(offers, key=lambda o: (min(o.loop.versions), -o.index))
+        wk.loop.load_state_dict(copy.deepcopy(source.loop.state_dict(compact=True)))
+        skipped = min(source.member.round, self.c.rounds) - wk.member.round
+        if skipped > 0:
+            wk.losses.extend([evaluate(wk.trainer.model, self.eval_batches)] * skipped)
+        return source.transport.peer_id, source.member.round
+
+    def round_ended(self, round_: int) -> None:
+        self.wk.losses.append(evaluate(self.wk.trainer.model, self.eval_batches))
 
 
 def simulate(
@@ -84,7 +133,7 @@ def simulate(
     speeds = c.stragglers or [1.0] * c.workers
     transports = [network.join(f"worker-{w}") for w in range(c.workers)]
     attack = Attack.parse(c.attack) if c.attackers else None
-    workers = []
+    workers: list[_Worker] = []
     for w in range(c.workers):
         model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
         batches = worker_batches(dataset, c, w)
@@ -98,11 +147,16 @@ def simulate(
             params, c, transport, "sim", seed=c.seed * 31 + w, codec=c.codec, sparse_keep=c.sparse_keep
         )
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
+    schedule = Schedule.of(c)
+    for wk in workers:
+        peers = _Peers(wk, workers, c, eval_batches)
+        wk.member = Member(wk.loop, peers, schedule, hooks=peers)
     honest = [wk for wk in workers if not wk.hostile]
 
-    block_steps = c.inner_steps // c.fragments
-    blocks_per_round = c.fragments
-    events = [(block_steps * c.step_time * wk.speed, wk.index) for wk in workers]
+    def step_seconds(wk: _Worker) -> float:
+        return c.step_time * wk.speed
+
+    events = [(step_seconds(wk), wk.index) for wk in workers]
     heapq.heapify(events)
     delivered: list[Delivery] = []
     momenta: list[float] = []  # the momentum each honest outer step went on with (cga's follows freshness)
@@ -110,53 +164,47 @@ def simulate(
     started = time.perf_counter()
     while events:
         now = events[0][0]
-        due = []
+        due: list[_Worker] = []
         while events and events[0][0] == now:
             wk = workers[heapq.heappop(events)[1]]
             if wk.away_since is None:
                 due.append(wk)
                 continue
-            _rejoin(wk, workers, now, c, eval_batches)  # back from churn; its next block follows
-            heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
-        for wk in due:  # clocks first: a delivery's due round counts from the receiver's round now
+            _rejoin(wk, now)  # back from churn; its next step follows
+            heapq.heappush(events, (wk.clock + step_seconds(wk), wk.index))
+        network.hold()  # what is published at this instant lands once all due have published
+        for wk in due:  # the inner step that ends now, and the block's publish if it is over
             wk.clock = now
-            wk.transport.advance(now, wk.round)
-        for wk in due:  # inner steps, then publish: nobody applies before everyone due has published
-            _train(wk, block_steps - wk.carried, c, progress)
+            wk.transport.advance(now, wk.member.round)
+            wk.trainer.step()
+            wk.compute_seconds += step_seconds(wk)
             blocked_before = wk.transport.blocked_seconds
-            tokens = block_steps * c.batch_size * c.seq_len
-            wk.loop.publish(wk.block % blocks_per_round, tokens=tokens, share=wk.unshared == 0)
-            wk.unshared = max(0, wk.unshared - 1)
+            wk.member.end_block_if_over(wk.trainer.steps)
             wk.clock += wk.transport.blocked_seconds - blocked_before
+        network.flush()
+        if progress and due:
+            progress(len(due))
         for wk in due:
-            f = wk.block % blocks_per_round
-            # training on while the round's fragments arrive, then carried over the outer step
-            # (the daemon's --apply-delay); the run's last block carries nothing: equal compute
-            last = wk.round == c.rounds - 1 and f == blocks_per_round - 1
-            wk.carried = 0 if last else c.apply_delay
-            _train(wk, wk.carried, c, progress)
-            wk.transport.advance(wk.clock, wk.round)
-            deliveries = wk.loop.apply(f, carry=wk.carried > 0, swarm_version=_swarm_version(wk, workers, f))
-            if not wk.hostile:
+            wk.transport.advance(wk.clock, wk.member.round)
+            round_before = wk.member.round
+            deliveries = wk.member.step_if_due(wk.trainer.steps)
+            if deliveries is not None and not wk.hostile:
                 delivered.extend(deliveries)
                 momentum = wk.loop.method.momentum_now(wk.loop.optimizer)
                 if momentum is not None:
                     momenta.append(momentum)
-            wk.block += 1
-            if f == blocks_per_round - 1:
-                wk.round += 1
-                wk.losses.append(evaluate(wk.trainer.model, eval_batches))
-                _catch_up(wk, workers, c, eval_batches)  # as a daemon re-syncs when far behind
-                if wk.round < c.rounds and c.churn and rng.random() < c.churn:
-                    # away for 1-4 rounds: neither sending nor receiving; back via a rejoin event
-                    wk.transport.set_alive(False)
-                    wk.away_since = wk.clock
-                    back = wk.clock + rng.randint(1, 4) * c.inner_steps * c.step_time
-                    heapq.heappush(events, (back, wk.index))
-                    continue
-            if wk.round < c.rounds:
-                heapq.heappush(events, (wk.clock + block_steps * c.step_time * wk.speed, wk.index))
-        while len(swarm.consensus) < min(wk.round for wk in honest):
+            if wk.member.done:
+                wk.transport.set_alive(False)  # it leaves: peers stop waiting for it
+                continue
+            if wk.member.round > round_before and c.churn and rng.random() < c.churn:
+                # away for 1-4 rounds: neither sending nor receiving; back via a rejoin event
+                wk.transport.set_alive(False)
+                wk.away_since = wk.clock
+                back = wk.clock + rng.randint(1, 4) * c.inner_steps * c.step_time
+                heapq.heappush(events, (back, wk.index))
+                continue
+            heapq.heappush(events, (wk.clock + step_seconds(wk), wk.index))
+        while len(swarm.consensus) < min(len(wk.losses) for wk in honest):
             swarm.snapshot(honest)  # the slowest honest worker has finished another round
             if on_round:
                 on_round(len(swarm.consensus), swarm.mean_phi_losses[-1])
@@ -194,7 +242,7 @@ def simulate(
         "applied": sum(wk.loop.counters.applied for wk in workers),
         "dropped_stale": sum(wk.loop.counters.dropped_stale for wk in workers),
         "dropped_in_flight": sum(s.rejected["dropped_in_flight"] for s in stats),
-        "resyncs": sum(wk.resyncs for wk in workers),
+        "resyncs": sum(wk.member.resyncs for wk in workers),
         "replayed": sum(wk.loop.counters.replayed for wk in workers),
         "mixed": sum(wk.loop.counters.mixed for wk in workers),
         "clipped": sum(wk.loop.counters.clipped for wk in honest),
@@ -206,14 +254,6 @@ def simulate(
         "wall_seconds": time.perf_counter() - started,
         "config": c.model_dump(),
     }
-
-
-def _train(wk: _Worker, steps: int, c: SimConfig, progress: Callable[[int], None] | None) -> None:
-    for _ in range(steps):
-        wk.trainer.step()
-    if progress and steps:
-        progress(steps)
-    wk.compute_seconds += steps * c.step_time * wk.speed
 
 
 class _SwarmView:
@@ -239,69 +279,15 @@ class _SwarmView:
         self.mean_phi_losses.append(evaluate(self.scratch, self.eval_batches))
 
 
-def _catch_up(wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: list) -> bool:
-    """A daemon re-syncs when its versions trail the median of its live peers' by more than the
-    cutoff (``StateSync.behind``): a straggler adopts the most advanced live peer's outer state,
-    and the rounds it skips count at the loss of the state it adopted."""
-    if not wk.loop.method.shares or wk.round >= c.rounds:
-        return False
-    live = _trusted_live(wk, workers)
-    if not live:
-        return False
-    median = statistics.median_low(min(o.loop.versions) for o in live)
-    if median - min(wk.loop.versions) <= c.cutoff:
-        return False
-    _adopt_leader(wk, max(live, key=lambda o: min(o.loop.versions)), c, eval_batches)
-    return True
-
-
-def _rejoin(wk: _Worker, workers: list[_Worker], now: float, c: SimConfig, eval_batches: list) -> None:
-    """Back from churn: if it fell more than the cutoff behind the most advanced live peer, it
-    adopts that peer's outer state (as a daemon does when it rejoins); rounds it skipped count
-    at the loss of the state it adopted."""
+def _rejoin(wk: _Worker, now: float) -> None:
+    """Back from churn: a member that fell more than the cutoff behind adopts a live peer's
+    state (the engine's re-sync rule, as a daemon that comes back)."""
     assert wk.away_since is not None
     wk.down_seconds += now - wk.away_since
     wk.away_since = None
     wk.clock = now
     wk.transport.set_alive(True)
-    live = _trusted_live(wk, workers)
-    if not live or not wk.loop.method.shares:  # a worker training alone adopts nobody's state
-        return
-    leader = max(live, key=lambda o: min(o.loop.versions))
-    if min(leader.loop.versions) - min(wk.loop.versions) > c.cutoff and leader.round < c.rounds:
-        _adopt_leader(wk, leader, c, eval_batches)
-
-
-def _swarm_version(wk: _Worker, workers: list[_Worker], f: int) -> int | None:
-    """Fragment f's version in the swarm as a daemon sees it (``StateSync.swarm_versions``): the
-    median (low) of the other live workers' versions, up to which a worker behind replays the
-    deltas it holds from ahead; None with no other worker up."""
-    live = [o.loop.versions[f] for o in _live_others(wk, workers)]  # an attacker's report too, as a daemon's
-    return statistics.median_low(live) if live else None
-
-
-def _live_others(wk: _Worker, workers: list[_Worker]) -> list[_Worker]:
-    """The other workers up now (not away after churn)."""
-    return [o for o in workers if o is not wk and o.transport.alive and o.away_since is None]
-
-
-def _trusted_live(wk: _Worker, workers: list[_Worker]) -> list[_Worker]:
-    """The other workers up now whose state ``wk`` may adopt (an attacker's never)."""
-    return [o for o in _live_others(wk, workers) if not o.hostile]
-
-
-def _adopt_leader(wk: _Worker, leader: _Worker, c: SimConfig, eval_batches: list) -> None:
-    """A re-sync: ``wk`` takes ``leader``'s outer state and its place in the fragment schedule;
-    the rounds it skips count at the loss of what it adopted."""
-    wk.loop.load_state_dict(copy.deepcopy(leader.loop.state_dict()))
-    wk.unshared = len(wk.loop.fragments)  # a round discarded (inner warm-up), as a daemon does after adopting
-    skipped = min(leader.round, c.rounds) - wk.round
-    if skipped > 0:
-        loss = evaluate(wk.trainer.model, eval_batches)
-        wk.losses.extend([loss] * skipped)
-        wk.round += skipped
-        wk.block = leader.block
-    wk.resyncs += 1
+    wk.member.sync_if_behind()
 
 
 def _mean(values: list[float]) -> float:
