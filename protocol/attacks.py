@@ -101,12 +101,6 @@ class ForgingTransport(Transport):
         """The honest bytes decoded, forged, and handed to the transport to send as it would."""
         self.publish(Fragment(key, decode(data), tokens))
 
-    def round_budget(self) -> float | None:
-        return self.inner.round_budget()
-
-    def forget_feedback(self) -> None:
-        self.inner.forget_feedback()
-
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         return self.inner.receive(index, kind)
 

@@ -10,9 +10,9 @@ delivery becomes visible to its receiver once both hold:
   when a bandwidth is set: a sender's uplink is a queue, and a sender whose previous upload has not
   finished waits for it (that wait is ``blocked_seconds``, time not spent computing).
 
-With a ``codec`` other than fp32, each DELTA is encoded once by its sender, as a daemon does
-(error feedback carrying the rounding error of int8 and 4bit into the fragment's next Δ), and
-every receiver gets the decoded tensor: the simulator then measures what the codec costs.
+A DELTA handed over whole is encoded once in the network's ``codec`` (as it is; error feedback is
+the member's sender's, which hands over bytes, ``publish_encoded``), and every receiver gets the
+decoded tensor.
 
 Deliveries are dropped with a given probability; a peer that is down neither sends nor receives,
 and what was addressed to it meanwhile is lost. A DELTA is delivered at most once per
@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .codec import SPARSE_KEPT, Codec, ErrorFeedback, decode, encode_delta, kept_in
+from .codec import SPARSE_KEPT, Codec, decode, encode, kept_in
 from .config import wire_codec
 from .scheduling import round_budget
 from .transport import Fragment, FragmentKey, Kind, Transport, TransportStats
@@ -80,7 +80,6 @@ class VirtualNetwork:
         fan_in: int | None = None,
         codec: Codec | str = Codec.FP32,
         sparse_keep: int = SPARSE_KEPT,
-        error_feedback: bool = True,
         seed: int = 0,
     ) -> None:
         if not 0.0 <= drop < 1.0:
@@ -95,7 +94,6 @@ class VirtualNetwork:
         self.fan_in = fan_in
         self.codec = Codec(wire_codec(codec))
         self.sparse_keep = sparse_keep
-        self.error_feedback = error_feedback
         self.rng = random.Random(seed)
         self.peers: dict[str, MemoryTransport] = {}
         # sends of the instant under way, when a driver runs several peers at one virtual instant
@@ -132,7 +130,7 @@ class VirtualNetwork:
         if size is None:
             size = fragment.tensor.numel() * _FLOAT32_BYTES
             if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
-                fragment, size = sender._encoded(fragment, self.codec, self.sparse_keep, self.error_feedback)
+                fragment, size = sender._encoded(fragment, self.codec, self.sparse_keep)
         ready_time = sender.now
         if self.bandwidth is not None and receivers:
             start = max(sender.now, sender.uplink_free_at)
@@ -166,7 +164,6 @@ class MemoryTransport(Transport):
         self.inbox: list[_Delivery] = []
         self.seconds_per_round: float | None = None  # virtual, over the last round
         self._delivered: set = set()
-        self._feedback: dict[int, ErrorFeedback] = {}  # per fragment, as a daemon's publisher keeps
 
     def advance(self, now: float, round_: int) -> None:
         """Move this peer's virtual clock and round counter (the driver calls this)."""
@@ -180,9 +177,6 @@ class MemoryTransport(Transport):
         if not alive:
             self.inbox.clear()
         self.alive = alive
-
-    def forget_feedback(self) -> None:
-        self._feedback.clear()
 
     def publish(self, fragment: Fragment) -> None:
         if not self.alive:
@@ -208,12 +202,9 @@ class MemoryTransport(Transport):
             fetchers = min(fetchers, self.network.fan_in)
         return round_budget(self.network.bandwidth, self.seconds_per_round, fetchers)
 
-    def _encoded(
-        self, fragment: Fragment, codec: Codec, kept: int, error_feedback: bool
-    ) -> tuple[Fragment, int]:
+    def _encoded(self, fragment: Fragment, codec: Codec, kept: int) -> tuple[Fragment, int]:
         """What receivers get of a DELTA through ``codec``, and its size on the wire."""
-        residuals = self._feedback if error_feedback else None
-        data = encode_delta(fragment.tensor, codec, residuals, fragment.key.fragment, kept)
+        data = encode(fragment.tensor, codec, kept)
         return Fragment(fragment.key, decode(data), fragment.tokens, kept_in(data)), len(data)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:

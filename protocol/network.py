@@ -283,9 +283,6 @@ class NetworkTransport(Transport):
         answer. Blocks the caller: for a joining node, before it waits for anything else."""
         return self._runner.call(self._fetcher.describe(peer_id), self.options.connect_timeout * 5 + 10)
 
-    def forget_feedback(self) -> None:
-        self._publisher.forget_feedback()
-
     def publish_state(self, data: bytes, versions: Sequence[int]) -> None:
         """Offer a snapshot of this peer's outer state (packed by the caller) to peers that join
         or fall behind, in place of the previous one; its record says the oldest of ``versions``

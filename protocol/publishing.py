@@ -1,12 +1,12 @@
 """Publishing: encode a fragment (or take a packed snapshot), keep its bytes, announce them signed.
 
-``publish`` copies the tensor on the caller's thread and returns; encoding (with the error
-feedback of the lossy codecs) and hashing run on the codec worker; storing and announcing run on
-the event loop. The announcements are this peer's signed holdings records under the fragment's
-DHT key (or the run's state key), plus its progress record, its heartbeat; ``refresh_forever``
-keeps them alive.
+``publish`` copies the tensor on the caller's thread and returns; encoding (as it is: error
+feedback is the sender's, node/member/sender.py) and hashing run on the codec worker; storing and
+announcing run on the event loop. The announcements are this peer's signed holdings records under
+the fragment's DHT key (or the run's state key), plus its progress record, its heartbeat;
+``refresh_forever`` keeps them alive.
 
-Threads: ``_feedback`` belongs to the codec worker; ``progress`` is replaced whole by the
+Threads: ``progress`` is replaced whole by the
 trainer's thread and read by the loop; ``dht_node`` is set once the loop has started it.
 """
 
@@ -22,7 +22,7 @@ import torch
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from cgad.protocol.codec import Codec, ErrorFeedback, encode, encode_delta
+from cgad.protocol.codec import Codec, encode
 from cgad.protocol.config import NetworkOptions, wire_codec
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.loop import EventLoopThread
@@ -67,7 +67,6 @@ class Publisher:
         self._grpc_contact = grpc_contact  # the gRPC endpoint and its TLS certificate, once serving
         self._on_own = on_own
         self._on_progress = on_progress
-        self._feedback: dict[int, ErrorFeedback] = {}
         # loop-side: when each record last went out (fragment index, None: snapshots, or
         # "progress"), and the re-announcements waiting to go out together
         self._stored_at: dict[int | str | None, float] = {}
@@ -93,10 +92,6 @@ class Publisher:
         self.stats.published += 1
         self._runner.submit(self._add_and_announce(entry))
 
-    def forget_feedback(self) -> None:
-        # on the codec worker, which alone touches the residuals, after what it has in hand
-        self._codec_worker.submit(self._feedback.clear)
-
     def publish_state(self, data: bytes, versions: Sequence[int]) -> None:
         key = FragmentKey(self.options.run_id, 0, min(versions, default=0), self.peer_id, Kind.STATE)
         # hashing a model-sized blob is the codec worker's job, not the trainer's
@@ -112,11 +107,13 @@ class Publisher:
 
     def _encode_and_publish(self, key: FragmentKey, tensor: torch.Tensor, codec: Codec, tokens: int) -> None:
         try:
-            if key.kind is Kind.DELTA:
-                residuals = self._feedback if self.options.error_feedback else None
-                data = encode_delta(tensor, codec, residuals, key.fragment, self.options.sparse_keep)
-            else:
-                data = encode(tensor, codec)
+            # a tensor handed over whole is encoded as it is: error feedback is the sender's
+            # (node/member/sender.py), which hands over bytes whenever a codec drops anything
+            data = (
+                encode(tensor, codec, self.options.sparse_keep)
+                if key.kind is Kind.DELTA
+                else encode(tensor, codec)
+            )
             self.publish_encoded(key, data, codec=codec, numel=tensor.numel(), tokens=tokens)
         except Exception:
             logger.exception("publishing %s failed", key)

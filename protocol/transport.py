@@ -83,18 +83,8 @@ class Transport(abc.ABC):
     def publish_encoded(
         self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
     ) -> None:
-        """Offer bytes the caller encoded (``codec.encode``: the outer loop under ``--codec auto``
-        or ``sparse``) as they are, and return at once."""
-
-    def forget_feedback(self) -> None:  # noqa: B027 (doing nothing is the default)
-        """Drop the error-feedback residuals of what this peer sent (its outer state was replaced:
-        they belong to the trajectory it left). A transport without any has nothing to drop."""
-
-    def round_budget(self) -> float | None:
-        """Bytes of pseudo-gradients per round this peer can send each peer that fetches them in
-        time (``scheduling.round_budget``); None while that is not measured, infinite when the
-        link is not what limits it."""
-        return float("inf")
+        """Offer bytes the caller encoded (``codec.encode``: the member's sender, which owns the
+        codec choice and error feedback) as they are, and return at once."""
 
     @abc.abstractmethod
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:

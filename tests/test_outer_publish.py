@@ -130,7 +130,8 @@ def test_auto_sends_4bit_on_a_fast_link_and_sparse_with_what_fits_on_a_slow_one(
     numel = 1 << 16
     network = VirtualNetwork()
     options = OuterOptions(optimizer="sgd", outer_lr=1.0)
-    me = OuterLoop([torch.zeros(numel)], options, network.join("me"), "run", codec="auto")
+    wire = network.join("me")
+    me = OuterLoop([torch.zeros(numel)], options, wire, "run", codec="auto", link_budget=wire.round_budget)
     peer = network.join("peer")
     fast, four_bit = 1e9, encoded_size(numel, "4bit")
     # one fetching peer, 10 s rounds: 4bit fits at 1 GB/s; the slow link holds 13 values per
@@ -155,7 +156,7 @@ def test_auto_sends_4bit_on_a_fast_link_and_sparse_with_what_fits_on_a_slow_one(
     # the own step took the whole Δ each round (φ moved by all of it)
     assert torch.allclose(me.phi[0].detach(), moved_total, atol=1e-6)
     # what peers got, plus what is still owed, is all of it
-    assert torch.allclose(sent_total + me._unsent[0].residual, -moved_total, atol=1e-5)
+    assert torch.allclose(sent_total + me.sender._unsent[0].residual, -moved_total, atol=1e-5)
 
 
 def _cga_loop_after_a_round(name: str = "me") -> OuterLoop:

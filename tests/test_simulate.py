@@ -12,6 +12,7 @@ import torch
 
 from cgad.node.config import JoinConfig, OuterOptions, SimConfig, parse_stragglers
 from cgad.node.member.outer import OuterLoop
+from cgad.node.member.sender import Sender
 from cgad.node.sim.simulate import simulate, worker_batches
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model
@@ -165,12 +166,15 @@ def test_a_republished_key_is_rejected_as_replay():
 
 
 def test_a_lossy_codec_on_the_virtual_wire_sends_fewer_bytes_and_feeds_its_error_back():
-    network = VirtualNetwork(codec="4bit")
+    # the member's sender encodes and keeps the error feedback; the wire carries its bytes
+    network = VirtualNetwork()
     a, b = network.join("a"), network.join("b")
+    sender = Sender("4bit")
     sent = [torch.randn(4096, generator=torch.Generator().manual_seed(r)) for r in range(8)]
     received = []
     for version, delta in enumerate(sent):
-        a.publish(Fragment(FragmentKey("run", 0, version, "a"), delta, tokens=1))
+        data, codec, _, _ = sender.send(0, delta)
+        a.publish_encoded(FragmentKey("run", 0, version, "a"), data, codec=codec, numel=4096, tokens=1)
         (got,) = b.receive(0)
         received.append(got.tensor)
     assert a.stats.bytes_sent == b.stats.bytes_received < 8 * 4096 * 4 / 6  # 4-bit values + scales
@@ -452,7 +456,7 @@ def test_late_mixing_sends_phi_only_where_the_link_has_room_for_it():
     network = VirtualNetwork(codec="4bit")
     me, peer = network.join("me"), network.join("peer")
     options = OuterOptions(optimizer="cga", mixing="late", cga_momentum=0.0)
-    loop = OuterLoop([torch.zeros(4096)], options, me, "run", codec="auto")
+    loop = OuterLoop([torch.zeros(4096)], options, me, "run", codec="auto", link_budget=me.round_budget)
     need = encoded_size(4096, "4bit") + encoded_size(4096, "fp32")
     sent = []
     for round_, budget in enumerate([None, need / 2, need * 2]):  # no limit, too small, room

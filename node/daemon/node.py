@@ -138,6 +138,8 @@ class Node(MemberHooks):
                 codec=c.codec if c.sync == "exchange" else None,
                 sparse_keep=c.sparse_keep,
                 params_codec=c.params_codec,
+                link_budget=self.transport.round_budget,
+                error_feedback=c.error_feedback,
             )
             self.started_at = time.time()
             self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens

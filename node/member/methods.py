@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -28,9 +28,6 @@ from cgad.optim import (
     merge,
     staleness_weight,
 )
-
-if TYPE_CHECKING:
-    from cgad.node.member.outer import OuterLoop
 
 __all__ = ["METHODS", "Contribution", "OuterMethod", "method"]
 
@@ -51,6 +48,24 @@ class Contribution:
 def _gate_age(options: OuterOptions) -> int:
     """The first whole age the cosine gate weighs at 0 (the cutoff is finite by validation)."""
     return math.ceil(options.cutoff)
+
+
+class OuterLoop(Protocol):
+    """What a method's step reads of the member's outer state (``cgad.node.member.outer``): its
+    optimizer, its φ by fragment, and the peers it sees; declared here so that the methods do
+    not import the loop that calls them."""
+
+    optimizer: Any
+    fragments: list[list[int]]
+    rng: Any
+    transport: Any
+
+    def set_grad(self, f: int, flat: Tensor) -> None: ...
+    def fragment_phi(self, f: int) -> list[Tensor]: ...
+    def flat_phi(self, f: int) -> Tensor: ...
+    def unflatten(self, f: int, flat: Tensor) -> list[Tensor]: ...
+    def numel(self, f: int) -> int: ...
+    def held_params(self, f: int, anchor: Tensor, theirs: Tensor) -> Tensor: ...
 
 
 class OuterMethod:

@@ -3,9 +3,8 @@
 This is the code both the daemon and the simulator run. At fragment f's turn:
 
 1. Δ_f = φ_f − θ_f, the pseudo-gradient of the inner steps since f's last sync, is published,
-   tagged with the version it started from (``versions[f]``) and the tokens behind it (with
-   ``--codec sparse`` or ``auto``, encoded here with what earlier rounds left out: the error
-   feedback is kept here, and "auto" picks 4bit or sparse from the measured link each round);
+   tagged with the version it started from (``versions[f]``) and the tokens behind it, in the
+   codec its ``Sender`` picks (which keeps the error feedback: node/member/sender.py);
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
    τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0; with ``--aggregation clip``
    (the default) a peer's Δ pointing against the own one is refused (``opposed``) and the rest
@@ -29,9 +28,9 @@ from another thread holds its own lock around ``sync`` and ``state_dict``.
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,10 +39,11 @@ from torch import Tensor
 
 from cgad.node.config import OuterOptions
 from cgad.node.member.methods import Contribution, method
+from cgad.node.member.outer_state import load_checked_state, snapshot_state
+from cgad.node.member.sender import Sender
 from cgad.optim import AroundOwn, staleness_weight
-from cgad.protocol.codec import Codec, ErrorFeedback, decode, encode, encoded_size
-from cgad.protocol.config import LOOP_CODECS, SPARSE_KEPT, wire_codec
-from cgad.protocol.scheduling import auto_codec
+from cgad.protocol.codec import Codec, encoded_size
+from cgad.protocol.config import SPARSE_KEPT, wire_codec
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -108,13 +108,13 @@ class OuterLoop:
         codec: str | None = None,
         sparse_keep: int = SPARSE_KEPT,
         params_codec: str = "fp32",
+        link_budget: Callable[[], float | None] | None = None,
+        error_feedback: bool = True,
     ) -> None:
-        """``codec`` "sparse" or "auto" (``LOOP_CODECS``): the loop picks what each round sends and
-        keeps the error feedback, and hands the transport bytes. "sparse" keeps ``sparse_keep``
-        values per block; "auto" sends 4bit or sparse, whatever the transport's measured link
-        carries in time (``round_budget``). Any other codec the transport applies itself.
-        ``params_codec``: how the transport sends φ for mixing (``--mixing late`` sends it only
-        where the link has room for it)."""
+        """``codec``, ``sparse_keep``, ``link_budget`` and ``error_feedback``: what the member's
+        ``Sender`` encodes deltas with (the one owner of the codec choice and error feedback; the
+        transport gets bytes). ``params_codec``: how the transport sends φ for mixing
+        (``--mixing late`` sends it only where the link has room for it)."""
         self.theta = params
         self.options = options
         self.method = method(options.optimizer)
@@ -137,13 +137,13 @@ class OuterLoop:
         self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
-        # with a LOOP_CODECS codec: per fragment, the own progress not sent yet (error feedback),
-        # and the own Δ as sent this round with its values per block (None: dense)
-        self._picks = codec in LOOP_CODECS
-        self._codec = codec
-        self._sparse_keep = sparse_keep
-        self._unsent: dict[int, ErrorFeedback] = {}
-        self._sent: dict[int, tuple[int | None, Tensor]] = {}
+        self.sender = Sender(
+            codec,
+            sparse_keep=sparse_keep,
+            link_budget=link_budget,
+            total_numel=sum(p.numel() for p in params),
+            error_feedback=error_feedback,
+        )
         self._numel = sum(p.numel() for p in params)
         self._params_codec = params_codec
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
@@ -184,22 +184,15 @@ class OuterLoop:
                 return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
         fragment = Fragment(key, own, tokens)
-        data: bytes | None = None
-        if self._picks and self.method.shares:
-            # the own step still takes the whole Δ_f (waiting for what a sparse round leaves out
+        if self.sender.encodes and self.method.shares:
+            # the own step still takes the whole Δ_f (waiting for what a lossy round leaves out
             # would delay the own progress by rounds); peers get Δ_f and what earlier rounds left
-            # out, in this round's codec. Peers' deltas are judged against Δ_f plus that residue
-            # (the yardstick), picked as sparsely as each delivery is: a sparse delta sits about
-            # the whole norm of a dense one away by its support alone
-            feedback = self._unsent.setdefault(f, ErrorFeedback(Codec.SPARSE))
-            codec, kept = self._choose(own.numel())
-            target = feedback.target(own)
+            # out, and are judged against that (the yardstick)
             if share:
-                data, picked = feedback.send(own, codec, kept)
+                data, codec, kept, target = self.sender.send(f, own)
                 self.counters.sent_as[f"sparse:{kept}" if codec is Codec.SPARSE else str(codec)] += 1
             else:  # a discarded block: judged by, never sent, so it leaves the residual alone
-                picked = decode(encode(target, codec, kept))
-            self._sent[f] = (kept if codec is Codec.SPARSE else None, picked)
+                target = self.sender.withhold(f, own)
             fragment = Fragment(key, target, tokens)
         # a discarded block is still this node's own work: a yardstick no peer can move
         self._yardstick[f] = fragment
@@ -210,9 +203,9 @@ class OuterLoop:
         self._turn[f] = Fragment(key, own, tokens)
         if not self.method.shares:
             return
-        if data is None:
+        if not self.sender.encodes:
             self.transport.publish(fragment)
-            sent_bytes = encoded_size(own.numel(), wire_codec(self._codec or "fp32"))
+            sent_bytes = encoded_size(own.numel(), "fp32")
         else:
             self.transport.publish_encoded(key, data, codec=codec, numel=own.numel(), tokens=tokens)
             sent_bytes = len(data)
@@ -223,14 +216,6 @@ class OuterLoop:
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
             if mixing_due:  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
-
-    def _choose(self, numel: int) -> tuple[Codec, int]:
-        """This round's codec and values per block for a fragment of ``numel`` values: the
-        fragment's share of the bytes the transport's link carries per round, under "auto"."""
-        if self._codec == "sparse":
-            return Codec.SPARSE, self._sparse_keep
-        budget = self.transport.round_budget()
-        return auto_codec(numel, None if budget is None else budget * numel / self._numel)
 
     def apply(self, f: int, carry: bool = False, swarm_version: int | None = None) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since.
@@ -368,13 +353,7 @@ class OuterLoop:
         return taken, deliveries
 
     def _reference(self, f: int, kept: int | None) -> Tensor:
-        """The yardstick as a delivery that keeps ``kept`` values per block (None: dense) would
-        carry it: the own Δ as this node sent it when it sent it so, else picked the same way."""
-        yardstick = self._yardstick[f].tensor
-        sent_kept, sent = self._sent.get(f, (None, yardstick))
-        if kept == sent_kept:
-            return sent
-        return yardstick if kept is None else decode(encode(yardstick, Codec.SPARSE, kept))
+        return self.sender.reference(f, self._yardstick[f].tensor, kept)
 
     # -- helpers the methods use ------------------------------------------------------------
 
@@ -434,7 +413,7 @@ class OuterLoop:
         so there the node sends deltas only. Gossip every round is sent regardless."""
         if self.options.mixing != "late":
             return True
-        budget = self.transport.round_budget()
+        budget = self.sender.link_budget()
         if budget is None:  # not measured yet
             return False
         numel = self.numel(f)
@@ -501,51 +480,12 @@ class OuterLoop:
         the spread between peers' φ in a swarm without a barrier; a tensor outside float16's
         range stays float32), the optimizer's float tensors (momenta, moments) in bfloat16
         (running averages that the joiner's own rounds soon outweigh). Loading casts back."""
-        optimizer = self.optimizer.state_dict()
-        if compact:
-            optimizer["state"] = {
-                index: {
-                    k: v.to(torch.bfloat16) if isinstance(v, Tensor) and v.is_floating_point() else v
-                    for k, v in state.items()
-                }
-                for index, state in optimizer["state"].items()
-            }
-            phi = [p.detach().to(torch.float16) if _fits_float16(p) else p.detach().clone() for p in self.phi]
-        else:
-            phi = [p.detach().clone() for p in self.phi]
-        return {"phi": phi, "versions": list(self.versions), "optimizer": optimizer}
+        return snapshot_state(self.phi, self.versions, self.optimizer, compact)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ. Checked
         whole before anything changes: a state that does not fit raises and leaves this one."""
-        phi, versions = state["phi"], state["versions"]
-        if not (isinstance(versions, list) and all(type(v) is int and v >= 0 for v in versions)):
-            raise ValueError(f"versions {versions!r}")
-        if len(phi) != len(self.phi) or len(versions) != len(self.versions):
-            raise ValueError("outer state has a different model or fragment layout")
-        for p, q in zip(self.phi, phi, strict=True):
-            if not isinstance(q, Tensor) or p.shape != q.shape:
-                raise ValueError(f"outer state tensor {getattr(q, 'shape', q)} != local {tuple(p.shape)}")
-            # as φ will hold it: a float64 1e39 is finite, and Inf in float32
-            if q.dtype not in STATE_DTYPES or not torch.isfinite(q.to(p.dtype)).all():
-                raise ValueError(f"outer state tensor of {q.dtype} holds NaN or Inf, or is not a float")
-        # moments and step counts from the state; hyperparameters stay this peer's own, but the
-        # running freshness is state (a resumed node kept it at 0 and lost its momentum)
-        ours = [
-            {k: v for k, v in g.items() if k not in ("params", "freshness")}
-            for g in self.optimizer.param_groups
-        ]
-        saved = self.optimizer.state_dict()
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-            for group, hyper in zip(self.optimizer.param_groups, ours, strict=True):
-                group.update(hyper)
-                if "freshness" in group:
-                    group["freshness"] = _share(group["freshness"])
-            _check_optimizer_state(self.optimizer)
-        except Exception as exc:  # torch raises whatever the malformed part provokes
-            self.optimizer.load_state_dict(saved)
-            raise ValueError(f"the outer optimizer's state does not fit this peer's: {exc!r}") from exc
+        phi, versions = load_checked_state(self.phi, len(self.versions), self.optimizer, state)
         with torch.no_grad():
             for p, q, t in zip(self.phi, phi, self.theta, strict=True):
                 p.copy_(q)
@@ -556,41 +496,5 @@ class OuterLoop:
             f: [d for d in held if d.key.base_version >= versions[f]] for f, held in self._ahead.items()
         }
         # what the old trajectory left unsent, and the φ it published, belong to that trajectory
-        self._unsent.clear()
-        self._sent.clear()
+        self.sender.forget()
         self._phi_published.clear()
-        self.transport.forget_feedback()
-
-
-STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what φ may come in
-
-
-def _share(value: object) -> float:
-    """A running share read from a state: a number in [0, 1], else 0 (nothing known)."""
-    return min(1.0, max(0.0, float(value))) if _finite_number(value) else 0.0  # type: ignore[arg-type]
-
-
-def _finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Every per-parameter state tensor of ``optimizer`` has its parameter's shape (or none, a
-    step count) and finite values, and every number is finite: a wrong shape failed at the next
-    outer step, and a NaN moment made φ NaN for good. ``ValueError`` otherwise."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for name, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, Tensor):
-                    if value.dim() != 0 and value.shape != p.shape:
-                        raise ValueError(f"state {name!r} of shape {tuple(value.shape)} for {tuple(p.shape)}")
-                    if value.is_floating_point() and not torch.isfinite(value).all():
-                        raise ValueError(f"state {name!r} holds NaN or Inf")
-                elif not _finite_number(value):
-                    raise ValueError(f"state {name!r} is {value!r}")
-
-
-def _fits_float16(tensor: Tensor) -> bool:
-    """Whether float16 holds every value of ``tensor`` (only the largest magnitude can overflow;
-    the smallest lose digits that are negligible beside the others)."""
-    return tensor.numel() == 0 or float(tensor.detach().abs().max()) < torch.finfo(torch.float16).max / 2

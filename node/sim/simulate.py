@@ -122,9 +122,7 @@ def simulate(
     network = VirtualNetwork(
         delay=Delay.parse(c.delay),
         drop=c.drop,
-        bandwidth=c.bandwidth,
-        codec=c.codec,
-        sparse_keep=c.sparse_keep,
+        bandwidth=c.bandwidth,  # the members' senders encode: the wire carries their bytes
         seed=c.seed * 7919 + 1,
     )
     eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
@@ -144,7 +142,14 @@ def simulate(
         )
         params = list(model.parameters())
         loop = OuterLoop(
-            params, c, transport, "sim", seed=c.seed * 31 + w, codec=c.codec, sparse_keep=c.sparse_keep
+            params,
+            c,
+            transport,
+            "sim",
+            seed=c.seed * 31 + w,
+            codec=c.codec,
+            sparse_keep=c.sparse_keep,
+            link_budget=transports[w].round_budget,
         )
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
     schedule = Schedule.of(c)
