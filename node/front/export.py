@@ -14,7 +14,6 @@ from cgad.node.training.tokenizer import load_hf_tokenizer
 __all__ = ["export_checkpoint"]
 
 
-
 def export_checkpoint(checkpoint_dir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Write config, weights (the swarm's outer parameters φ) and tokenizer to ``out``, loadable
     with ``AutoModelForCausalLM.from_pretrained(out)`` and ``AutoTokenizer.from_pretrained(out)``."""
