@@ -34,9 +34,35 @@ from torch.optim import Optimizer
 from .defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
 from .staleness import check_age, staleness_weight
 
-__all__ = ["CGA"]
+__all__ = ["CGA", "cga_update", "running_freshness"]
 
 FRESHNESS_DECAY = 0.5  # ρ: the running freshness is half this round's share, half the past's
+
+
+def running_freshness(freshness: float, fresh_share: float, decay: float = FRESHNESS_DECAY) -> float:
+    """r ← ρ·r + (1 − ρ)·share: the running share of peers heard fresh that μ' = μ·r follows."""
+    return decay * freshness + (1 - decay) * fresh_share
+
+
+def cga_update(
+    params: list[Tensor], means: list[Tensor], momenta: list[Tensor] | None, *, lr: float, mu: float
+) -> None:
+    """One CGA step in place: b ← μ'·b + Δ̄ and φ ← φ − lr·(Δ̄ + μ'·b) for each tensor, or
+    φ ← φ − lr·Δ̄ without momenta.
+
+    Args:
+        params: φ, the tensors to step (any float dtype).
+        means: Δ̄ per tensor, the round's age-weighted mean (float32).
+        momenta: the momentum buffer per tensor (float32, updated in place), or None.
+        lr: the outer learning rate (1: averaging).
+        mu: the momentum this step takes, μ' = μ·r.
+    """
+    for i, (p, mean) in enumerate(zip(params, means, strict=True)):
+        update = mean
+        if momenta is not None:
+            buf = momenta[i].mul_(mu).add_(mean)
+            update = mean.add(buf, alpha=mu)
+        p.add_(update.to(p.dtype), alpha=-lr)
 
 
 class CGA(Optimizer):
@@ -120,22 +146,20 @@ class CGA(Optimizer):
             if not stepping:  # a fragment that is not this round's keeps its freshness too
                 continue
             if fresh_share is not None:
-                rho = FRESHNESS_DECAY
-                group["freshness"] = rho * self._freshness(group) + (1 - rho) * fresh_share
+                group["freshness"] = running_freshness(self._freshness(group), fresh_share)
             mu, restart = group["momentum"] * self._freshness(group), group["restart_every"]
+            means, momenta = [], []
             for p in stepping:
                 state = self.state[p]
-                mean = state["sum"].div_(state["total"])
-                update = mean
-                if group["momentum"]:
-                    steps = state.get("steps", 0)
-                    if "momentum" not in state or (restart and steps and steps % restart == 0):
-                        state["momentum"] = torch.zeros_like(mean)
-                    buf = state["momentum"].mul_(mu).add_(mean)
-                    update = mean.add(buf, alpha=mu)
-                    state["steps"] = steps + 1
-                p.add_(update.to(p.dtype), alpha=-group["lr"])
+                means.append(state["sum"].div_(state["total"]))
                 # the sums live only within a round: dropped, they stay out of the state that
                 # checkpoints and joining peers carry (which is then the momentum, if any)
                 del state["sum"], state["total"]
+                if group["momentum"]:
+                    steps = state.get("steps", 0)
+                    if "momentum" not in state or (restart and steps and steps % restart == 0):
+                        state["momentum"] = torch.zeros_like(means[-1])
+                    momenta.append(state["momentum"])
+                    state["steps"] = steps + 1
+            cga_update(stepping, means, momenta if group["momentum"] else None, lr=group["lr"], mu=mu)
         return loss

@@ -164,3 +164,24 @@ def test_bad_settings_are_named():
         CGA(p, momentum=1.0)
     with pytest.raises(ValueError, match="weight"):
         CGA(p).accumulate(weight=0)
+
+
+def test_the_functional_core_is_the_optimizers_step():
+    """``cga_update`` on plain tensors moves φ as ``CGA.step`` does (momentum and freshness too)."""
+    from cgad.optim.cga import cga_update, running_freshness
+
+    torch.manual_seed(0)
+    phi = [torch.randn(5), torch.randn(2, 3)]
+    deltas = [[torch.randn_like(p) for p in phi] for _ in range(3)]
+    params = [p.clone() for p in phi]
+    optimizer = CGA(params, lr=0.8, momentum=0.5, freshness=0.0)
+    plain, buffers, r = [p.clone() for p in phi], [torch.zeros_like(p) for p in phi], 0.0
+    for round_ in deltas:
+        for p, d in zip(params, round_, strict=True):
+            p.grad = d
+        optimizer.accumulate(age=0, weight=1.0)
+        optimizer.step(fresh_share=1.0)
+        r = running_freshness(r, 1.0)
+        cga_update(plain, round_, buffers, lr=0.8, mu=0.5 * r)
+    for a, b in zip(params, plain, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -9,9 +9,10 @@ without importing torch).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -50,22 +51,48 @@ def _gate_age(options: OuterOptions) -> int:
     return math.ceil(options.cutoff)
 
 
-class OuterLoop(Protocol):
-    """What a method's step reads of the member's outer state (``cgad.node.member.outer``): its
-    optimizer, its φ by fragment, and the peers it sees; declared here so that the methods do
-    not import the loop that calls them."""
+@dataclass(frozen=True)
+class StepInput:
+    """What one outer step on fragment ``fragment`` takes, and nothing that points back at the
+    loop that runs it.
 
-    optimizer: Any
-    fragments: list[list[int]]
-    rng: Any
-    transport: Any
+    Args:
+        params: fragment f's φ tensors, as the optimizer holds them (stepped in place).
+        fragment: f.
+        fragments: F, how many fragments the model has.
+        taken: the round's deliveries, the own Δ among them (``own``), each with its age scale.
+        peer_phi: peers' newest φ_f (flat) that arrived, by publisher (NoLoCo averages with one).
+        hold_phi: a peer's φ_f as this member may mix it in (within the clip radius of its own).
+        live_peers: how many peers this member sees live now.
+        rng: this member's random stream (NoLoCo's partner).
+    """
 
-    def set_grad(self, f: int, flat: Tensor) -> None: ...
-    def fragment_phi(self, f: int) -> list[Tensor]: ...
-    def flat_phi(self, f: int) -> Tensor: ...
-    def unflatten(self, f: int, flat: Tensor) -> list[Tensor]: ...
-    def numel(self, f: int) -> int: ...
-    def held_params(self, f: int, anchor: Tensor, theirs: Tensor) -> Tensor: ...
+    params: list[Tensor]
+    fragment: int
+    fragments: int
+    taken: Sequence[Contribution]
+    peer_phi: Mapping[str, Tensor] = field(default_factory=dict)
+    hold_phi: Callable[[Tensor], Tensor] = lambda theirs: theirs
+    live_peers: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+
+
+def set_grads(params: Sequence[Tensor], flat: Tensor) -> None:
+    """Put a flat pseudo-gradient into ``params``' ``.grad``, in their order."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p)
+        offset += n
+
+
+def unflatten(params: Sequence[Tensor], flat: Tensor) -> list[Tensor]:
+    """A flat tensor cut into views shaped as ``params``."""
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return out
 
 
 class OuterMethod:
@@ -108,18 +135,20 @@ class OuterMethod:
         follows it)."""
         raise NotImplementedError(f"{self.name} keeps no running freshness")
 
-    def step(
-        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
-    ) -> None:
+    def step(self, optimizer: Optimizer, step: StepInput) -> None:
+        """One outer step on ``step.params`` from the round's deliveries: the token- and
+        age-weighted mean (``merge``), taken by ``optimizer``. The caller has cleared every
+        parameter's ``.grad``."""
+        taken = step.taken
         mean = merge([c.delta for c in taken], [c.tokens for c in taken], [c.scale for c in taken])
         if mean is None:
             return
-        loop.set_grad(f, mean)
-        self.step_optimizer(loop, f)
+        set_grads(step.params, mean)
+        self.step_optimizer(optimizer, step)
 
-    def step_optimizer(self, loop: OuterLoop, f: int) -> None:
-        """The optimizer's step once fragment f's merged pseudo-gradient is in its ``.grad``."""
-        loop.optimizer.step()
+    def step_optimizer(self, optimizer: Optimizer, step: StepInput) -> None:
+        """The optimizer's step once the merged pseudo-gradient is in the params' ``.grad``."""
+        optimizer.step()
 
 
 class CGAMethod(OuterMethod):
@@ -155,13 +184,12 @@ class CGAMethod(OuterMethod):
         assert isinstance(optimizer, CGA)
         return optimizer.freshness(f)
 
-    def step(
-        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
-    ) -> None:
-        for c in taken:
-            loop.set_grad(f, c.delta)
-            loop.optimizer.accumulate(age=c.age, weight=max(c.tokens, 1))
-        loop.optimizer.step(fresh_share=fresh_share(taken, len(loop.transport.live_peers())))
+    def step(self, optimizer: Optimizer, step: StepInput) -> None:
+        assert isinstance(optimizer, CGA)
+        for c in step.taken:
+            set_grads(step.params, c.delta)
+            optimizer.accumulate(age=c.age, weight=max(c.tokens, 1))
+        optimizer.step(fresh_share=fresh_share(step.taken, step.live_peers))
 
 
 def fresh_share(taken: Sequence[Contribution], live_peers: int) -> float | None:
@@ -239,8 +267,8 @@ class PACGADMethod(_AdamFamily):
             restart_every=options.restart_every,
         )
 
-    def step_optimizer(self, loop: OuterLoop, f: int) -> None:
-        loop.optimizer.step(ages=[0 if g == f else None for g in range(len(loop.fragments))])
+    def step_optimizer(self, optimizer: Optimizer, step: StepInput) -> None:
+        optimizer.step(ages=[0 if g == step.fragment else None for g in range(step.fragments)])
 
 
 class NesterovMethod(OuterMethod):
@@ -272,14 +300,12 @@ class DelayedNesterovMethod(OuterMethod):
         # N = the arrivals expected per round: this peer and the peers it sees now
         return DelayedNesterov(groups, lr=self.lr(options), momentum=options.momentum, period=peers + 1)
 
-    def step(
-        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
-    ) -> None:
-        for group in loop.optimizer.param_groups:
-            group["period"] = len(loop.transport.live_peers()) + 1
-        for c in sorted(taken, key=lambda c: -c.age):  # oldest first, the own fresh one last
-            loop.set_grad(f, c.delta)
-            loop.optimizer.step()
+    def step(self, optimizer: Optimizer, step: StepInput) -> None:
+        for group in optimizer.param_groups:
+            group["period"] = step.live_peers + 1
+        for c in sorted(step.taken, key=lambda c: -c.age):  # oldest first, the own fresh one last
+            set_grads(step.params, c.delta)
+            optimizer.step()
 
 
 class NoLoCoMethod(OuterMethod):
@@ -292,35 +318,22 @@ class NoLoCoMethod(OuterMethod):
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         return NoLoCo(groups, lr=self.lr(options), beta=options.noloco_beta)
 
-    def step(
-        self, loop: OuterLoop, f: int, taken: Sequence[Contribution], peer_params: Sequence[Any]
-    ) -> None:
-        own = next((c for c in taken if c.own), None)
+    def step(self, optimizer: Optimizer, step: StepInput) -> None:
+        own = next((c for c in step.taken if c.own), None)
         if own is None:  # the local block was discarded: no own Δ to step with
             return
-        deltas = {c.publisher: c for c in taken if not c.own}
-        numel = loop.numel(f)
-        newest_phi = {  # each peer's newest φ (sorted by version: later ones overwrite)
-            p.key.publisher: p.tensor
-            for p in sorted(peer_params, key=lambda p: p.key.base_version)
-            if p.tensor.numel() == numel
-        }
-        loop.set_grad(f, own.delta)
-        partners = sorted(set(deltas) & set(newest_phi))
+        deltas = {c.publisher: c for c in step.taken if not c.own}
+        set_grads(step.params, own.delta)
+        partners = sorted(set(deltas) & set(step.peer_phi))
         if not partners:
-            loop.optimizer.step()
+            optimizer.step()
             return
-        partner = loop.rng.choice(partners)
-        phi = loop.fragment_phi(f)
-        theirs = loop.held_params(f, loop.flat_phi(f), newest_phi[partner])
-        mean_phi = [(a + b) / 2 for a, b in zip(phi, loop.unflatten(f, theirs), strict=True)]
-        mean_delta = [
-            (a + b) / 2
-            for a, b in zip(
-                loop.unflatten(f, own.delta), loop.unflatten(f, deltas[partner].delta), strict=True
-            )
-        ]
-        loop.optimizer.step(mean_phi, mean_delta)
+        partner = step.rng.choice(partners)
+        theirs = unflatten(step.params, step.hold_phi(step.peer_phi[partner]))
+        mean_phi = [(a + b) / 2 for a, b in zip(step.params, theirs, strict=True)]
+        mine, their_delta = unflatten(step.params, own.delta), unflatten(step.params, deltas[partner].delta)
+        mean_delta = [(a + b) / 2 for a, b in zip(mine, their_delta, strict=True)]
+        optimizer.step(mean_phi, mean_delta)
 
 
 class LocalMethod(OuterMethod):

@@ -38,10 +38,11 @@ import torch
 from torch import Tensor
 
 from cgad.node.config import OuterOptions
-from cgad.node.member.methods import Contribution, method
+from cgad.node.member.methods import Contribution, StepInput, method, unflatten
+from cgad.node.member.mixing import gossip_pull
 from cgad.node.member.outer_state import load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender
-from cgad.optim import AroundOwn, staleness_weight
+from cgad.optim import AroundOwn
 from cgad.protocol.codec import Codec, encoded_size
 from cgad.protocol.config import SPARSE_KEPT, wire_codec
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
@@ -286,20 +287,43 @@ class OuterLoop:
         with torch.no_grad():
             taken, deliveries = self._take(f, incoming, own)
             if taken:
-                self.method.step(self, f, taken, peer_params)
+                self._step(f, taken, peer_params)
             if self._mixes_now(f):
                 self._gossip(f, peer_params)
             self.versions[f] += 1
             for batch in replay:
                 taken, caught_up = self._take(f, batch, None)
                 if taken:
-                    self.method.step(self, f, taken, [])
+                    self._step(f, taken, [])
                 deliveries += caught_up
                 self.versions[f] += 1
                 self.counters.replayed += 1
             for n, i in enumerate(self.fragments[f]):
                 self.theta[i].copy_(self.phi[i] if progress is None else self.phi[i] + progress[n])
         return deliveries
+
+    def _step(self, f: int, taken: list[Contribution], peer_params: list[Fragment]) -> None:
+        """The method's step on fragment f (``methods.StepInput``: the deliveries, the peers' φ,
+        the live peers; nothing of the loop itself)."""
+        for p in self.phi:  # only fragment f's φ carries a pseudo-gradient into the optimizer
+            p.grad = None
+        numel = self.numel(f)
+        newest = {  # each peer's newest φ_f (sorted by version: later ones overwrite)
+            p.key.publisher: p.tensor
+            for p in sorted(peer_params, key=lambda p: p.key.base_version)
+            if p.tensor.numel() == numel
+        }
+        step = StepInput(
+            params=self.fragment_phi(f),
+            fragment=f,
+            fragments=len(self.fragments),
+            taken=taken,
+            peer_phi=newest,
+            hold_phi=lambda theirs: self.held_params(f, self.flat_phi(f), theirs),
+            live_peers=len(self.transport.live_peers()),
+            rng=self.rng,
+        )
+        self.method.step(self.optimizer, step)
 
     def _take(
         self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None
@@ -355,14 +379,7 @@ class OuterLoop:
     def _reference(self, f: int, kept: int | None) -> Tensor:
         return self.sender.reference(f, self._yardstick[f].tensor, kept)
 
-    # -- helpers the methods use ------------------------------------------------------------
-
-    def set_grad(self, f: int, flat: Tensor) -> None:
-        """Put a flat pseudo-gradient of fragment f into its φ's ``.grad`` (None elsewhere)."""
-        for p in self.phi:
-            p.grad = None
-        for p, g in zip(self.fragment_phi(f), self.unflatten(f, flat), strict=True):
-            p.grad = g
+    # -- φ by fragment ------------------------------------------------------------
 
     def fragment_phi(self, f: int) -> list[Tensor]:
         return [self.phi[i] for i in self.fragments[f]]
@@ -372,12 +389,7 @@ class OuterLoop:
         return torch.cat([self.phi[i].detach().flatten() for i in self.fragments[f]])
 
     def unflatten(self, f: int, flat: Tensor) -> list[Tensor]:
-        out, offset = [], 0
-        for i in self.fragments[f]:
-            n = self.phi[i].numel()
-            out.append(flat[offset : offset + n].view_as(self.phi[i]))
-            offset += n
-        return out
+        return unflatten(self.fragment_phi(f), flat)
 
     def numel(self, f: int) -> int:
         return sum(self.phi[i].numel() for i in self.fragments[f])
@@ -432,33 +444,17 @@ class OuterLoop:
         return 1.0 - self.method.freshness(self.optimizer, f)
 
     def _gossip(self, f: int, params: list[Fragment]) -> None:
-        """Pull fragment f's φ toward one random peer's, by the difference between the two at a
-        version both published: φ_f ← φ_f − μ·σ(V − s)·(φ_f(s) − φ_peer(s)). Measured at the
-        same version, a peer's φ that is s rounds old still says how far apart the two drifted,
-        never how far behind it is; so a late φ does not drag this peer back to where it was. With
-        ``--mixing late`` the pull is scaled by the lateness 1 − r as well."""
-        mine = self._phi_published.get(f, {})
-        newest: dict[str, Fragment] = {}
-        for p in params:
-            if p.key.base_version in mine and p.tensor.numel() == self.numel(f):
-                held = newest.get(p.key.publisher)
-                if held is None or p.key.base_version > held.key.base_version:
-                    newest[p.key.publisher] = p
-        if newest:
-            partner = newest[self.rng.choice(sorted(newest))]
-            s = partner.key.base_version
-            o = self.options
-            rate = o.mixing_rate * staleness_weight(self.versions[f] - s, o.alpha, o.cutoff)
-            if o.mixing == "late":
-                rate *= self._lateness(f)
-            if rate > 0:
-                drift = mine[s] - self.held_params(f, mine[s], partner.tensor)
-                for p, d in zip(self.fragment_phi(f), self.unflatten(f, drift), strict=True):
-                    p.data.sub_(d.to(p.dtype), alpha=rate)
-                self.counters.mixed += 1
-        horizon = self.versions[f] - self.options.cutoff
-        for version in [v for v in mine if v <= horizon]:  # σ is 0 from the cutoff on
-            del mine[version]
+        """Pull fragment f's φ toward one random peer's (``mixing.gossip_pull``); with
+        ``--mixing late`` scaled by the lateness 1 − r as well."""
+        o = self.options
+        rate = o.mixing_rate * (self._lateness(f) if o.mixing == "late" else 1.0)
+        mine = self._phi_published.setdefault(f, {})
+        hold = lambda anchor, theirs: self.held_params(f, anchor, theirs)  # noqa: E731
+        if gossip_pull(
+            self.fragment_phi(f), mine, params, version=self.versions[f], rate=rate,
+            alpha=o.alpha, cutoff=o.cutoff, rng=self.rng, hold=hold,
+        ):  # fmt: skip
+            self.counters.mixed += 1
 
     # -- swarm position and state -----------------------------------------------------------
 

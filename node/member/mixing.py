@@ -1,0 +1,68 @@
+"""Gossip: pulling a fragment's outer parameters toward one peer's, by how far the two drifted.
+
+Pseudo-gradient averaging never closes an offset between two members' φ: adding the same mean to
+each keeps the gap. Gossip closes it a share at a time (``--mixing``): φ_f ← φ_f − μ·σ(V − s)·
+(φ_f(s) − φ_peer(s)), the difference taken at a version s both published. Measured at the same
+version, a peer's φ that is s rounds old still says how far apart the two drifted, never how far
+behind it is; so a late φ does not drag this member back to where it was.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from torch import Tensor
+
+from cgad.node.member.methods import unflatten
+from cgad.optim import staleness_weight
+from cgad.protocol.transport import Fragment
+
+__all__ = ["gossip_pull"]
+
+
+def gossip_pull(
+    params: Sequence[Tensor],
+    published: dict[int, Tensor],
+    peers: Sequence[Fragment],
+    *,
+    version: int,
+    rate: float,
+    alpha: float,
+    cutoff: float,
+    rng: random.Random,
+    hold: Callable[[Tensor, Tensor], Tensor],
+) -> bool:
+    """Pull ``params`` (fragment f's φ, in place) toward one random peer's φ; whether it did.
+    Versions of ``published`` the cutoff has passed are dropped (σ is 0 from there on).
+
+    Args:
+        params: fragment f's φ tensors.
+        published: this member's own φ_f (flat) at each recent version it published.
+        peers: peers' φ_f that arrived (``Kind.PARAMS``).
+        version: fragment f's version now (V).
+        rate: μ, the share of the drift closed at age 0 (already scaled by lateness if late).
+        alpha: σ's decay; cutoff: the age where σ reaches 0.
+        rng: this member's random stream (the partner).
+        hold: a peer's φ as this member mixes it in, given its own φ at that version (clipping).
+    """
+    numel = sum(p.numel() for p in params)
+    newest: dict[str, Fragment] = {}
+    for p in peers:
+        if p.key.base_version in published and p.tensor.numel() == numel:
+            held = newest.get(p.key.publisher)
+            if held is None or p.key.base_version > held.key.base_version:
+                newest[p.key.publisher] = p
+    mixed = False
+    if newest:
+        partner = newest[rng.choice(sorted(newest))]
+        s = partner.key.base_version
+        pull = rate * staleness_weight(version - s, alpha, cutoff)
+        if pull > 0:
+            drift = published[s] - hold(published[s], partner.tensor)
+            for p, d in zip(params, unflatten(params, drift), strict=True):
+                p.data.sub_(d.to(p.dtype), alpha=pull)
+            mixed = True
+    for old in [v for v in published if v <= version - cutoff]:
+        del published[old]
+    return mixed
