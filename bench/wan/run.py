@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from checks import EXPECTATIONS, check, check_floor
+from checks import EXPECTATIONS, check, check_floor, final_losses
 from provenance import data_seed, describe, refusal, tree_state
 from runlog import LEGACY_SUFFIX, SUFFIX, write_run
 from testbed import Link, Testbed, available
@@ -307,6 +307,14 @@ def main() -> None:
         help="give no --data-seed: each node draws its data order from its peer id",
     )  # fmt: skip
     parser.add_argument(
+        "--repeats", type=int, default=1, metavar="N",
+        help="run each swarm scenario N times (its floor once, first), named <name>[-TAG]-r1..rN,"
+        " and write <name>[-TAG]-repeats.json: every run's mean final loss beside the floor's",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tag", help="added to every record's name (e.g. a date), so that runs keep earlier ones"
+    )
+    parser.add_argument(
         "--experiment", metavar="NOTE",
         help="run on a tree with uncommitted changes; NOTE, what is tried, goes in each run's record",
     )  # fmt: skip
@@ -342,22 +350,33 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     results: dict[str, dict[str, Any]] = {}
+    repeated: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    runs: list[tuple[str, dict[str, Any]]] = []  # (record name, scenario), in the order they run
     for scenario in scenarios:
+        base = f"{scenario['name']}-{args.tag}" if args.tag else scenario["name"]
+        if scenario["isolated"] or args.repeats <= 1:
+            runs.append((base, scenario))
+        else:
+            runs += [(f"{base}-r{k}", scenario) for k in range(1, args.repeats + 1)]
+    for record, scenario in runs:
         why = refusal(tree_state(ROOT), args.experiment)  # changed while the last one ran?
         if why:
             sys.exit(why)
         with tempfile.TemporaryDirectory(prefix="cgad-wan-") as tmp:
             result = run(scenario, Path(tmp), executable, args.run_seed, args.experiment)
             if args.keep_logs:  # everything but checkpoints and identity keys
-                shutil.copytree(tmp, Path(args.keep_logs) / scenario["name"], dirs_exist_ok=True,
+                shutil.copytree(tmp, Path(args.keep_logs) / record, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("ckpt", "*.key"))  # fmt: skip
         if "floor" in scenario:
             result["checks"].append(check_floor(result, results.get(scenario["floor"])))
-        results[scenario["name"]] = result
-        written = write_run(out / f"{scenario['name']}{SUFFIX}", result)
+        if scenario["isolated"] or scenario["name"] not in results:
+            results[scenario["name"]] = result
+        if "floor" in scenario and args.repeats > 1:
+            repeated.setdefault(scenario["name"], []).append((record, result))
+        written = write_run(out / f"{record}{SUFFIX}", result)
         # a record of an earlier run of this name, in the format before, would now be read instead
-        (out / f"{scenario['name']}{LEGACY_SUFFIX}").unlink(missing_ok=True)
-        png = plot(result, out / f"{scenario['name']}.png")
+        (out / f"{record}{LEGACY_SUFFIX}").unlink(missing_ok=True)
+        png = plot(result, out / f"{record}.png")
         for index, status in sorted(result["final"].items()):
             loss = None if status is None else status.get("eval_loss")
             cpu = {k: round(v) for k, v in result["cpu_seconds_by_process"].get(index, {}).items()}
@@ -367,8 +386,43 @@ def main() -> None:
         print(f"wrote {written} and {png}")
         if not all(verdict["ok"] for verdict in result["checks"]):
             failed.append(scenario["name"])
+    for name, done in repeated.items():
+        base = f"{name}-{args.tag}" if args.tag else name
+        summary = repeats_summary(done, results.get(done[0][1]["scenario"]["floor"]))
+        written = out / f"{base}-repeats.json"
+        written.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"{name}: {summary['line']}; wrote {written}")
     if failed:
         sys.exit(f"checks failed in {', '.join(failed)}")
+
+
+def repeats_summary(done: list[tuple[str, dict[str, Any]]], floor: dict[str, Any] | None) -> dict[str, Any]:
+    """Every repeat of a swarm scenario beside its floor: each run's mean final held-out loss over
+    its nodes (with the nodes' range), their mean and range over runs, and the floor's."""
+
+    def one(name: str, result: dict[str, Any]) -> dict[str, Any]:
+        losses = final_losses(result)
+        return {
+            "record": name, "commit": result.get("commit"), "clean": result.get("clean"),
+            "started_at": result.get("started_at"), "node_losses": losses,
+            "mean": sum(losses.values()) / len(losses) if losses else None,
+            "below_floor": next((v["ok"] for v in result["checks"] if v["check"] == "below_floor"), None),
+        }  # fmt: skip
+
+    rows = [one(name, result) for name, result in done]
+    means = [r["mean"] for r in rows if r["mean"] is not None]
+    base = one("floor", floor) if floor is not None else None
+    summary: dict[str, Any] = {"scenario": done[0][1]["scenario"], "runs": rows, "floor": base}
+    if means:
+        summary["mean"], summary["range"] = sum(means) / len(means), [min(means), max(means)]
+        summary["gain"] = base["mean"] - summary["mean"] if base and base["mean"] is not None else None
+    line = f"{len(means)} run(s): mean {summary.get('mean', float('nan')):.3f}"
+    if means:
+        line += f" [{min(means):.3f}-{max(means):.3f}]"
+    if base and base["mean"] is not None:
+        line += f" against the floor's {base['mean']:.3f}"
+    summary["line"] = line
+    return summary
 
 
 if __name__ == "__main__":
