@@ -1,0 +1,652 @@
+"""Does the simulator predict the daemon? One scenario through both, side by side (issue 26).
+
+The scenario: M members (4), the daemon's defaults (tiny model, its batch, sequence length, inner
+lr and warm-up, codec, outer method) but H = 10 inner steps, R rounds (30), every member drawing
+from the whole corpus (``data_split="shared"``, what daemons do). It runs
+
+- through the simulator (``simulate``), for the outer method and for ``local`` (every member
+  training alone: the floor);
+- through M real ``cgad-node join`` processes on 127.0.0.1 (node 0 starts the swarm, the others
+  join it through its multiaddr), and the same M nodes with ``--optimizer local`` and no peers.
+
+Both sides get the same model seed and the same data order: the simulator's worker w draws its
+batches with seed ``seed * 1_000_003 + w`` (``worker_batches``), and node w is given that value
+as ``--data-seed`` (checked before anything runs). The floors of the two sides are then the same
+computation, and agree to rounding.
+
+What differs, and is recorded as it is: the simulator's workers all start from the same weights at
+round 0 and keep exactly in step; a daemon that joins adopts node 0's snapshot (its outer state in
+float16, at whatever round node 0 has reached by then: ``joined_at_round``), keeps the block after
+adopting to itself (it warms up its inner optimizer), and then runs on the wall clock, where the
+apply delay ends when the peers' fragments are in or half a block later.
+
+The gain of a side is its floor's mean final held-out loss minus its swarm's (positive: the swarm
+helps). The issue's goal: the daemons keep at least 80% of the simulator's gain, ``ratio >= 0.8``.
+
+Each daemon's status (admin API) is read at the end of round R: its held-out loss at round R
+(``eval_history``), what it applied by age, replays, re-syncs. Every node is then asked to leave.
+``--max-rounds R + 1`` only bounds a node the bench fails to stop (a node that stops by itself
+exits before its last status can be read).
+
+Writes bench/results/sim_vs_daemon.json (the commit and whether the tree was clean, the
+settings, both sides per run, and with ``--repeats N`` the mean and range over runs with seeds
+seed, seed + 1, ...) and bench/results/sim_vs_daemon.png (held-out loss by round: both swarms,
+both floors).
+
+    .venv/bin/python bench/sim_vs_daemon.py [--repeats N] [--members 4] [--rounds 30] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cgad.node.config import JoinConfig, SimConfig
+from cgad.node.daemon.admin import call_admin
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+GOAL = 0.8  # the share of the simulator's gain the daemons keep (issue 26)
+POLL_SECONDS = 0.25
+START_TIMEOUT = 240.0  # seconds for a node to print its admin address (imports, p2pd) on a busy machine
+
+Say = Callable[[str], None]
+
+
+class Scenario:
+    """What differs from the daemon's defaults (``overrides``: any ``join`` option that the
+    simulator has too), how many members, for how many rounds, which outer method.
+
+    (Plain classes here, not dataclasses: tests/test_bench.py loads this file without
+    registering it as a module, which dataclasses need.)"""
+
+    def __init__(
+        self,
+        members: int = 4,
+        rounds: int = 30,
+        optimizer: str = "cga",
+        seed: int = 0,
+        overrides: dict[str, Any] | None = None,
+        daemon_flags: list[str] | None = None,
+    ) -> None:
+        self.members, self.rounds, self.optimizer, self.seed = members, rounds, optimizer, seed
+        self.overrides = dict(overrides) if overrides is not None else {"model": "tiny", "inner_steps": 10}
+        # flags only the daemons take (the network's: the simulator has no DHT to poll)
+        self.daemon_flags = list(daemon_flags or [])
+
+    def join_config(self, optimizer: str | None = None) -> JoinConfig:
+        """The daemon's configuration: its defaults, the overrides, the method and the seed."""
+        return JoinConfig(**self.overrides, optimizer=optimizer or self.optimizer, seed=self.seed)
+
+    def sim_config(self, optimizer: str | None = None) -> SimConfig:
+        """The simulator at the daemon's settings: every option both have, as the daemon has it
+        (what follows the method, as ``mixing``, is decided again for ``optimizer``)."""
+        join = self.join_config(optimizer)
+        shared = {
+            k: getattr(join, k)
+            for k in SimConfig.model_fields
+            if k in JoinConfig.model_fields and k != "mixing"
+        }
+        return SimConfig(**shared, workers=self.members, rounds=self.rounds, data_split="shared")
+
+    def data_seed(self, member: int) -> int:
+        """Member ``member``'s batch order: the simulator's shared-split stream (worker_batches)."""
+        return self.seed * 1_000_003 + member
+
+    def join_flags(self, optimizer: str | None = None) -> list[str]:
+        """The flags that make a daemon's configuration ``join_config``: the overrides, the
+        method and the seed (everything else is the default both sides took)."""
+        options = {**self.overrides, "optimizer": optimizer or self.optimizer, "seed": self.seed}
+        flags = [arg for key, value in options.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+        return [*flags, *self.daemon_flags]
+
+    def settings(self) -> dict[str, Any]:
+        join = self.join_config()
+        sim = self.sim_config()
+        return {
+            "members": self.members,
+            "rounds": self.rounds,
+            "optimizer": self.optimizer,
+            "overrides": self.overrides,
+            "simulator": sim.model_dump(),
+            "daemon_flags": self.join_flags(),
+            "daemon": {
+                k: v for k, v in join.model_dump().items() if k in SimConfig.model_fields or k == "fan_in"
+            },
+            "data_seeds": [self.data_seed(w) for w in range(self.members)],
+        }
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def check_data_order(scenario: Scenario, dataset: Any) -> None:
+    """Node w's ``--data-seed`` draws the very batches the simulator's worker w draws."""
+    from cgad.node.sim.simulate import worker_batches
+
+    c = scenario.sim_config()
+    for w in range(scenario.members):
+        sim = worker_batches(dataset, c, w)
+        daemon = dataset.shard(0, 1).batches(c.batch_size, c.seq_len, seed=scenario.data_seed(w))
+        for _ in range(3):
+            if not bool((next(sim) == next(daemon)).all()):
+                raise RuntimeError(
+                    f"worker {w}: --data-seed {scenario.data_seed(w)} does not give the simulator's batch "
+                    "order (worker_batches changed?)"
+                )
+
+
+# ---------------------------------------------------------------------------------- the simulator
+
+
+def run_simulator(
+    scenario: Scenario, optimizer: str, dataset: Any, vocab_size: int, say: Say
+) -> dict[str, Any]:
+    """One side's run in the simulator: per-member final losses, the loss by round (round 0
+    included), what was applied at which age."""
+    from cgad.node.sim.simulate import simulate
+
+    c = scenario.sim_config(optimizer)
+    say(f"simulator, {optimizer}: {c.workers} workers x {c.rounds} rounds of {c.inner_steps} steps")
+    started = time.monotonic()
+
+    def on_round(round_: int, loss: float) -> None:
+        if round_ % 10 == 0:
+            say(f"  simulator, {optimizer}: round {round_}, held-out loss of the mean phi {loss:.3f}")
+
+    record = simulate(c, dataset, vocab_size, on_round=on_round)
+    ages = {int(a): n for a, n in record["age_counts"].items()}
+    finals = record["worker_final_losses"]
+    side = {
+        "optimizer": optimizer,
+        "final_losses": finals,
+        "mean_final_loss": _mean(finals),
+        "initial_loss": record["initial_loss"],
+        "loss_by_round": [record["initial_loss"], *record["losses"]],
+        "applied": record["applied"],
+        "age_histogram": {str(a): ages[a] for a in sorted(ages)},
+        "mean_age": _hist_mean(ages),
+        "simulator_mean_age": record["mean_age"],
+        "replayed": record["replayed"],
+        "resyncs": record["resyncs"],
+        "dropped_stale": record["dropped_stale"],
+        "mixed": record["mixed"],
+        "wall_seconds": time.monotonic() - started,
+    }
+    say(
+        f"simulator, {optimizer}: final held-out loss {side['mean_final_loss']:.4f} "
+        f"(members {_fmt(finals)}), applied {side['applied']}, mean age {side['mean_age']:.2f}, "
+        f"{side['wall_seconds']:.0f} s"
+    )
+    return side
+
+
+# ---------------------------------------------------------------------------------- the daemons
+
+
+class _Node:
+    def __init__(self, index: int, process: subprocess.Popen, log: Path, maddrs_file: Path) -> None:
+        self.index, self.process, self.log, self.maddrs_file = index, process, log, maddrs_file
+        self.admin: str | None = None
+        self.status: dict[str, Any] | None = None  # the latest status read
+        self.final: dict[str, Any] | None = None  # the status read at the end of round R
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+
+# A joiner's Python starts with node 0's and imports what a daemon runs (torch, hivemind: seconds on
+# a busy machine) while node 0 starts; it runs `cgad-node join --peers <node 0>` as soon as node 0
+# has written its multiaddrs. So node 0 trains alone only for as long as joining takes, not for as
+# long as a Python process takes to import torch.
+_JOIN_WHEN_UP = """
+import sys, time
+from pathlib import Path
+import cgad.node.daemon.node
+from cgad.node.front.cli import main
+maddrs = Path(sys.argv[1])
+while not (maddrs.exists() and maddrs.read_text().strip()):
+    time.sleep(0.05)
+sys.exit(main(["join", *sys.argv[2:], "--peers", *maddrs.read_text().split()]))
+"""
+
+
+def _start_node(index: int, flags: list[str], workdir: Path, peers_file: Path | None = None) -> _Node:
+    """``cgad-node join`` with ``flags``; with ``peers_file``, joining the peers it names once
+    it holds them."""
+    log = workdir / f"node{index}.log"
+    maddrs = workdir / f"node{index}.maddrs"
+    flags = [*flags, "--maddrs-file", str(maddrs)]
+    if peers_file is None:
+        cmd = [sys.executable, "-m", "cgad.node.front.cli", "join", *flags]
+    else:
+        cmd = [sys.executable, "-c", _JOIN_WHEN_UP, str(peers_file), *flags]
+    # the members share the machine's cores, as the demo's do; each runs in its own process group so
+    # the libp2p daemon it spawns goes with it
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return _Node(index, process, log, maddrs)
+
+
+def _wait_started(node: _Node, need_maddrs: bool) -> None:
+    """Until the node has printed its admin address (and written its multiaddrs)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if node.process.poll() is not None:
+            raise RuntimeError(f"node {node.index} exited ({node.process.returncode}):\n{node.tail()}")
+        found = re.search(r"^admin\s+(\S+)", node.log.read_text(errors="replace"), re.M)
+        if found and (
+            not need_maddrs or (node.maddrs_file.exists() and node.maddrs_file.read_text().strip())
+        ):
+            node.admin = found.group(1)
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"node {node.index} did not start within {START_TIMEOUT:.0f} s:\n{node.tail()}")
+
+
+def _stop(nodes: list[_Node]) -> None:
+    """Ask every node still running to leave; kill what has not gone a minute later."""
+    for node in nodes:
+        if node.process.poll() is None and node.admin:
+            try:
+                call_admin(node.admin, "Leave", timeout=5)
+            except ConnectionError:
+                pass
+    deadline = time.monotonic() + 60
+    for node in nodes:
+        try:
+            node.process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for node in nodes:
+        if node.process.poll() is None:
+            try:
+                os.killpg(node.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            node.process.wait(timeout=30)
+
+
+def _reached(status: dict[str, Any], round_: int) -> bool:
+    return any(r >= round_ for r, _ in status.get("eval_history") or [])
+
+
+def run_daemons(
+    scenario: Scenario, optimizer: str, workdir: Path, say: Say, timeout: float = 3600
+) -> dict[str, Any]:
+    """One side's run as real daemons: node 0 first, then the others through its multiaddr (or,
+    training alone, each by itself), each read at the end of round R, then all asked to leave."""
+    alone = optimizer == "local"
+    workdir.mkdir(parents=True, exist_ok=True)
+    R = scenario.rounds
+    flags = [
+        *scenario.join_flags(optimizer),
+        "--run-id",
+        f"sim-vs-daemon-{scenario.seed}",
+        "--max-rounds",
+        str(R + 1),
+        "--admin-port",
+        "0",
+        "--no-dashboard",
+    ]
+    what = "each alone" if alone else "node 0 starts the swarm, the others join it"
+    say(
+        f"daemons, {optimizer}: {scenario.members} cgad-node join processes on 127.0.0.1 ({what}), {R} rounds"
+    )
+    started = time.monotonic()
+    nodes: list[_Node] = []
+    try:
+        nodes.append(_start_node(0, [*flags, "--data-seed", str(scenario.data_seed(0))], workdir))
+        bootstrap = None if alone else nodes[0].maddrs_file
+        for i in range(1, scenario.members):
+            flags_i = [*flags, "--data-seed", str(scenario.data_seed(i))]
+            nodes.append(_start_node(i, flags_i, workdir, peers_file=bootstrap))
+        for node in nodes:
+            _wait_started(node, need_maddrs=node.index == 0 and not alone)
+        deadline = time.monotonic() + timeout
+        joined_said: set[int] = set()
+        next_said = 10
+        while any(n.final is None for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemons, {optimizer}: not all at round {R} within {timeout:.0f} s")
+            for node in nodes:
+                if node.final is not None:
+                    continue
+                if node.process.poll() is not None:
+                    code = node.process.returncode
+                    raise RuntimeError(f"node {node.index} exited ({code}) before round {R}:\n{node.tail()}")
+                try:
+                    status = call_admin(node.admin, "Status", timeout=10)
+                except ConnectionError:
+                    continue  # busy, or still starting: asked again at the next poll
+                node.status = status
+                history = status.get("eval_history") or []
+                if node.index not in joined_said and history:
+                    joined_said.add(node.index)
+                    if node.index and not alone:
+                        say(
+                            f"  node {node.index} joined: started from {status['started_from'][:20]}..., "
+                            f"at round {history[0][0]}"
+                        )
+                if _reached(status, R):
+                    node.final = status
+            slowest = min((n.status or {}).get("round", 0) for n in nodes)
+            if slowest >= next_said and slowest < R:
+                took = time.monotonic() - started
+                say(f"  daemons, {optimizer}: every node past round {slowest} ({took:.0f} s)")
+                next_said += 10
+            time.sleep(POLL_SECONDS)
+    finally:
+        _stop(nodes)
+    side = _daemon_side(scenario, optimizer, [n.final for n in nodes if n.final is not None])
+    side["wall_seconds"] = time.monotonic() - started
+    say(
+        f"daemons, {optimizer}: final held-out loss {side['mean_final_loss']:.4f} "
+        f"(members {_fmt(side['final_losses'])}), applied {side['applied']}, "
+        f"mean age {side['mean_age']:.2f}, joined at rounds {side['joined_at_round']}, "
+        f"{side['wall_seconds']:.0f} s"
+    )
+    return side
+
+
+def _daemon_side(scenario: Scenario, optimizer: str, finals: list[dict[str, Any]]) -> dict[str, Any]:
+    R = scenario.rounds
+    histories = [{int(r): float(loss) for r, loss in s["eval_history"]} for s in finals]
+    ages: Counter[int] = Counter()
+    for s in finals:
+        ages.update({int(a): int(n) for a, n in (s.get("applied_by_age") or {}).items()})
+    by_round = []
+    for r in range(R + 1):
+        losses = [h[r] for h in histories if r in h]
+        by_round.append(_mean(losses) if losses else None)
+    final_losses = [h[R] for h in histories]
+    sent_as: Counter[str] = Counter()
+    for s in finals:
+        sent_as.update(s.get("sent_as") or {})
+    return {
+        "optimizer": optimizer,
+        "final_losses": final_losses,
+        "mean_final_loss": _mean(final_losses),
+        "initial_loss": histories[0].get(0),
+        "loss_by_round": by_round,
+        "loss_by_round_per_member": [[h.get(r) for r in range(R + 1)] for h in histories],
+        "applied": sum(s["applied"] for s in finals),
+        "applied_per_member": [s["applied"] for s in finals],
+        "age_histogram": {str(a): ages[a] for a in sorted(ages)},
+        "age_histogram_per_member": [s.get("applied_by_age") or {} for s in finals],
+        "mean_age": _hist_mean(ages),
+        # the daemon's own mean_age counts its own delta (age 0) in every step too
+        "status_mean_age": [s["mean_age"] for s in finals],
+        "replayed": sum(s["replayed"] for s in finals),
+        "resyncs": sum(s["resyncs"] for s in finals),
+        "dropped_stale": sum(s["dropped_stale"] for s in finals),
+        "discarded": sum(s["discarded"] for s in finals),
+        "held_ahead": sum(s["held_ahead"] for s in finals),
+        "rejected": dict(sum((Counter(s["rejected"]) for s in finals), Counter())),
+        "sent_as": dict(sent_as),
+        "joined_at_round": [min(h) for h in histories],
+        "started_from": [s["started_from"] for s in finals],
+        "status_read_at_round": [s["round"] for s in finals],
+    }
+
+
+# ---------------------------------------------------------------------------------- one comparison
+
+
+def compare(
+    scenario: Scenario, workdir: Path, say: Say = print, dataset: Any = None, vocab_size: int = 0
+) -> dict[str, Any]:
+    """The scenario through the simulator and through real daemons, each with its floor."""
+    if dataset is None:
+        from cgad.node.training.data import load_dataset
+        from cgad.node.training.tokenizer import load_tokenizer
+
+        c = scenario.sim_config()
+        tokenizer = load_tokenizer(c.tokenizer)
+        dataset, vocab_size = load_dataset(tokenizer, c.data), tokenizer.vocab_size
+    check_data_order(scenario, dataset)
+    opt = scenario.optimizer
+    sim = {
+        "swarm": run_simulator(scenario, opt, dataset, vocab_size, say),
+        "floor": run_simulator(scenario, "local", dataset, vocab_size, say),
+    }
+    daemon = {
+        "swarm": run_daemons(scenario, opt, workdir / f"seed{scenario.seed}-{opt}", say),
+        "floor": run_daemons(scenario, "local", workdir / f"seed{scenario.seed}-local", say),
+    }
+    for side in (sim, daemon):
+        side["gain"] = side["floor"]["mean_final_loss"] - side["swarm"]["mean_final_loss"]
+    ratio = daemon["gain"] / sim["gain"] if sim["gain"] > 0 else None
+    result = {
+        "seed": scenario.seed,
+        "simulator": sim,
+        "daemon": daemon,
+        "ratio": ratio,
+        # the floors are the same computation on both sides: how far apart they end is rounding
+        # (and, should it be large, a sign that the two sides do not train the same)
+        "floor_difference": daemon["floor"]["mean_final_loss"] - sim["floor"]["mean_final_loss"],
+        "swarm_difference": daemon["swarm"]["mean_final_loss"] - sim["swarm"]["mean_final_loss"],
+        # the same model at round 0 on the same held-out batches: 0 unless init or data differ
+        "initial_difference": daemon["swarm"]["initial_loss"] - sim["swarm"]["initial_loss"],
+    }
+    say(
+        f"seed {scenario.seed}: gain simulator {sim['gain']:.4f}, daemons {daemon['gain']:.4f}, "
+        f"ratio {'-' if ratio is None else f'{ratio:.2f}'}"
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------- the record
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def stats(values: list[float | None]) -> dict[str, Any]:
+        known = [v for v in values if v is not None]
+        if not known:
+            return {"mean": None, "min": None, "max": None, "n": 0}
+        return {"mean": _mean(known), "min": min(known), "max": max(known), "n": len(known)}
+
+    out: dict[str, Any] = {}
+    for side in ("simulator", "daemon"):
+        out[side] = {
+            "swarm_final_loss": stats([r[side]["swarm"]["mean_final_loss"] for r in runs]),
+            "floor_final_loss": stats([r[side]["floor"]["mean_final_loss"] for r in runs]),
+            "gain": stats([r[side]["gain"] for r in runs]),
+            "mean_age": stats([r[side]["swarm"]["mean_age"] for r in runs]),
+            "applied": stats([r[side]["swarm"]["applied"] for r in runs]),
+        }
+    out["ratio"] = stats([r["ratio"] for r in runs])
+    # the ratio of the mean gains: the goal's measure when runs are repeated
+    sim_gain, daemon_gain = out["simulator"]["gain"]["mean"], out["daemon"]["gain"]["mean"]
+    out["ratio_of_mean_gains"] = daemon_gain / sim_gain if sim_gain and sim_gain > 0 else None
+    out["goal"] = GOAL
+    out["goal_met"] = out["ratio_of_mean_gains"] is not None and out["ratio_of_mean_gains"] >= GOAL
+    return out
+
+
+def tree_state() -> dict[str, Any]:
+    """The code the daemons ran (they import the tree): HEAD, and the changes beside it, all
+    but those under bench/results/ where runs write (as bench/wan/provenance.py counts them)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    lines = git("status", "--porcelain", "--untracked-files=all").splitlines()
+    changes = [line for line in lines if line and not line[3:].strip('"').startswith("bench/results/")]
+    return {"commit": git("rev-parse", "HEAD").strip(), "clean": not changes, "changes": changes}
+
+
+DIFFERENCES = [
+    "joiners adopt node 0's snapshot (phi in float16, outer moments in bfloat16) at the round node 0 has "
+    "reached by then (daemon swarm's joined_at_round); the simulator's workers all start from the same "
+    "weights at round 0, in step",
+    "a joiner keeps the block after adopting to itself (it warms up its inner optimizer: 'discarded'), "
+    "and then replays the peers' deltas of the rounds its snapshot lacked ('replayed')",
+    "the daemons run on the wall clock of one shared machine: the apply delay ends when every live peer's "
+    "fragment is in or half a block later, so ages can exceed the simulator's 0",
+    "the outer loop's own random seed differs (simulator: seed * 31 + w, daemon: its --data-seed); it "
+    "drives only randomised choices (gossip partners), not training",
+    "mean_age here is over peers' deliveries on both sides (from the applied-by-age counts); the "
+    "daemon's status mean_age also counts its own delta, at age 0, in every step (status_mean_age)",
+]
+
+
+def plot(runs: list[dict[str, Any]], scenario: Scenario, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    styles = {
+        ("simulator", "swarm"): ("tab:blue", "-"),
+        ("simulator", "floor"): ("tab:blue", "--"),
+        ("daemon", "swarm"): ("tab:red", "-"),
+        ("daemon", "floor"): ("tab:red", "--"),
+    }
+    for k, run in enumerate(runs):
+        for (side, kind), (color, ls) in styles.items():
+            losses = run[side][kind]["loss_by_round"]
+            xs = [r for r, v in enumerate(losses) if v is not None]
+            label = None
+            if k == 0:
+                what = scenario.optimizer if kind == "swarm" else "local (floor)"
+                label = f"{'simulator' if side == 'simulator' else 'daemons'} {what}"
+            ax.plot(
+                xs,
+                [losses[r] for r in xs],
+                color=color,
+                ls=ls,
+                lw=1.6,
+                alpha=1 if k == 0 else 0.5,
+                label=label,
+            )
+        for member in run["daemon"]["swarm"]["loss_by_round_per_member"]:
+            xs = [r for r, v in enumerate(member) if v is not None]
+            ax.plot(xs, [member[r] for r in xs], color="tab:red", lw=0.6, alpha=0.3)
+    ax.set_ylim(top=min(9.0, max(r["simulator"]["floor"]["loss_by_round"][1] for r in runs) + 0.2))
+    last = runs[0]
+    joined = last["daemon"]["swarm"]["joined_at_round"][1:]
+    summary = summarize(runs)
+    ratio = summary["ratio_of_mean_gains"]
+    gains = summary["simulator"]["gain"]["mean"], summary["daemon"]["gain"]["mean"]
+    ax.set(
+        xlabel="outer round",
+        ylabel="held-out loss (mean over members)",
+        title=(
+            f"simulator vs {scenario.members} daemons on 127.0.0.1: H = {scenario.sim_config().inner_steps}, "
+            f"{len(runs)} run(s)\ngain over the floor: simulator {gains[0]:.3f}, daemons {gains[1]:.3f} "
+            f"(ratio {'-' if ratio is None else f'{ratio:.2f}'}); "
+            f"joiners adopted node 0's state at rounds {joined}"
+        ),
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs, with seeds seed, seed + 1, ...")
+    parser.add_argument("--members", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--optimizer", default="cga")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the simulator (daemons: 1 each)"
+    )
+    parser.add_argument("--out", default=str(RESULTS / "sim_vs_daemon.json"))
+    parser.add_argument("--keep-logs", default=None, help="keep the daemons' logs in this folder")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
+
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    state = tree_state()
+    t0 = time.monotonic()
+
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - t0:6.0f} s] {line}", flush=True)
+
+    overrides = {"model": "tiny", "inner_steps": args.inner_steps}
+    base = Scenario(args.members, args.rounds, args.optimizer, args.seed, overrides)
+    tokenizer = load_tokenizer(base.sim_config().tokenizer)
+    dataset = load_dataset(tokenizer, base.sim_config().data)
+    workdir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="sim-vs-daemon-"))
+    runs = []
+    try:
+        for k in range(args.repeats):
+            scenario = Scenario(args.members, args.rounds, args.optimizer, args.seed + k, overrides)
+            say(f"run {k + 1} of {args.repeats}, seed {scenario.seed}")
+            runs.append(compare(scenario, workdir, say, dataset, tokenizer.vocab_size))
+    finally:
+        if not args.keep_logs:
+            shutil.rmtree(workdir, ignore_errors=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "what": "the simulator vs real daemons on 127.0.0.1, same scenario (issue 26)",
+        **state,
+        "started_at": started_at,
+        "wall_seconds": time.monotonic() - t0,
+        "cpus": os.cpu_count(),
+        "settings": {
+            **base.settings(),
+            "repeats": args.repeats,
+            "seeds": [args.seed + k for k in range(args.repeats)],
+        },
+        "differences": DIFFERENCES,
+        "summary": summarize(runs),
+        "runs": runs,
+    }
+    out.write_text(json.dumps(record, indent=1))
+    png = plot(runs, base, out.with_suffix(".png"))
+    s = record["summary"]
+    say(
+        f"simulator gain {s['simulator']['gain']['mean']:.4f}, "
+        f"daemons gain {s['daemon']['gain']['mean']:.4f}, "
+        f"ratio {s['ratio_of_mean_gains']}, goal (>= {GOAL}) {'met' if s['goal_met'] else 'NOT met'}"
+    )
+    say(f"wrote {out} and {png}")
+    return 0
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _hist_mean(ages: dict[int, int]) -> float:
+    total = sum(ages.values())
+    return sum(a * n for a, n in ages.items()) / total if total else 0.0
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

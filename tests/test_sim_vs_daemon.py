@@ -1,0 +1,71 @@
+"""The simulator predicts the daemon (issue 26): a short run of bench/sim_vs_daemon.py's scenario,
+the same members, model, data order and settings through the simulator and through real
+`cgad-node join` processes on 127.0.0.1, each with its floor (every member training alone).
+
+The bench's own code runs it (one implementation); here it is shortened to 3 members, 8 rounds
+and a batch of 4 x 64 tokens (the bench: 4 members, 30 rounds, the daemon's 8 x 128), about two
+minutes on two cores.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "sim_vs_daemon.py"
+
+# Measured on a loaded 2-core machine (7 runs of this scenario, the simulator's side is
+# deterministic): the daemons' mean final held-out loss was 0.03 to 0.09 above the simulator's
+# (5.604), systematically: a joiner keeps its first block after adopting node 0's state to itself
+# and runs on the wall clock, where some peers' deltas come a round late. 0.12 leaves room for a
+# busier machine, and still fails when the daemons keep less than about half of the simulator's
+# gain over the floor (0.23 here).
+LOSS_TOLERANCE = 0.12
+# The simulator's members are in lock step (every delta arrives at age 0); the daemons' mean age
+# was 0.19 to 0.29 with the DHT polled every 0.25 s (0.27 to 0.51 at the default 1 s, where this
+# scenario's half-block apply window, 5 steps of about 0.1 s, is shorter than a poll).
+AGE_TOLERANCE = 0.5
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_sim_vs_daemon", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(900)
+def test_the_daemons_keep_the_simulators_prediction(tmp_path, monkeypatch):
+    monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))
+    bench = _bench()
+    scenario = bench.Scenario(
+        members=3,
+        rounds=8,
+        overrides={"model": "tiny", "inner_steps": 10, "batch_size": 4, "seq_len": 64},
+        # steps a quarter of the bench's: the DHT polled 4x as often keeps the poll within the
+        # apply window as it is at the bench's size
+        daemon_flags=["--poll-interval", "0.25"],
+    )
+    lines: list[str] = []
+    result = bench.compare(scenario, tmp_path / "runs", say=lines.append)
+    sim, daemon = result["simulator"], result["daemon"]
+    shown = "\n".join(lines)
+
+    # the same model on the same held-out batches at round 0; both floors are the same
+    # computation (same init, same batches, nobody to wait for)
+    assert abs(result["initial_difference"]) < 1e-4, shown
+    assert abs(result["floor_difference"]) < 1e-3, shown
+    assert sim["floor"]["applied"] == daemon["floor"]["applied"] == 0, shown
+    # both swarms apply their peers' fragments; every joiner took node 0's state
+    assert sim["swarm"]["applied"] > 0 and daemon["swarm"]["applied"] > 0, shown
+    assert all(s.startswith("peer ") for s in daemon["swarm"]["started_from"][1:]), shown
+    # the ages of what they applied are close
+    assert abs(daemon["swarm"]["mean_age"] - sim["swarm"]["mean_age"]) < AGE_TOLERANCE, shown
+    # the swarm helps the daemons, or at least the simulator's ordering of swarm and floor holds
+    sim_helps = sim["swarm"]["mean_final_loss"] < sim["floor"]["mean_final_loss"]
+    daemon_helps = daemon["swarm"]["mean_final_loss"] < daemon["floor"]["mean_final_loss"]
+    assert daemon_helps or daemon_helps == sim_helps, shown
+    # and the daemons end where the simulator said they would
+    assert abs(result["swarm_difference"]) < LOSS_TOLERANCE, shown
