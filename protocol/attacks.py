@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cgad.protocol.codec import Codec, decode
+from cgad.protocol.codec import SPARSE_KEPT, Codec, decode, encode, kept_in
+from cgad.protocol.errors import FragmentError
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 __all__ = ["ATTACK_KINDS", "Attack", "ForgingTransport"]
@@ -98,8 +99,15 @@ class ForgingTransport(Transport):
     def publish_encoded(
         self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
     ) -> None:
-        """The honest bytes decoded, forged, and handed to the transport to send as it would."""
-        self.publish(Fragment(key, decode(data), tokens))
+        """The honest bytes decoded, forged, and sent in the same codec and values per block (what
+        the codec cannot carry, NaN or Inf, goes out whole)."""
+        forged = self.attack.forge(Fragment(key, decode(data), tokens), self._generator)
+        try:
+            encoded = encode(forged.tensor, codec, kept_in(data) or SPARSE_KEPT)
+        except (FragmentError, ValueError, OverflowError):
+            self.inner.publish(forged)
+            return
+        self.inner.publish_encoded(forged.key, encoded, codec=codec, numel=numel, tokens=forged.tokens)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         return self.inner.receive(index, kind)

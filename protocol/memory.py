@@ -163,12 +163,15 @@ class MemoryTransport(Transport):
         self.blocked_seconds = 0.0
         self.inbox: list[_Delivery] = []
         self.seconds_per_round: float | None = None  # virtual, over the last round
+        self._round_began = 0.0  # when the round under way began (the driver may advance per step)
         self._delivered: set = set()
 
     def advance(self, now: float, round_: int) -> None:
         """Move this peer's virtual clock and round counter (the driver calls this)."""
-        if round_ > self.round and now > self.now:
-            self.seconds_per_round = (now - self.now) / (round_ - self.round)
+        if round_ > self.round:
+            if now > self._round_began:
+                self.seconds_per_round = (now - self._round_began) / (round_ - self.round)
+            self._round_began = now
         self.now = now
         self.round = round_
 

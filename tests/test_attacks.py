@@ -14,6 +14,7 @@ from cgad.node.sim.simulate import simulate
 from cgad.node.training.data import load_dataset
 from cgad.node.training.tokenizer import load_tokenizer
 from cgad.protocol.attacks import Attack, ForgingTransport
+from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
@@ -64,7 +65,7 @@ def test_what_each_kind_forges() -> None:
     assert torch.isinf(Attack.parse("inf").forge(honest).tensor).all()
     assert Attack.parse("tokens:99999").forge(honest).tokens == 99999
     assert Attack.parse("future:3").forge(honest).key.base_version == 10
-    big = Fragment(honest.key, torch.randn(100_000), 100)
+    big = Fragment(honest.key, torch.randn(100_000, generator=torch.Generator().manual_seed(7)), 100)
     noise = Attack.parse("noise:10").forge(big, torch.Generator().manual_seed(0)).tensor
     assert noise.norm() / big.tensor.norm() == pytest.approx(10.0, rel=0.02)
     assert abs(float(torch.nn.functional.cosine_similarity(noise, big.tensor, dim=0))) < 0.02
@@ -119,3 +120,20 @@ def test_one_attacker_hurts_the_plain_mean_and_not_the_robust_default(corpus) ->
     assert poisoned["rejected"]["non_finite"] > 0  # refused, counted, never applied
     assert math.isfinite(poisoned["final_loss"])
     assert poisoned["final_loss"] == pytest.approx(clean["final_loss"], rel=0.05)
+
+
+def test_a_forged_encoded_delta_goes_out_in_the_honest_codec():
+    """An attacker behind --codec sparse or 4bit sends its forgery in the same codec and values
+    per block, not whole: its bytes and its judging are what a real attacker's would be."""
+    network = VirtualNetwork()
+    evil, peer = network.join("evil"), network.join("peer")
+    forging = ForgingTransport(evil, Attack.parse("signflip"), seed=1)
+    delta = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    for codec, kept in ((Codec.SPARSE, 16), (Codec.FP4, None)):
+        data = encode(delta, codec, kept or 16)
+        key = FragmentKey("run", 0, 0 if kept else 1, "evil")
+        forging.publish_encoded(key, data, codec=codec, numel=4096, tokens=1)
+        (got,) = peer.receive(0)
+        assert got.kept == kept
+        assert torch.allclose(got.tensor, -decode(data), atol=1e-3 * float(delta.abs().max()))
+    assert evil.stats.bytes_sent < 2 * 4096  # both forgeries encoded, not 2 × 16 kB in fp32

@@ -559,3 +559,12 @@ def test_cga_momentum_is_on_where_deliveries_are_fresh_and_off_where_every_one_i
     late = run(corpus, optimizer="cga", delay="2", rounds=3)  # every peer's delta two rounds old
     assert 0.2 < fresh["mean_outer_momentum"] <= 0.5 and late["mean_outer_momentum"] == 0.0
     assert run(corpus, optimizer="sgd", rounds=1)["mean_outer_momentum"] is None
+
+
+def test_seconds_per_round_span_the_round_when_the_clock_moves_every_step():
+    """The simulator advances a peer's clock at every inner step: the link budget's seconds per
+    round must still be the whole round's, not the last step's."""
+    me = VirtualNetwork().join("me")
+    for step in range(1, 17):  # 8 steps of 1 s per round
+        me.advance(float(step), step // 8)
+    assert me.seconds_per_round == pytest.approx(8.0)

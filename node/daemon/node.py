@@ -255,18 +255,18 @@ class Node(MemberHooks):
 
     def sync_from_swarm(self, required: bool) -> bool:
         """Adopt a peer's snapshot ahead of this node (``Member.adopt``); True when one was."""
-        source = self.member.adopt(required)
-        if source is None:
-            return False
-        self.started_from = f"peer {source}"
-        return True
+        return self.member.adopt(required) is not None
 
     # ------------------------------------------------------------------ the member's hooks
 
     def adopt_state(self, required: bool) -> tuple[str, int] | None:
-        if not required:
-            logger.warning("%d versions behind the swarm: re-syncing", self.member.behind())
-        return self.state_sync.sync(required)
+        behind = self.member.behind()
+        if behind > self.config.cutoff:
+            logger.warning("%d versions behind the swarm: re-syncing", behind)
+        adopted = self.state_sync.sync(required)
+        if adopted is not None:
+            self.started_from = f"peer {adopted[0]}"
+        return adopted
 
     def diverged(self, fragment: int) -> None:
         # θ_f was reset to φ_f; restart the inner moments too
@@ -295,8 +295,12 @@ class Node(MemberHooks):
         if round_ % c.state_every == 0:
             self.publish_state()
 
-    def stepped(self, fragment: int, deliveries: list, round_ended: bool) -> None:
+    def applied(self, fragment: int) -> None:
         self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
+
+    def stepped(self, fragment: int, deliveries: list, round_ended: bool) -> None:
+        if round_ended:  # a re-sync may have moved the versions since ``applied``
+            self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
         status = self.status()
         if self.metrics:
             self.metrics.update(status)

@@ -51,6 +51,10 @@ class MemberHooks:
     def diverged(self, fragment: int) -> None:
         """The block of ``fragment`` diverged locally and was discarded (θ back to φ)."""
 
+    def applied(self, fragment: int) -> None:
+        """The outer step on ``fragment`` was just taken, before the round's bookkeeping (a daemon
+        reports its new versions here, so that peers do not wait on its evaluation)."""
+
     def round_ended(self, round_: int) -> None:
         """The member finished round ``round_`` (its last fragment's outer step was taken)."""
 
@@ -74,6 +78,9 @@ class Schedule:
         max_rounds: rounds to run before ``done`` (0: for ever).
         align_after_adopting: whether the block after adopting a state ends with the peers' (an
             all-reduce group waits for its members itself).
+        align_phase: whether blocks are nudged into phase with the peers' (``phase_nudge``); the
+            simulator's delays in whole rounds are lateness, not phase, and nudging against them
+            would only lengthen every block.
     """
 
     fragments: int
@@ -84,6 +91,7 @@ class Schedule:
     tokens_per_step: int = 1
     max_rounds: int = 0
     align_after_adopting: bool = True
+    align_phase: bool = True
 
     @property
     def block(self) -> int:
@@ -295,7 +303,7 @@ class Member:
         assert turn is not None
         self.due = None
         fragment = turn.fragment
-        if turn.awaited:
+        if turn.awaited and self.schedule.align_phase:
             self._align_phase(turn, self.swarm.arrived(fragment, turn.version))
         swarm = self.swarm_versions()
         self._adopted_from = None  # caught up with the source once; the median rules after
@@ -303,6 +311,7 @@ class Member:
             deliveries = self.loop.apply(
                 fragment, carry=steps > self.block_start, swarm_version=swarm[fragment] if swarm else None
             )
+        self.hooks.applied(fragment)
         round_ended = fragment == self.schedule.fragments - 1
         if round_ended:
             self.round += 1

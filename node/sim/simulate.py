@@ -105,6 +105,9 @@ class _Peers(MemberHooks):
     def round_ended(self, round_: int) -> None:
         self.wk.losses.append(evaluate(self.wk.trainer.model, self.eval_batches))
 
+    def diverged(self, fragment: int) -> None:
+        self.wk.trainer.optimizer.state.clear()  # θ went back to φ: the inner moments restart, as a daemon's
+
 
 def simulate(
     config: SimConfig,
@@ -152,7 +155,9 @@ def simulate(
             link_budget=transports[w].round_budget,
         )
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
-    schedule = Schedule.of(c)
+    # a delay in whole rounds is lateness, not a phase offset: nudging blocks against it would only
+    # lengthen every block (the daemons' phases are what the cross-check measures, at delay 0)
+    schedule = Schedule.of(c, align_phase=Delay.parse(c.delay).rounds == 0)
     for wk in workers:
         peers = _Peers(wk, workers, c, eval_batches)
         wk.member = Member(wk.loop, peers, schedule, hooks=peers)
