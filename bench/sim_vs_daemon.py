@@ -165,7 +165,7 @@ def run_simulator(
 
     def on_round(round_: int, loss: float) -> None:
         if round_ % 10 == 0:
-            say(f"  simulator, {optimizer}: round {round_}, held-out loss of the mean phi {loss:.3f}")
+            say(f"  simulator, {optimizer}: round {round_}, loss of the members' mean phi {loss:.3f}")
 
     record = simulate(c, dataset, vocab_size, on_round=on_round)
     ages = {int(a): n for a, n in record["age_counts"].items()}
@@ -500,62 +500,64 @@ DIFFERENCES = [
     "fragment is in or half a block later, so ages can exceed the simulator's 0",
     "the outer loop's own random seed differs (simulator: seed * 31 + w, daemon: its --data-seed); it "
     "drives only randomised choices (gossip partners), not training",
+    "a member's held-out loss at round r is that of its model right after the round's outer step, "
+    "inner steps carried over the step included: in the simulator's lock step there are none, a daemon "
+    "carries those it trained while it waited for its peers' fragments (up to half a block)",
     "mean_age here is over peers' deliveries on both sides (from the applied-by-age counts); the "
     "daemon's status mean_age also counts its own delta, at age 0, in every step (status_mean_age)",
 ]
 
 
-def plot(runs: list[dict[str, Any]], scenario: Scenario, path: Path) -> Path:
+def plot(record: dict[str, Any], path: Path) -> Path:
+    """Left: held-out loss by round, both swarms and both floors (each daemon's own curve
+    faint); right: each side's gain over its floor by round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    styles = {
-        ("simulator", "swarm"): ("tab:blue", "-"),
-        ("simulator", "floor"): ("tab:blue", "--"),
-        ("daemon", "swarm"): ("tab:red", "-"),
-        ("daemon", "floor"): ("tab:red", "--"),
-    }
+    runs, settings, summary = record["runs"], record["settings"], record["summary"]
+    fig, (ax, gain_ax) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    colors = {"simulator": "tab:blue", "daemon": "tab:red"}
+    names = {"simulator": "simulator", "daemon": f"{settings['members']} daemons"}
     for k, run in enumerate(runs):
-        for (side, kind), (color, ls) in styles.items():
-            losses = run[side][kind]["loss_by_round"]
-            xs = [r for r, v in enumerate(losses) if v is not None]
-            label = None
-            if k == 0:
-                what = scenario.optimizer if kind == "swarm" else "local (floor)"
-                label = f"{'simulator' if side == 'simulator' else 'daemons'} {what}"
-            ax.plot(
-                xs,
-                [losses[r] for r in xs],
-                color=color,
-                ls=ls,
-                lw=1.6,
-                alpha=1 if k == 0 else 0.5,
-                label=label,
-            )
+        alpha = 1.0 if k == 0 else 0.5
+        for side, color in colors.items():
+            for kind, ls in (("swarm", "-"), ("floor", "--")):
+                losses = run[side][kind]["loss_by_round"]
+                xs = [r for r, v in enumerate(losses) if v is not None]
+                what = settings["optimizer"] if kind == "swarm" else "local (floor)"
+                label = f"{names[side]}, {what}" if k == 0 else None
+                ax.plot(xs, [losses[r] for r in xs], color=color, ls=ls, lw=1.6, alpha=alpha, label=label)
+            swarm, floor = run[side]["swarm"]["loss_by_round"], run[side]["floor"]["loss_by_round"]
+            xs = [r for r in range(1, len(swarm)) if swarm[r] is not None and floor[r] is not None]
+            label = names[side] if k == 0 else None
+            gain_ax.plot(xs, [floor[r] - swarm[r] for r in xs], color=color, lw=1.6, alpha=alpha, label=label)
         for member in run["daemon"]["swarm"]["loss_by_round_per_member"]:
             xs = [r for r, v in enumerate(member) if v is not None]
             ax.plot(xs, [member[r] for r in xs], color="tab:red", lw=0.6, alpha=0.3)
-    ax.set_ylim(top=min(9.0, max(r["simulator"]["floor"]["loss_by_round"][1] for r in runs) + 0.2))
-    last = runs[0]
-    joined = last["daemon"]["swarm"]["joined_at_round"][1:]
-    summary = summarize(runs)
-    ratio = summary["ratio_of_mean_gains"]
-    gains = summary["simulator"]["gain"]["mean"], summary["daemon"]["gain"]["mean"]
-    ax.set(
-        xlabel="outer round",
-        ylabel="held-out loss (mean over members)",
-        title=(
-            f"simulator vs {scenario.members} daemons on 127.0.0.1: H = {scenario.sim_config().inner_steps}, "
-            f"{len(runs)} run(s)\ngain over the floor: simulator {gains[0]:.3f}, daemons {gains[1]:.3f} "
-            f"(ratio {'-' if ratio is None else f'{ratio:.2f}'}); "
-            f"joiners adopted node 0's state at rounds {joined}"
-        ),
-    )
+    lowest = min(r["simulator"]["swarm"]["mean_final_loss"] for r in runs)
+    ax.set_ylim(lowest - 0.1, lowest + 1.6)  # the rounds where the curves part; round 0 is off the top
+    ax.set(xlabel="outer round", ylabel="held-out loss (mean over members)", title="held-out loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if all(abs(run["floor_difference"]) < 1e-3 for run in runs):
+        ax.text(0.98, 0.6, "the two floors coincide", transform=ax.transAxes, ha="right", color="0.3")
+    gain_ax.axhline(0, color="k", lw=0.8)
+    gain_ax.set(xlabel="outer round", ylabel="floor − swarm (held-out loss)", title="gain over the floor")
+    gain_ax.grid(alpha=0.3)
+    gain_ax.legend()
+    ratio = summary["ratio_of_mean_gains"]
+    gains = summary["simulator"]["gain"]["mean"], summary["daemon"]["gain"]["mean"]
+    joined = sorted({r for run in runs for r in run["daemon"]["swarm"]["joined_at_round"][1:]})
+    h = settings["simulator"]["inner_steps"]
+    fig.suptitle(
+        f"simulator vs {settings['members']} daemons on 127.0.0.1, H = {h}, {len(runs)} run(s), "
+        f"commit {record['commit'][:10]}{'' if record['clean'] else ' + changes'}\n"
+        f"final gain over the floor: simulator {gains[0]:.3f}, daemons {gains[1]:.3f}, "
+        f"ratio {'-' if ratio is None else f'{ratio:.2f}'} (goal {GOAL}); "
+        f"joiners adopted node 0's state at round(s) {joined}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -575,9 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=str(RESULTS / "sim_vs_daemon.json"))
     parser.add_argument("--keep-logs", default=None, help="keep the daemons' logs in this folder")
+    parser.add_argument("--replot", action="store_true", help="only draw the PNG again from --out's JSON")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.replot:
+        out = Path(args.out)
+        print(f"wrote {plot(json.loads(out.read_text()), out.with_suffix('.png'))}")
+        return 0
 
     import torch
 
@@ -624,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     out.write_text(json.dumps(record, indent=1))
-    png = plot(runs, base, out.with_suffix(".png"))
+    png = plot(record, out.with_suffix(".png"))
     s = record["summary"]
     say(
         f"simulator gain {s['simulator']['gain']['mean']:.4f}, "
