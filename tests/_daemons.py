@@ -64,7 +64,11 @@ class NodeProcess:
         return found.group(1)
 
     def maddrs(self) -> list[str]:
-        return (self.dir / "maddrs").read_text().split()
+        path, deadline = self.dir / "maddrs", time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:  # written atomically, once
+            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        return path.read_text().split()
 
     def status(self) -> dict:
         return call_admin(self.admin, "Status", timeout=20)

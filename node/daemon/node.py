@@ -362,16 +362,16 @@ class Node(MemberHooks):
 
     def _announce(self) -> None:
         maddrs = self.transport.maddrs()
+        if self.config.maddrs_file:  # before the lines a watcher takes as "up": it reads this next
+            path = Path(self.config.maddrs_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, "".join(f"{a}\n" for a in maddrs).encode())
         print(f"peer id   {self.peer_id}", flush=True)
         for addr in maddrs:
             print(f"multiaddr {addr}", flush=True)
         print(f"admin     {self.admin.address}", flush=True)
         if self.dashboard:
             print(f"dashboard {self.dashboard.url}", flush=True)
-        if self.config.maddrs_file:
-            path = Path(self.config.maddrs_file)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, "".join(f"{a}\n" for a in maddrs).encode())
 
     # ------------------------------------------------------------------ what it shows
 
