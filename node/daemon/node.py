@@ -143,6 +143,7 @@ class Node(MemberHooks):
             )
             self.started_at = time.time()
             self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens
+            self._reported: list[int] = []  # the versions of the last progress record
             self.losses: deque[float] = deque(maxlen=50)
             self.eval_history: list[tuple[int, float]] = []
             self.tokens_per_second = 0.0
@@ -296,15 +297,20 @@ class Node(MemberHooks):
             self.publish_state()
 
     def applied(self, fragment: int) -> None:
-        self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
+        self._report_progress()
 
     def stepped(self, fragment: int, deliveries: list, round_ended: bool) -> None:
-        if round_ended:  # a re-sync may have moved the versions since ``applied``
-            self.transport.report_progress(self.loop.versions, self.trainer.steps, self.tokens_per_second)
+        if self.loop.versions != self._reported:  # a re-sync moved them since ``applied``
+            self._report_progress()
         status = self.status()
         if self.metrics:
             self.metrics.update(status)
         self._show(status)
+
+    def _report_progress(self) -> None:
+        """One signed progress record (a DHT store) with the versions as they are now."""
+        self._reported = list(self.loop.versions)
+        self.transport.report_progress(self._reported, self.trainer.steps, self.tokens_per_second)
 
     # ------------------------------------------------------------------ the loop
 

@@ -145,7 +145,6 @@ class OuterLoop:
             total_numel=sum(p.numel() for p in params),
             error_feedback=error_feedback,
         )
-        self._numel = sum(p.numel() for p in params)
         self._params_codec = params_codec
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
@@ -430,7 +429,7 @@ class OuterLoop:
             return False
         numel = self.numel(f)
         params_bytes = encoded_size(numel, wire_codec(self._params_codec))
-        return sent_bytes + params_bytes <= budget * numel / self._numel
+        return sent_bytes + params_bytes <= budget * numel / self.sender.total_numel
 
     def _mixes_now(self, f: int) -> bool:
         """Whether fragment f mixes at this step: late mixing wherever its φ went out this round
