@@ -6,9 +6,20 @@ node's egress (its uplink) inside the namespace, and the bridge port's egress (i
 outside it, so links can be asymmetric and one slow peer is one line of a scenario. The host
 holds the bridge's own address and reaches every node's admin API through it.
 
-Needs root and iproute2 (``ip``, ``tc``). ``Testbed`` is a context manager whose exit always
-removes what it made (namespaces, bridge, processes), and a stale testbed left by a killed run
-is removed before a new one starts.
+A node may sit behind a NAT router instead (``nat``): a namespace of its own (``cgadwan-rI``)
+holds the bridge end at the node's public address and a private link to the node
+(``192.168.(100+I).0/24``), masquerades what the node sends out, and forwards nothing in but the
+replies (iptables); the links are shaped on the router's bridge side. The one exception is the
+testbed host itself (the monitor), which may reach the node's admin API through the router, as an
+operator on the volunteer's own network would: no peer can.
+
+The host's firewall may drop bridged and forwarded frames (a docker engine sets the FORWARD
+policy to DROP and turns on br_netfilter): the testbed inserts ACCEPT rules for its own bridge,
+marked with a comment, and removes them at teardown.
+
+Needs root and iproute2 (``ip``, ``tc``), and iptables for NAT routers. ``Testbed`` is a context
+manager whose exit always removes what it made (namespaces, bridge, firewall rules, processes),
+and a stale testbed left by a killed run is removed before a new one starts.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,17 +40,21 @@ PREFIX = "cgadwan"
 SUBNET = "10.77.0"
 BRIDGE = f"{PREFIX}-br"
 HOST_ADDRESS = f"{SUBNET}.254"
+PRIVATE = "192.168"  # node I behind NAT: 192.168.(100+I).2, its router .1
+RULE_MARK = f"{PREFIX}-testbed"  # the comment on the host's firewall rules this testbed inserts
 
 __all__ = ["HOST_ADDRESS", "Link", "NodeProcess", "Testbed", "available"]
 
 
-def available() -> str | None:
-    """None when a testbed can be made here, else why not."""
+def available(nat: bool = False) -> str | None:
+    """None when a testbed can be made here (with NAT routers, where ``nat``), else why not."""
     if os.geteuid() != 0:
         return "network namespaces need root"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"{tool} (iproute2) is not installed"
+    if nat and shutil.which("iptables") is None:
+        return "iptables is not installed (NAT routers need it; `make iptables` installs it)"
     probe = f"{PREFIX}-probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode:
@@ -90,10 +106,12 @@ class NodeProcess:
 
 
 class Testbed:
-    """``nodes`` namespaces on one bridge, each with its ``Link``."""
+    """``nodes`` namespaces on one bridge, each with its ``Link``; the nodes in ``nat`` each
+    behind a NAT router of its own."""
 
-    def __init__(self, links: list[Link]) -> None:
+    def __init__(self, links: list[Link], nat: Iterable[int] = ()) -> None:
         self.links = links
+        self.nat = frozenset(nat)
         self.nodes: dict[int, NodeProcess] = {}
 
     # -- the network ------------------------------------------------------------------------
@@ -101,8 +119,23 @@ class Testbed:
     def namespace(self, index: int) -> str:
         return f"{PREFIX}-n{index}"
 
-    def address(self, index: int) -> str:
+    def router(self, index: int) -> str:
+        """The namespace of node ``index``'s NAT router (only for nodes behind NAT)."""
+        return f"{PREFIX}-r{index}"
+
+    def public_address(self, index: int) -> str:
+        """The address peers see node ``index`` at: its own, or its NAT router's."""
         return f"{SUBNET}.{index + 1}"
+
+    def address(self, index: int) -> str:
+        """Where node ``index`` listens: behind NAT, its private address."""
+        if index in self.nat:
+            return f"{PRIVATE}.{100 + index}.2"
+        return self.public_address(index)
+
+    def _edge(self, index: int) -> str:
+        """The namespace whose ``eth0`` sits on the bridge for node ``index``."""
+        return self.router(index) if index in self.nat else self.namespace(index)
 
     def __enter__(self) -> Testbed:
         teardown_stale()
@@ -117,16 +150,45 @@ class Testbed:
         _sh("ip", "link", "add", BRIDGE, "type", "bridge")
         _sh("ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", BRIDGE)
         _sh("ip", "link", "set", BRIDGE, "up")
+        _open_host_firewall()
         for index, link in enumerate(self.links):
-            ns, port = self.namespace(index), f"{PREFIX}-p{index}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            _sh("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            edge, port = self._edge(index), f"{PREFIX}-p{index}"
+            for ns in {edge, self.namespace(index)}:
+                _sh("ip", "netns", "add", ns)
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            _sh("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", edge)
             _sh("ip", "link", "set", port, "master", BRIDGE)
             _sh("ip", "link", "set", port, "up")
-            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
-            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            public = f"{self.public_address(index)}/24"
+            _sh("ip", "netns", "exec", edge, "ip", "addr", "add", public, "dev", "eth0")
+            _sh("ip", "netns", "exec", edge, "ip", "link", "set", "eth0", "up")
+            if index in self.nat:
+                self._build_router(index)
             self.shape(index, link)
+
+    def _build_router(self, index: int) -> None:
+        """Node ``index`` behind a NAT router: out through MASQUERADE, nothing in but replies
+        (and the testbed host's own connections to the node's admin API)."""
+        ns, router, lan = self.namespace(index), self.router(index), f"{PREFIX}-l{index}"
+        private = f"{PRIVATE}.{100 + index}"
+        in_router = ["ip", "netns", "exec", router]
+        _sh("ip", "link", "add", lan, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _sh("ip", "link", "set", lan, "netns", router)
+        _sh(*in_router, "ip", "link", "set", lan, "name", "lan0")
+        _sh(*in_router, "ip", "addr", "add", f"{private}.1/24", "dev", "lan0")
+        _sh(*in_router, "ip", "link", "set", "lan0", "up")
+        _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{private}.2/24", "dev", "eth0")
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+        _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", f"{private}.1")
+        _sh(*in_router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        iptables = [*in_router, "iptables", "-w", "5"]
+        _sh(*iptables, "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE")
+        _sh(*iptables, "-P", "FORWARD", "DROP")
+        _sh(*iptables, "-A", "FORWARD", "-i", "lan0", "-o", "eth0", "-j", "ACCEPT")
+        _sh(*iptables, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _sh(*iptables, "-A", "FORWARD", "-i", "eth0", "-s", HOST_ADDRESS, "-j", "ACCEPT")
+        # the host (the monitor) reaches the private address through the router
+        _sh("ip", "route", "add", f"{private}.0/24", "via", self.public_address(index))
 
     def __exit__(self, *exc_info: object) -> None:
         try:
@@ -138,7 +200,7 @@ class Testbed:
     def shape(self, index: int, link: Link) -> None:
         """Set (or change, while nodes run) a node's link rates."""
         self.links[index] = link
-        ns, port = self.namespace(index), f"{PREFIX}-p{index}"
+        ns, port = self._edge(index), f"{PREFIX}-p{index}"
         _set_rate(["ip", "netns", "exec", ns, "tc"], "eth0", link.up_mbit)
         _set_rate(["tc"], port, link.down_mbit)
 
@@ -149,16 +211,27 @@ class Testbed:
     # -- the nodes --------------------------------------------------------------------------
 
     def start(
-        self, index: int, executable: str, args: list[str], workdir: Path, env: dict[str, str] | None = None
+        self,
+        index: int,
+        executable: str,
+        args: list[str],
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        listen_flags: bool = True,
     ) -> NodeProcess:
-        """``cgad-node join`` in node ``index``'s namespace, listening on its address, with its
-        admin API on that address too (reached from the host through the bridge)."""
+        """``cgad-node join`` in node ``index``'s namespace, with its admin API on the node's
+        address (reached from the host through the bridge). With ``listen_flags`` a public node
+        listens on its address at fixed ports (libp2p 31337, gRPC 31338); without, and behind NAT
+        always, it takes the daemon's defaults, as a volunteer would."""
         workdir.mkdir(parents=True, exist_ok=True)
         address = self.address(index)
         admin_port = 7780
+        listen = []
+        if listen_flags and index not in self.nat:
+            listen = ["--host-maddrs", f"/ip4/{address}/tcp/31337",
+                      "--grpc-host", address, "--grpc-port", "31338"]  # fmt: skip
         command = [
-            "ip", "netns", "exec", self.namespace(index), executable, "join",
-            "--host-maddrs", f"/ip4/{address}/tcp/31337", "--grpc-host", address, "--grpc-port", "31338",
+            "ip", "netns", "exec", self.namespace(index), executable, "join", *listen,
             "--admin-host", address, "--admin-port", str(admin_port), *args,
         ]  # fmt: skip
         log = workdir / "log.txt"
@@ -181,12 +254,12 @@ class Testbed:
             _kill(node.process, sig)
 
     def multiaddr(self, index: int, timeout: float = 180.0) -> str:
-        """The first multiaddr node ``index`` printed (its peer id included)."""
+        """The first multiaddr node ``index`` printed at its own address (its peer id included)."""
         node = self.nodes[index]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in node.log.read_text().splitlines():
-                if line.startswith("multiaddr ") and node.address in line:
+                if line.startswith("multiaddr ") and f"/ip4/{node.address}/" in line:
                     return line.split(None, 1)[1].strip()
             if not node.alive():
                 raise RuntimeError(f"node {index} exited:\n{node.log.read_text()[-2000:]}")
@@ -197,6 +270,7 @@ class Testbed:
         return {
             "links": [{"up_mbit": link.up_mbit, "down_mbit": link.down_mbit} for link in self.links],
             "addresses": [self.address(i) for i in range(len(self.links))],
+            "nat": sorted(self.nat),
         }
 
 
@@ -220,8 +294,34 @@ def _kill(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
             process.wait(timeout=30)
 
 
+def _host_rules() -> list[list[str]]:
+    """The host's FORWARD rules that let the testbed's bridged and routed frames through."""
+    mark = ["-m", "comment", "--comment", RULE_MARK, "-j", "ACCEPT"]
+    return [["-i", BRIDGE, *mark], ["-o", BRIDGE, *mark]]
+
+
+def _open_host_firewall() -> None:
+    """Let the testbed's frames through a host firewall that drops forwarded ones (docker's
+    FORWARD policy, with br_netfilter filtering bridged frames too). Without iptables there is
+    no such firewall to open."""
+    if shutil.which("iptables") is None:
+        return
+    for rule in _host_rules():
+        _sh("iptables", "-w", "5", "-I", "FORWARD", *rule)
+
+
+def _close_host_firewall() -> None:
+    if shutil.which("iptables") is None:
+        return
+    for rule in _host_rules():  # every copy, a killed run's too
+        while _sh("iptables", "-w", "5", "-D", "FORWARD", *rule, check=False).returncode == 0:
+            pass
+
+
 def teardown_stale() -> None:
-    """Remove every namespace and link this testbed makes, from this run or a killed one."""
+    """Remove every namespace, link and firewall rule this testbed makes, from this run or a
+    killed one."""
+    _close_host_firewall()
     for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         if name.startswith(f"{PREFIX}-"):
