@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -53,7 +54,7 @@ from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
 from cgad.protocol.receiving import Receiver
-from cgad.protocol.records import Holdings, Identity, Progress, run_validator
+from cgad.protocol.records import Holdings, Identity, Progress, run_validator, top_credits
 from cgad.protocol.scheduling import VersionClock, round_budget
 from cgad.protocol.selection import Candidate, OfferSelector
 from cgad.protocol.serving import FragmentServer
@@ -227,9 +228,25 @@ class NetworkTransport(Transport):
         """The latest progress record of every live peer, this one included."""
         return dict(self._poller.live)
 
-    def report_progress(self, versions: Sequence[int], inner_step: int, tokens_per_second: float) -> None:
-        """What this peer tells the swarm about itself; refreshed in the DHT in the background.
-        ``versions`` (one per fragment) is also the horizon that old offers are judged by."""
+    def report_progress(
+        self,
+        versions: Sequence[int],
+        inner_step: int,
+        tokens_per_second: float,
+        eval_loss: float | None = None,
+        applied_from: Mapping[str, int] | None = None,
+    ) -> None:
+        """What this peer tells the swarm about itself, and signs about what it applied from
+        whom; refreshed in the DHT in the background.
+
+        Args:
+            versions: the outer version per fragment; also the horizon old offers are judged by.
+            inner_step: inner steps taken so far.
+            tokens_per_second: the training throughput over the last round.
+            eval_loss: the latest held-out loss (None, or not finite: not reported).
+            applied_from: fragments applied per publisher; the record carries the
+                ``MAX_CREDITS`` largest (``top_credits``).
+        """
         self._progress = Progress(
             peer_id=self.peer_id,
             versions=list(versions),
@@ -237,6 +254,8 @@ class NetworkTransport(Transport):
             tokens_per_second=float(tokens_per_second),
             time=get_dht_time(),
             published=self.stats.published,
+            eval_loss=float(eval_loss) if eval_loss is not None and math.isfinite(eval_loss) else None,
+            applied_from=top_credits(applied_from or {}),
         )
         self._publisher.progress = self._progress
         self.loop.call_soon_threadsafe(self._version_clock.update, time.monotonic(), list(versions))

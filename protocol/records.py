@@ -29,7 +29,7 @@ import os
 import struct
 import tempfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, Optional, TypeVar
 
 import pydantic.v1 as pydantic
@@ -50,6 +50,7 @@ from cgad.protocol.files import atomic_write
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_CREDITS",
     "MAX_OFFERS",
     "MAX_RECORD_TTL",
     "PROTOCOL_VERSION",
@@ -69,12 +70,14 @@ __all__ = [
     "run_validator",
     "schema_validator",
     "state_key",
+    "top_credits",
 ]
 
 # bumped whenever a record or message gains, loses or changes a field (2: Progress.published and
-# Holdings.tls)
-PROTOCOL_VERSION = 2
+# Holdings.tls; 3: Progress.eval_loss and Progress.applied_from)
+PROTOCOL_VERSION = 3
 MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
+MAX_CREDITS = 32  # publishers a progress record credits: those its peer applied the most from
 MAX_RECORD_TTL = 3600.0  # seconds: no record of a run may claim to live longer
 _PEER_ID = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
 _NON_NEGATIVE = pydantic.conint(strict=True, ge=0)
@@ -128,6 +131,32 @@ class Progress(_Strict):
     time: pydantic.StrictFloat  # DHT time of the report
     grpc: Optional[_ENDPOINT] = None  # noqa: UP045 (direct endpoint)
     published: _NON_NEGATIVE = 0  # fragments it has published (its own claim: shown, never trusted)
+    # the held-out loss of its latest evaluation (its own claim: shown, never trusted)
+    eval_loss: Optional[pydantic.confloat(strict=True, ge=0.0, allow_inf_nan=False)] = None  # noqa: UP045
+    # how many fragments it applied from each publisher, at most MAX_CREDITS of them (the most):
+    # what it signs about others. Summed per publisher over the other peers' records, it is the
+    # publisher's credit; what a record says of its own peer counts for nothing (node/daemon/credit.py)
+    applied_from: dict[_PEER_ID, _NON_NEGATIVE] = pydantic.Field(default_factory=dict)
+
+    @pydantic.validator("applied_from", pre=True)
+    def _few_credits(cls, value: object) -> object:
+        # counted before any entry is parsed: a record naming a million publishers costs nothing
+        if not isinstance(value, dict):  # pydantic would take a list of pairs
+            raise ValueError("credits are a dictionary of peer ids to counts")
+        if len(value) > MAX_CREDITS:
+            raise ValueError(f"credits {len(value)} publishers, more than {MAX_CREDITS}")
+        return value
+
+
+def top_credits(applied_by_peer: Mapping[str, int]) -> dict[str, int]:
+    """The ``MAX_CREDITS`` publishers applied from the most, with their counts (ties by peer id):
+    what a progress record can carry of a node's ``applied_by_peer``.
+
+    Args:
+        applied_by_peer: fragments applied per publisher's peer id (zero counts are left out).
+    """
+    ranked = sorted(((n, p) for p, n in dict(applied_by_peer).items() if n > 0), key=lambda c: (-c[0], c[1]))
+    return {peer: int(count) for count, peer in ranked[:MAX_CREDITS]}
 
 
 def run_prefix(run_id: str) -> str:

@@ -63,8 +63,8 @@ def _forge(node: Node, attack: Attack) -> None:
     if attack.kind == "future":
         honest_report = node.transport.report_progress
 
-        def report_progress(versions: Sequence[int], inner_step: int, tokens_per_second: float) -> None:
-            honest_report([v + int(attack.amount) for v in versions], inner_step, tokens_per_second)
+        def report_progress(versions: Sequence[int], inner_step: int, speed: float, **claims) -> None:
+            honest_report([v + int(attack.amount) for v in versions], inner_step, speed, **claims)
 
         node.transport.report_progress = report_progress  # type: ignore[method-assign]
 

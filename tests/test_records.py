@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cgad.protocol import FragmentError
 from cgad.protocol.records import (
+    MAX_CREDITS,
     MAX_OFFERS,
     MAX_RECORD_TTL,
     Holdings,
@@ -31,6 +32,7 @@ from cgad.protocol.records import (
     run_validator,
     schema_validator,
     state_key,
+    top_credits,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,6 +162,45 @@ def test_a_full_record_stays_small(alice: Identity) -> None:
     signed = _validator(alice).sign_value(_record(fragment_key("run", 0), alice.owner_subkey, full.dict()))
     # hivemind.DHT's pipe hangs on values of ~32 KB; ours stay far below
     assert len(signed) < 8192
+
+
+def test_a_progress_record_signs_what_it_applied_from_whom_bounded(alice: Identity, bob: Identity) -> None:
+    base58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    applied = {f"Qm{base58[i % 58]}{base58[i // 58]}": i for i in range(1, 3 * MAX_CREDITS)}
+    credits = top_credits({**applied, bob.peer_id: 0})
+    # the largest counts, never a zero one: a record credits at most MAX_CREDITS publishers
+    assert len(credits) == MAX_CREDITS and min(credits.values()) == 3 * MAX_CREDITS - MAX_CREDITS
+    assert bob.peer_id not in credits
+    progress = Progress(peer_id=alice.peer_id, versions=[2] * 16, inner_step=40, tokens_per_second=1.0,
+                        time=get_dht_time(), eval_loss=4.25, applied_from=credits)  # fmt: skip
+    record = _record(progress_key("run"), alice.owner_subkey, progress.dict())
+    signed = _validator(alice).sign_value(record)
+    assert _validator(bob).validate(dataclasses.replace(record, value=signed)) and len(signed) < 8192
+    assert parse_progress(alice.owner_subkey, progress.dict()).applied_from == credits
+    # a record of the fields before credits (no eval_loss, no applied_from) still reads
+    old = {k: v for k, v in progress.dict().items() if k not in ("eval_loss", "applied_from")}
+    assert (
+        parse_progress(alice.owner_subkey, old).applied_from == {}
+        and parse_progress(alice.owner_subkey, old).eval_loss is None
+    )
+    good = progress.dict()
+    bad_values = [
+        {**good, "applied_from": {**credits, "QmZZ": 1}},  # one publisher too many
+        {**good, "applied_from": {bob.peer_id: -1}},
+        {**good, "applied_from": {bob.peer_id: 1.0}},  # no silent conversions
+        {**good, "applied_from": {"not a peer id!": 1}},
+        {**good, "applied_from": [[bob.peer_id, 1]]},
+        {**good, "eval_loss": float("nan")},
+        {**good, "eval_loss": float("inf")},
+        {**good, "eval_loss": -1.0},
+        {**good, "eval_loss": 4},
+    ]
+    validator = schema_validator("run", 16)
+    for value in bad_values:
+        assert not validator.validate(_record(progress_key("run"), alice.owner_subkey, value))
+        with pytest.raises(FragmentError) as info:
+            parse_progress(alice.owner_subkey, value)
+        assert info.value.reason == "garbage"
 
 
 @settings(max_examples=200, deadline=None)
