@@ -179,6 +179,12 @@ class NodeOptions(_Part):
         None, description="checkpoint here, and resume from it if it holds one"
     )
     checkpoint_every: Positive = Field(5, description="outer rounds between checkpoints")
+    snapshot_codec: Literal["int8", "fp16", "fp32"] = Field(
+        "int8",
+        description="how snapshots for joining peers carry the outer state: int8 (φ − φ₀ in 8-bit blocks,"
+        " ~1 byte per parameter; the outer momentum is rebuilt by the joiner), fp16 (φ in float16 and the"
+        " momentum in bfloat16, ~4 bytes per parameter), fp32 (as held)",
+    )
     data_seed: int | None = Field(
         None,
         ge=0,

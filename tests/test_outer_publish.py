@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from cgad.node.config import OuterOptions
-from cgad.node.daemon.checkpoint import pack
+from cgad.node.daemon.checkpoint import pack, unpack
 from cgad.node.member.outer import OuterLoop
+from cgad.node.member.outer_state import Phi0
 from cgad.protocol.codec import encoded_size
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.scheduling import AUTO_LINK_SHARE
@@ -97,7 +98,7 @@ def test_cga_momentum_follows_the_share_of_live_peers_whose_delta_came_fresh() -
     assert loop.optimizer.param_groups[0]["freshness"] == 0.25
 
 
-def test_a_snapshot_for_peers_carries_phi_in_float16_and_the_momentum_in_bfloat16() -> None:
+def test_a_float16_snapshot_carries_phi_in_float16_and_the_momentum_in_bfloat16() -> None:
     network = VirtualNetwork()
     options = OuterOptions(optimizer="cga", cga_momentum=0.5)
     torch.manual_seed(0)
@@ -105,7 +106,7 @@ def test_a_snapshot_for_peers_carries_phi_in_float16_and_the_momentum_in_bfloat1
     loop.theta[0].add_(torch.randn(4096) / 3)
     loop.publish(0, tokens=10)
     loop.apply(0)
-    full, compact = loop.state_dict(), loop.state_dict(compact=True)
+    full, compact = loop.state_dict(), loop.state_dict("fp16")
     [momentum] = [s["momentum"] for s in full["optimizer"]["state"].values()]
     [kept] = [s["momentum"] for s in compact["optimizer"]["state"].values()]
     assert kept.dtype == torch.bfloat16 and torch.equal(kept, momentum.to(torch.bfloat16))
@@ -120,7 +121,54 @@ def test_a_snapshot_for_peers_carries_phi_in_float16_and_the_momentum_in_bfloat1
     # a φ float16 cannot hold is sent whole
     with torch.no_grad():
         loop.phi[0][0] = 1e6
-    assert loop.state_dict(compact=True)["phi"][0].dtype == torch.float32
+    assert loop.state_dict("fp16")["phi"][0].dtype == torch.float32
+
+
+def test_an_int8_snapshot_is_phi_minus_phi0_in_a_byte_per_value_and_rebuilds_the_momentum() -> None:
+    """The default snapshot: φ − φ₀ as int8 blocks (φ₀ regenerated from the seed it names), no
+    momentum; the error stays within half a step of each block's scale, and is far below what
+    quantizing φ itself would cost; a state naming a seed the joiner cannot regenerate, or bytes
+    that are not the codec's, is refused whole."""
+    network = VirtualNetwork()
+    options = OuterOptions(optimizer="cga", cga_momentum=0.5)
+    torch.manual_seed(0)
+    initial = torch.randn(1 << 14)
+    loop = OuterLoop([initial.clone()], options, network.join("me"), "run")
+    loop.theta[0].add_(torch.randn(1 << 14) / 100)
+    loop.publish(0, tokens=10)
+    loop.apply(0)
+    phi0 = Phi0(7, [initial])
+    regenerate = lambda seed: phi0 if seed == 7 else Phi0(seed, [torch.zeros_like(initial)])  # noqa: E731
+    snapshot = loop.state_dict("int8", reference=phi0)
+    assert snapshot["optimizer"]["state"] == {} and snapshot["reference_seed"] == 7
+    packed = pack(snapshot)
+    assert len(packed) < 1.03 * initial.numel() + 2048  # vs 4 bytes per value in fp32 alone
+    joiner = OuterLoop([torch.zeros(1 << 14)], options, network.join("joiner"), "run")
+    joiner.load_state_dict(unpack(packed), reference=regenerate)
+    moved = (loop.phi[0] - phi0.tensor(0)).detach()
+    error = (joiner.phi[0] - loop.phi[0]).detach().abs()
+    step = moved.abs().view(-1, 256).amax(1) / 127  # int8's step per block of 256
+    assert (error.view(-1, 256) <= step[:, None] / 2 + 1e-6).all()
+    plain = loop.state_dict("int8")  # no reference: φ itself quantized
+    direct = OuterLoop([torch.zeros(1 << 14)], options, network.join("other"), "run")
+    direct.load_state_dict(plain)
+    assert float(error.max()) < float((direct.phi[0] - loop.phi[0]).detach().abs().max()) / 20
+    assert joiner.optimizer.state.get(joiner.phi[0], {}).get("momentum") is None  # rebuilt by its steps
+    assert joiner.versions == loop.versions
+    # refused whole, the joiner left as it was
+    before = joiner.phi[0].clone()
+    for bad in (
+        {**snapshot, "reference_seed": -1},
+        {**snapshot, "reference_seed": 2.5},
+        {**snapshot, "phi": [snapshot["phi"][0][:-1]]},
+        {**snapshot, "phi": [torch.zeros(100, dtype=torch.uint8)]},
+        {**snapshot, "phi_codec": "int4"},
+    ):
+        with pytest.raises(ValueError):
+            joiner.load_state_dict(bad, reference=regenerate)
+    with pytest.raises(ValueError):  # a seed, but nothing here regenerates φ₀
+        joiner.load_state_dict(snapshot)
+    assert torch.equal(joiner.phi[0], before)
 
 
 def test_auto_sends_4bit_on_a_fast_link_and_sparse_with_what_fits_on_a_slow_one() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.checkpoint import CheckpointError, unpack
 from cgad.node.member.outer import OuterLoop
+from cgad.node.member.outer_state import Reference
 from cgad.node.member.swarm import behind, snapshot_ceiling, swarm_versions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.network import NetworkTransport
@@ -92,6 +93,7 @@ class StateSync:
         swarm: dict[str, Any],
         outer_lock: threading.Lock,
         leave: threading.Event,
+        reference: Reference | None = None,
     ) -> None:
         self.config = config
         self.transport = transport
@@ -99,6 +101,7 @@ class StateSync:
         self.swarm = swarm
         self.outer_lock = outer_lock
         self.leave = leave
+        self.reference = reference  # φ₀ of the seed an int8 snapshot names
 
     def check_bootstrap_peers(self) -> list[dict[str, Any]]:
         """Ask the peers named by --peers who they are: a node of another run, model or method
@@ -258,7 +261,8 @@ class StateSync:
             if max(versions) > self._ceiling() or max(versions) - min(versions) > self.config.cutoff:
                 raise ValueError(f"versions {versions} past the swarm's or too far apart")
             with self.outer_lock:
-                self.loop.load_state_dict(state["outer"])  # checks the whole before adopting any
+                # checks the whole before adopting any
+                self.loop.load_state_dict(state["outer"], reference=self.reference)
         # IncompatibleSwarm is a ValueError; ArithmeticError: int() of a huge float, for one
         except (KeyError, TypeError, ValueError, RuntimeError, ArithmeticError) as exc:
             failures.append(f"snapshot of {peer} is unusable: {exc}")

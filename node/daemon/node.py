@@ -27,15 +27,18 @@ import torch
 
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.admin import AdminServer
-from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint, pack, save_checkpoint
+from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint, save_checkpoint
 from cgad.node.daemon.dashboard import DashboardServer
 from cgad.node.daemon.joining import StateSync, check_compatible
 from cgad.node.daemon.metrics import Metrics
 from cgad.node.daemon.monitor import swarm_rows
+from cgad.node.daemon.snapshots import SnapshotPublisher
+from cgad.node.daemon.stall import StallMeter
 from cgad.node.daemon.status import cpu_seconds_by_thread, status_line
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.methods import method
 from cgad.node.member.outer import OuterLoop
+from cgad.node.member.outer_state import Phi0
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model, model_fingerprint
 from cgad.node.training.tokenizer import load_tokenizer
@@ -69,6 +72,7 @@ class Node(MemberHooks):
         self.tokenizer = load_tokenizer(c.tokenizer)
         self.dataset = load_dataset(self.tokenizer, c.data)
         self.model = build_model(c.model, self.tokenizer.vocab_size, seed=c.seed).to(self.device)
+        phi0 = Phi0(c.seed, self.model.parameters())  # what int8 snapshots are the difference to
         self.swarm = {
             "run_id": c.run_id,
             "model": model_fingerprint(self.model.config),
@@ -152,9 +156,16 @@ class Node(MemberHooks):
             self._leave = threading.Event()
             self._outer_lock = threading.Lock()
             self.metrics = Metrics(c.metrics_port, c.metrics_host) if c.metrics_port is not None else None
+            self.stall = StallMeter()
+            vocab = self.tokenizer.vocab_size
+            self.snapshots = SnapshotPublisher(
+                self.loop, self.transport, self._outer_lock, self.swarm, c.snapshot_codec, phi0,
+                lambda seed: Phi0(seed, build_model(c.model, vocab, seed=seed).parameters()),
+            )  # fmt: skip
             self.state_sync = StateSync(
-                c, self.transport, self.loop, self.swarm, self._outer_lock, self._leave
-            )
+                c, self.transport, self.loop, self.swarm, self._outer_lock, self._leave,
+                self.snapshots.reference,
+            )  # fmt: skip
             # the round itself: the wall clock and the network drive the one member engine;
             # an all-reduce has waited for its group already, so it takes its step at once
             self.member = Member(
@@ -185,14 +196,11 @@ class Node(MemberHooks):
 
     # ------------------------------------------------------------------ state
 
-    def publish_state(self) -> None:
+    def publish_state(self, wait: bool = False) -> None:
         """Offer a snapshot of the swarm's identity and this peer's outer state to peers that
-        join or fall behind: packed once, served to all of them by content hash."""
-        with self._outer_lock:  # one consistent snapshot, never half an outer step
-            versions = list(self.loop.versions)
-            outer = self.loop.state_dict(compact=True)
-            blob = pack({"swarm": self.swarm, "outer": outer, "round": self.member.round})
-        self.transport.publish_state(blob, versions)
+        join or fall behind: packed once on the snapshot thread (``wait``: and offered before
+        this returns), served to all of them by content hash."""
+        self.snapshots.offer(self.member.round, wait)
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -282,7 +290,8 @@ class Node(MemberHooks):
         self._round_mark = (now, self.trainer.tokens)
         evaluated = round_ % c.eval_every == 0
         if evaluated:
-            loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
+            with self.stall.apart():
+                loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
             self.eval_history.append((round_, loss))
         recent = list(self.losses)
         self.timeline.append({
@@ -292,7 +301,8 @@ class Node(MemberHooks):
             "tokens_per_second": self.tokens_per_second,
         })  # fmt: skip
         if c.checkpoint_dir and round_ % c.checkpoint_every == 0:
-            self.save()
+            with self.stall.apart():
+                self.save()
         if round_ % c.state_every == 0:
             self.publish_state()
 
@@ -324,7 +334,7 @@ class Node(MemberHooks):
             # to offer peers, and a checkpoint of it would make the next start a resume
             logger.info("left before the swarm's state arrived: nothing saved")
             return 0
-        self.publish_state()
+        self.publish_state(wait=True)
         self.member.start_round = self.member.round  # --max-rounds counts this run's rounds
         if not self.eval_history:
             loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
@@ -332,7 +342,11 @@ class Node(MemberHooks):
         self._round_mark = (time.monotonic(), self.trainer.tokens)
         while not self._leave.is_set() and not self.member.done:
             self.losses.append(self.trainer.step())
-            self.member.after_inner_step(self.trainer.steps)
+            blocks = self.member.blocks
+            with self.stall.stalled():
+                self.member.after_inner_step(self.trainer.steps)
+            if self.member.blocks != blocks:
+                self.stall.block_ended()
         self._finish()
         return 0
 
@@ -353,6 +367,7 @@ class Node(MemberHooks):
         self.admin.stop()
         if self.exchange is not None:
             self.exchange.close()
+        self.snapshots.close()
         self.transport.close()
         if self.metrics:
             self.metrics.stop()
@@ -431,6 +446,9 @@ class Node(MemberHooks):
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),
+            # the training thread's time off training per outer step (evaluation, checkpoints apart)
+            "stall": self.stall.summary(),
+            "snapshot_bytes": self.snapshots.bytes,
             "uptime": time.time() - self.started_at,
         }
 

@@ -40,7 +40,7 @@ from torch import Tensor
 from cgad.node.config import OuterOptions
 from cgad.node.member.methods import Contribution, StepInput, method, unflatten
 from cgad.node.member.mixing import gossip_pull
-from cgad.node.member.outer_state import load_checked_state, snapshot_state
+from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender
 from cgad.optim import AroundOwn
 from cgad.protocol.codec import Codec, encoded_size
@@ -468,19 +468,20 @@ class OuterLoop:
         c = self.counters
         return c.age_sum / c.age_count if c.age_count else 0.0
 
-    def state_dict(self, compact: bool = False) -> dict[str, Any]:
-        """φ, versions and the outer optimizer's state. ``compact`` (a snapshot for joining
-        peers, which wait for it before training) halves what they download: φ in float16 (an
-        error of at most 2⁻¹¹ of each value, below what one round moves it, and nothing beside
-        the spread between peers' φ in a swarm without a barrier; a tensor outside float16's
-        range stays float32), the optimizer's float tensors (momenta, moments) in bfloat16
-        (running averages that the joiner's own rounds soon outweigh). Loading casts back."""
-        return snapshot_state(self.phi, self.versions, self.optimizer, compact)
+    def state_dict(
+        self, codec: str = "fp32", reference: Phi0 | None = None
+    ) -> dict[str, Any]:
+        """φ, versions and the outer optimizer's state, φ in ``codec`` (``SNAPSHOT_CODECS``:
+        fp32 for a checkpoint; for a snapshot that joining peers wait for, int8 blocks of
+        φ − φ₀ with ``reference`` = φ₀, an error of at most half a step of 1/127 of each
+        block's largest |φ − φ₀|, and no per-parameter optimizer state). Loading decodes."""
+        return snapshot_state(self.phi, self.versions, self.optimizer, codec, reference)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], reference: Reference | None = None) -> None:
         """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ. Checked
-        whole before anything changes: a state that does not fit raises and leaves this one."""
-        phi, versions = load_checked_state(self.phi, len(self.versions), self.optimizer, state)
+        whole before anything changes: a state that does not fit raises and leaves this one.
+        ``reference`` regenerates φ₀ from the seed an int8 state names."""
+        phi, versions = load_checked_state(self.phi, len(self.versions), self.optimizer, state, reference)
         with torch.no_grad():
             for p, q, t in zip(self.phi, phi, self.theta, strict=True):
                 p.copy_(q)

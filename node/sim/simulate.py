@@ -31,6 +31,7 @@ import torch
 from cgad.node.config import SimConfig
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.outer import Delivery, OuterLoop
+from cgad.node.member.outer_state import Phi0
 from cgad.node.member.swarm import snapshot_ceiling
 from cgad.node.training.data import BatchIterator, TokenDataset
 from cgad.node.training.model import build_model
@@ -65,8 +66,11 @@ class _Peers(MemberHooks):
     """One worker's view of the others (``SwarmView``) and its engine's hooks: what a daemon
     reads from progress records and inboxes, and how it adopts a snapshot, here in memory."""
 
-    def __init__(self, wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: list) -> None:
+    def __init__(
+        self, wk: _Worker, workers: list[_Worker], c: SimConfig, eval_batches: list, initial: Phi0
+    ) -> None:
         self.wk, self.workers, self.c, self.eval_batches = wk, workers, c, eval_batches
+        self.initial = initial  # φ₀: what a snapshot's int8 blocks are the difference to
 
     def _others(self) -> list[_Worker]:
         return [o for o in self.workers if o is not self.wk and o.present]
@@ -84,8 +88,8 @@ class _Peers(MemberHooks):
     def adopt_state(self, required: bool) -> tuple[str, int] | None:
         """The newest snapshot ahead of this worker and within the ceiling, as a daemon picks one
         (``StateSync``), from a trusted live worker (an attacker's is never adopted), sent as a
-        daemon sends it (compact: φ in float16, the optimizer's moments in bfloat16). The rounds
-        it skips count at the loss of the state it adopted."""
+        daemon sends it (φ − φ₀ in int8 blocks, no outer momentum). The rounds it skips count
+        at the loss of the state it adopted."""
         wk = self.wk
         mine = min(wk.loop.versions)
         ceiling = snapshot_ceiling(self.reports(), wk.loop.versions, self.c.cutoff)
@@ -96,7 +100,8 @@ class _Peers(MemberHooks):
         if not offers:
             return None
         source = max(offers, key=lambda o: (min(o.loop.versions), -o.index))
-        wk.loop.load_state_dict(copy.deepcopy(source.loop.state_dict(compact=True)))
+        snapshot = source.loop.state_dict("int8", reference=self.initial)
+        wk.loop.load_state_dict(snapshot, reference=lambda seed: self.initial)
         skipped = min(source.member.round, self.c.rounds) - wk.member.round
         if skipped > 0:
             wk.losses.extend([evaluate(wk.trainer.model, self.eval_batches)] * skipped)
@@ -158,8 +163,9 @@ def simulate(
     # a delay in whole rounds is lateness, not a phase offset: nudging blocks against it would only
     # lengthen every block (the daemons' phases are what the cross-check measures, at delay 0)
     schedule = Schedule.of(c, align_phase=Delay.parse(c.delay).rounds == 0)
+    initial = Phi0(c.seed, base_model.parameters())  # φ₀ of every worker's snapshots
     for wk in workers:
-        peers = _Peers(wk, workers, c, eval_batches)
+        peers = _Peers(wk, workers, c, eval_batches, initial)
         wk.member = Member(wk.loop, peers, schedule, hooks=peers)
     honest = [wk for wk in workers if not wk.hostile]
 
