@@ -31,8 +31,6 @@ Results per preset are medians over repeats, as daemon/bare ratios beside the go
     .venv/bin/python bench/scale.py [--presets tiny,small,base,1b] [--seconds 300] [--repeats 3]
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
