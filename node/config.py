@@ -243,6 +243,11 @@ class NodeOptions(_Part):
     dashboard_port: Port = Field(
         DASHBOARD_PORT, description="port of the dashboard (0, or the default when taken: any free port)"
     )
+    dashboard_floor: str | None = Field(
+        None,
+        description="a JSON file of a node training alone, {\"points\": [[round, seconds, held-out loss],"
+        " ...]}, drawn beside this node's loss (read as it changes; `demo` writes one)",
+    )
 
 
 def parse_stragglers(text: str, workers: int) -> list[float]:

@@ -1,6 +1,8 @@
 """The dashboard every node serves: one self-contained page (node/daemon/dashboard.html, no asset from the
-internet) that polls ``/api/status`` and draws this node's losses, the swarm's live peers from
-their signed progress records, the ages of applied fragments, refusals and traffic.
+internet) that polls ``/api/status`` and draws this node's losses (beside a lone node's, the
+floor, when ``--dashboard-floor`` names one), the whole swarm from the live peers' signed progress
+records with each peer's credit (node/daemon/credit.py), the ages of applied fragments, refusals
+and traffic.
 
 It listens on 127.0.0.1 by default (``--dashboard-host`` exposes it, with a warning: the page
 shows peer ids, endpoints and the run's progress). It answers GET only, for these two paths.
@@ -21,11 +23,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DashboardServer"]
+__all__ = ["DashboardServer", "FloorFile", "floor_points"]
 
 logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).with_name("dashboard.html")
+MAX_FLOOR_BYTES = 1 << 20  # a floor file is read only up to this size
+MAX_FLOOR_POINTS = 20_000
 
 
 class DashboardServer:
@@ -101,3 +105,72 @@ def _is_loopback(host: str) -> bool:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+class FloorFile:
+    """A lone node's held-out loss, read from a JSON file ``{"points": [[round, seconds, loss],
+    ...]}`` (``cgad-node demo`` writes one as its lone node trains) again whenever it changes.
+    Anything wrong with the file (missing, too big, malformed, a value not a finite number) reads
+    as no floor, logged once per change: a dashboard must never stop a node.
+
+    Args:
+        path: the file; None: no floor.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(path) if path else None
+        self._seen: tuple[int, int] | None = None
+        self._points: list[list[float]] | None = None
+
+    def points(self) -> list[list[float]] | None:
+        """``[round, seconds, loss]`` points, rounds increasing; None when there is no floor."""
+        if self.path is None:
+            return None
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return None
+        if (stat.st_mtime_ns, stat.st_size) != self._seen:
+            self._seen = (stat.st_mtime_ns, stat.st_size)
+            try:
+                self._points = _read_floor(self.path)
+            except (OSError, ValueError) as error:
+                logger.warning("dashboard floor %s unread: %s", self.path, error)
+                self._points = None
+        return self._points
+
+
+_FLOORS: dict[str, FloorFile] = {}
+
+
+def floor_points(path: str | None) -> list[list[float]] | None:
+    """``FloorFile(path).points()``, one ``FloorFile`` per path for the process's life (so the
+    file is parsed again only when it changes).
+
+    Args:
+        path: the floor file; None: no floor.
+    """
+    if path is None:
+        return None
+    return _FLOORS.setdefault(path, FloorFile(path)).points()
+
+
+def _read_floor(path: Path) -> list[list[float]]:
+    with path.open("rb") as floor_file:
+        data = floor_file.read(MAX_FLOOR_BYTES + 1)
+    if len(data) > MAX_FLOOR_BYTES:
+        raise ValueError(f"over {MAX_FLOOR_BYTES} bytes")
+    document = json.loads(data)
+    points = document.get("points") if isinstance(document, dict) else None
+    if not isinstance(points, list) or len(points) > MAX_FLOOR_POINTS:
+        raise ValueError(f"'points' is not a list of at most {MAX_FLOOR_POINTS} points")
+    checked = []
+    for point in points:
+        if not (isinstance(point, list) and len(point) == 3):
+            raise ValueError("a point is not [round, seconds, loss]")
+        if not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in point
+        ):
+            raise ValueError("a point holds something other than a finite number")
+        checked.append([float(v) for v in point])
+    return sorted(checked)

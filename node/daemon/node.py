@@ -28,7 +28,7 @@ import torch
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.admin import AdminServer
 from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint, save_checkpoint
-from cgad.node.daemon.dashboard import DashboardServer
+from cgad.node.daemon.dashboard import DashboardServer, floor_points
 from cgad.node.daemon.joining import StateSync, check_compatible
 from cgad.node.daemon.metrics import Metrics
 from cgad.node.daemon.monitor import swarm_rows
@@ -320,7 +320,9 @@ class Node(MemberHooks):
     def _report_progress(self) -> None:
         """One signed progress record (a DHT store) with the versions as they are now."""
         self._reported = list(self.loop.versions)
-        self.transport.report_progress(self._reported, self.trainer.steps, self.tokens_per_second)
+        # signed with it: the latest held-out loss, and how many fragments it applied from whom
+        claims = (self.eval_history[-1][1] if self.eval_history else None, self.loop.counters.applied_by_peer)
+        self.transport.report_progress(self._reported, self.trainer.steps, self.tokens_per_second, *claims)
 
     # ------------------------------------------------------------------ the loop
 
@@ -465,7 +467,8 @@ class Node(MemberHooks):
         return {
             **status,
             "timeline": list(self.timeline),
-            "swarm": peers,
+            "swarm": peers,  # this node's row too (``this_node``), each with its credit
+            "floor": floor_points(self.config.dashboard_floor),  # a lone node's held-out loss, if known
             "bytes_by_path": dict(self.transport.bytes_by_path),
             "leaving": self._leave.is_set(),
             "time": time.time(),
