@@ -48,6 +48,7 @@ def swarm_rows(transport: NetworkTransport) -> list[dict[str, Any]]:
         peer: p
         for peer, p in transport.swarm_progress().items()
         if p.time + transport.options.liveness_ttl > now
+        and not (transport.observer and peer == transport.peer_id)  # a monitor is no peer
     }
     credit = contributions(live)
     rows = []
