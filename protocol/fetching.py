@@ -97,7 +97,8 @@ class Fetcher:
         ``FragmentError("unavailable")`` says how far it got otherwise."""
         timeout = self.options.fetch_timeout if timeout is None else timeout
         offer = candidate.offer
-        assembler = ChunkAssembler(offer.content_hash, offer.byte_length)
+        # a snapshot's length is only its record's claim: memory follows the bytes that arrive
+        assembler = ChunkAssembler(offer.content_hash, offer.byte_length, grow=offer.kind == "state")
         self.transfers[candidate.key] = assembler
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -206,7 +207,7 @@ class Fetcher:
                 received_before = assembler.received
                 try:
                     await self._drain(self._open_fetch(path, holder, assembler), assembler, since)
-                    if assembler.received == assembler.byte_length:
+                    if assembler.complete:
                         return assembler.finish()
                     # libp2p reports a dropped connection as a clean end of stream: resume
                     logger.debug("stream from %s over %s ended early", holder.peer_id, path)
@@ -269,7 +270,11 @@ class Fetcher:
     def _open_fetch(
         self, path: str, holder: Holdings, assembler: ChunkAssembler
     ) -> AsyncIterator[Message | bytes]:
-        request = pb.FetchRequest(content_hash=assembler.expected_hash, offset=assembler.received)
+        request = pb.FetchRequest(
+            content_hash=assembler.expected_hash,
+            offset=assembler.received,
+            length=assembler.end - assembler.received if assembler.end else 0,  # a range, or to the end
+        )
         if self.swarm_key is not None:
             self.swarm_key.stamp(request, request.ticket, FETCH_PURPOSE)
         if path == "grpc":
@@ -305,6 +310,8 @@ class Fetcher:
                         before = assembler.received
                         assembler.add_slice(*piece)
                         self.bytes_in += assembler.received - before
+                        if assembler.complete:
+                            break
                         continue
                     message = parse(pb.FetchResponse, item)
                 else:
@@ -323,6 +330,8 @@ class Fetcher:
                     before = assembler.received
                     assembler.add(message.chunk)
                     self.bytes_in += assembler.received - before
+                    if assembler.complete:
+                        break
                 else:
                     raise FragmentError("bad_chunk", f"unexpected {part} inside a transfer")
         finally:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63gad/protocol/fragment.proto\x12\rcgad.protocol\"\xee\x01\n\x0e\x46ragmentHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x11\n\tpublisher\x18\x04 \x01(\t\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12)\n\x04kind\x18\x06 \x01(\x0e\x32\x1b.cgad.protocol.FragmentKind\x12\r\n\x05shape\x18\x07 \x03(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\n \x01(\x0c\x12\x13\n\x0b\x62yte_length\x18\x0b \x01(\x04\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"8\n\x06Ticket\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"[\n\x0c\x46\x65tchRequest\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12%\n\x06ticket\x18\x03 \x01(\x0b\x32\x15.cgad.protocol.Ticket\"\x80\x01\n\rFetchResponse\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.cgad.protocol.FragmentHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.cgad.protocol.ChunkH\x00\x12\x0f\n\x05\x65rror\x18\x03 \x01(\tH\x00\x42\x06\n\x04part\"8\n\x0f\x44\x65scribeRequest\x12%\n\x06ticket\x18\x01 \x01(\x0b\x32\x15.cgad.protocol.Ticket\"6\n\x10\x44\x65scribeResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nswarm_json\x18\x02 \x01(\t*O\n\x0c\x46ragmentKind\x12\x1d\n\x19\x46RAGMENT_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01\x12\n\n\x06PARAMS\x10\x02\x12\t\n\x05STATE\x10\x03\x32\xa4\x01\n\x0f\x46ragmentService\x12\x44\n\x05\x46\x65tch\x12\x1b.cgad.protocol.FetchRequest\x1a\x1c.cgad.protocol.FetchResponse0\x01\x12K\n\x08\x44\x65scribe\x12\x1e.cgad.protocol.DescribeRequest\x1a\x1f.cgad.protocol.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63gad/protocol/fragment.proto\x12\rcgad.protocol\"\xee\x01\n\x0e\x46ragmentHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x11\n\tpublisher\x18\x04 \x01(\t\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12)\n\x04kind\x18\x06 \x01(\x0e\x32\x1b.cgad.protocol.FragmentKind\x12\r\n\x05shape\x18\x07 \x03(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05\x63odec\x18\t \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\n \x01(\x0c\x12\x13\n\x0b\x62yte_length\x18\x0b \x01(\x04\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"8\n\x06Ticket\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"k\n\x0c\x46\x65tchRequest\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12%\n\x06ticket\x18\x03 \x01(\x0b\x32\x15.cgad.protocol.Ticket\x12\x0e\n\x06length\x18\x04 \x01(\x04\"\x80\x01\n\rFetchResponse\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.cgad.protocol.FragmentHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.cgad.protocol.ChunkH\x00\x12\x0f\n\x05\x65rror\x18\x03 \x01(\tH\x00\x42\x06\n\x04part\"8\n\x0f\x44\x65scribeRequest\x12%\n\x06ticket\x18\x01 \x01(\x0b\x32\x15.cgad.protocol.Ticket\"6\n\x10\x44\x65scribeResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nswarm_json\x18\x02 \x01(\t*O\n\x0c\x46ragmentKind\x12\x1d\n\x19\x46RAGMENT_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45LTA\x10\x01\x12\n\n\x06PARAMS\x10\x02\x12\t\n\x05STATE\x10\x03\x32\xa4\x01\n\x0f\x46ragmentService\x12\x44\n\x05\x46\x65tch\x12\x1b.cgad.protocol.FetchRequest\x1a\x1c.cgad.protocol.FetchResponse0\x01\x12K\n\x08\x44\x65scribe\x12\x1e.cgad.protocol.DescribeRequest\x1a\x1f.cgad.protocol.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cgad.protocol.fragment_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FRAGMENTKIND']._serialized_start=723
-  _globals['_FRAGMENTKIND']._serialized_end=802
+  _globals['_FRAGMENTKIND']._serialized_start=739
+  _globals['_FRAGMENTKIND']._serialized_end=818
   _globals['_FRAGMENTHEADER']._serialized_start=48
   _globals['_FRAGMENTHEADER']._serialized_end=286
   _globals['_CHUNK']._serialized_start=288
@@ -40,13 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TICKET']._serialized_start=327
   _globals['_TICKET']._serialized_end=383
   _globals['_FETCHREQUEST']._serialized_start=385
-  _globals['_FETCHREQUEST']._serialized_end=476
-  _globals['_FETCHRESPONSE']._serialized_start=479
-  _globals['_FETCHRESPONSE']._serialized_end=607
-  _globals['_DESCRIBEREQUEST']._serialized_start=609
-  _globals['_DESCRIBEREQUEST']._serialized_end=665
-  _globals['_DESCRIBERESPONSE']._serialized_start=667
-  _globals['_DESCRIBERESPONSE']._serialized_end=721
-  _globals['_FRAGMENTSERVICE']._serialized_start=805
-  _globals['_FRAGMENTSERVICE']._serialized_end=969
+  _globals['_FETCHREQUEST']._serialized_end=492
+  _globals['_FETCHRESPONSE']._serialized_start=495
+  _globals['_FETCHRESPONSE']._serialized_end=623
+  _globals['_DESCRIBEREQUEST']._serialized_start=625
+  _globals['_DESCRIBEREQUEST']._serialized_end=681
+  _globals['_DESCRIBERESPONSE']._serialized_start=683
+  _globals['_DESCRIBERESPONSE']._serialized_end=737
+  _globals['_FRAGMENTSERVICE']._serialized_start=821
+  _globals['_FRAGMENTSERVICE']._serialized_end=985
 # @@protoc_insertion_point(module_scope)

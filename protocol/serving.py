@@ -147,9 +147,10 @@ class FragmentServer:
             await self._grpc_server.stop(grace=None)
 
     async def _stream_out(
-        self, header: pb.FragmentHeader, data: bytes | bytearray, offset: int, serialized: bool
+        self, header: pb.FragmentHeader, data: bytes | bytearray, offset: int, serialized: bool, end: int
     ) -> Outgoing:
-        """Header and chunks, within this peer's upload rate; a fragment's behind any snapshot."""
+        """Header and the chunks of ``data[offset:end]``, within this peer's upload rate; a
+        fragment's behind any snapshot."""
         stream = serialized_response_stream if serialized else response_stream
         rate = self.options.upload_limit
         loop = asyncio.get_running_loop()
@@ -157,7 +158,7 @@ class FragmentServer:
         position = offset
         state = header.kind == pb.STATE
         floor = min(MIN_STATE_SERVE_RATE, (rate or math.inf) / (MAX_STATE_STREAMS + 1))
-        for index, message in enumerate(stream(header, data, offset)):
+        for index, message in enumerate(stream(header, data, offset, end=end)):
             elapsed = loop.time() - started
             if state and elapsed > STATE_SERVE_GRACE and position - offset < floor * elapsed:
                 self.stats.rejected["slow_reader"] += 1
@@ -169,7 +170,7 @@ class FragmentServer:
             yield message
             if index == 0:
                 continue  # the header
-            size = min(CHUNK_BYTES, len(data) - position)
+            size = min(CHUNK_BYTES, end - position)
             position += size
             self.stats.bytes_sent += size
             if state:
@@ -203,9 +204,11 @@ class FragmentServer:
             yield self._refusal("busy: serving other snapshots", serialized)
             return
         offset = min(request.offset, len(entry.data))
+        # a range (a download from several holders at once), or to the end
+        end = min(offset + request.length, len(entry.data)) if request.length else len(entry.data)
         self._count_state_stream(int(state))
         try:
-            async for message in self._stream_out(entry.header, entry.data, offset, serialized):
+            async for message in self._stream_out(entry.header, entry.data, offset, serialized, end):
                 yield message
         finally:
             self._count_state_stream(-int(state))

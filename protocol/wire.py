@@ -25,6 +25,7 @@ __all__ = [
     "LIBP2P_FETCH",
     "SERVICE",
     "ChunkAssembler",
+    "RangeAssembler",
     "content_hash",
     "parse",
     "response_stream",
@@ -83,14 +84,18 @@ def _read_varint(buffer: bytes, position: int) -> tuple[int, int]:
 
 
 def serialized_response_stream(
-    header: pb.FragmentHeader, data: bytes | bytearray, offset: int = 0, chunk_bytes: int = CHUNK_BYTES
+    header: pb.FragmentHeader,
+    data: bytes | bytearray,
+    offset: int = 0,
+    chunk_bytes: int = CHUNK_BYTES,
+    end: int | None = None,
 ) -> Iterator[bytes]:
     """``response_stream`` already serialized, each chunk message written around its slice of
     ``data`` with one copy (building and serializing a ``Chunk`` copies the megabyte three times:
     on the direct gRPC path that was the sender's bottleneck)."""
     yield pb.FetchResponse(header=header).SerializeToString()
-    view = memoryview(data)
-    for start in range(offset, len(data), chunk_bytes):
+    view = memoryview(data)[: len(data) if end is None else end]
+    for start in range(offset, len(view), chunk_bytes):
         piece = view[start : start + chunk_bytes]
         chunk_head = b"\x08" + _varint(start) + b"\x12" + _varint(len(piece))  # Chunk.offset, Chunk.data
         message_head = b"\x12" + _varint(len(chunk_head) + len(piece))  # FetchResponse.chunk
@@ -119,12 +124,16 @@ def split_chunk(message: bytes) -> tuple[int, memoryview] | None:
 
 
 def response_stream(
-    header: pb.FragmentHeader, data: bytes | bytearray, offset: int = 0, chunk_bytes: int = CHUNK_BYTES
+    header: pb.FragmentHeader,
+    data: bytes | bytearray,
+    offset: int = 0,
+    chunk_bytes: int = CHUNK_BYTES,
+    end: int | None = None,
 ) -> Iterator[pb.FetchResponse]:
-    """The header, then ``data[offset:]`` in chunks."""
+    """The header, then ``data[offset:end]`` in chunks."""
     yield pb.FetchResponse(header=header)
-    view = memoryview(data)
-    for start in range(offset, len(data), chunk_bytes):
+    view = memoryview(data)[: len(data) if end is None else end]
+    for start in range(offset, len(view), chunk_bytes):
         yield pb.FetchResponse(chunk=pb.Chunk(offset=start, data=bytes(view[start : start + chunk_bytes])))
 
 
@@ -138,16 +147,25 @@ class ChunkAssembler:
 
     A transfer that breaks off can resume from ``received`` at another holder: the bytes are
     content-addressed, so where they came from does not matter, and the running hash covers them
-    all.
+    all. ``grow``: memory is taken as bytes arrive, not for the length a record claims (a state
+    snapshot, whose length no local rule fixes; a fragment's is checked against its numel first).
     """
 
-    def __init__(self, expected_hash: bytes, byte_length: int) -> None:
+    end = 0  # a whole transfer: ask for everything from ``received`` on (``RangeAssembler``)
+
+    def __init__(self, expected_hash: bytes, byte_length: int, grow: bool = False) -> None:
         self.expected_hash = expected_hash
         self.byte_length = byte_length
         self.received = 0
-        self._buffer = bytearray(byte_length)
+        self._grow = grow
+        self._buffer = bytearray(0 if grow else byte_length)
+        self._parts: list[bytes] = []  # with ``grow``: what arrived, in order
         self._hash = hashlib.sha256()
         self._hashed: Future[None] | None = None  # the latest queued hash update (FIFO)
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.byte_length
 
     def check_header(self, header: pb.FragmentHeader) -> None:
         """The holder's header must describe the bytes the record names."""
@@ -163,9 +181,14 @@ class ChunkAssembler:
         end = self.received + len(data)
         if end > self.byte_length:
             raise FragmentError("oversized", f"{end} bytes, the record says {self.byte_length}")
-        self._buffer[self.received : end] = data
+        if self._grow:
+            piece: bytes | memoryview = bytes(data)
+            self._parts.append(piece)  # type: ignore[arg-type]
+        else:
+            self._buffer[self.received : end] = data
+            piece = memoryview(self._buffer)[self.received : end]
         # hash our own copy: the sender's buffer may be reused once we return
-        self._hashed = _HASHER.submit(self._hash.update, memoryview(self._buffer)[self.received : end])
+        self._hashed = _HASHER.submit(self._hash.update, piece)
         self.received = end
 
     def _wait_for_hash(self) -> None:
@@ -176,6 +199,7 @@ class ChunkAssembler:
         """Forget what arrived (after a hash mismatch nothing received can be trusted)."""
         self._wait_for_hash()
         self.received = 0
+        self._parts = []
         self._hash = hashlib.sha256()
         self._hashed = None
 
@@ -185,4 +209,51 @@ class ChunkAssembler:
         self._wait_for_hash()
         if self._hash.digest() != self.expected_hash:
             raise FragmentError("bad_hash", "bytes do not match the content hash in the signed record")
+        if self._grow:
+            self._buffer, self._parts = bytearray(b"".join(self._parts)), []
         return self._buffer
+
+
+class RangeAssembler:
+    """Collects the chunks of one range ``[start, end)`` of a transfer in order, as part of a
+    download from several holders at once: memory grows with what arrived, and bytes past
+    ``end`` (a holder that ignores the requested length) are left out. The hash covers the
+    whole transfer, so the caller checks it once every range is in (``content_hash``).
+
+    Args:
+        expected_hash: the whole transfer's hash (what the holder is asked for).
+        byte_length: the whole transfer's length (what its header must say).
+        start: the first byte of the range.
+        end: one past its last byte.
+    """
+
+    def __init__(self, expected_hash: bytes, byte_length: int, start: int, end: int) -> None:
+        self.expected_hash, self.byte_length = expected_hash, byte_length
+        self.start, self.end = start, end
+        self.received = start  # the next byte expected, counted from the transfer's start
+        self._parts: list[bytes] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.received >= self.end
+
+    check_header = ChunkAssembler.check_header
+
+    def add(self, chunk: pb.Chunk) -> None:
+        self.add_slice(chunk.offset, chunk.data)
+
+    def add_slice(self, offset: int, data: bytes | memoryview) -> None:
+        if offset != self.received:
+            raise FragmentError("bad_chunk", f"chunk at {offset}, expected {self.received}")
+        piece = bytes(data[: self.end - self.received])
+        self._parts.append(piece)
+        self.received += len(piece)
+
+    def restart(self) -> None:
+        self.received, self._parts = self.start, []
+
+    def finish(self) -> bytes:
+        """The range's bytes (not checked here: the whole transfer's hash is)."""
+        if not self.complete:
+            raise FragmentError("truncated", f"range at {self.received} of [{self.start}, {self.end})")
+        return b"".join(self._parts)

@@ -1,0 +1,113 @@
+"""Downloading a state snapshot from several holders at once.
+
+Every peer that adopted a snapshot serves it on (``reserve_state``), so a popular snapshot has
+many holders, and one holder's uplink need not carry every joiner. The snapshot is cut into
+ranges of ``PIECE_BYTES``; each holder (up to ``MAX_SOURCES``) takes the next range nobody has
+taken, and the ranges arrive side by side. A holder that fails or trickles leaves its range,
+resumed where it stopped, to the others. The signed record names the hash of the whole, so it is
+checked once every range is in; bytes that fail it are fetched again the careful way
+(``Fetcher.fetch``: one holder at a time, which says who sent them), so a holder that lies costs
+one extra download, never a wrong state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from cgad.protocol.errors import FragmentError
+from cgad.protocol.records import Holdings
+from cgad.protocol.selection import Candidate
+from cgad.protocol.wire import RangeAssembler, content_hash
+
+if TYPE_CHECKING:
+    from cgad.protocol.fetching import Fetcher
+
+__all__ = ["MAX_SOURCES", "PIECE_BYTES", "fetch_from_many"]
+
+PIECE_BYTES = 4 << 20  # a range: a few seconds of a 10 Mbit uplink, few enough to track
+MAX_SOURCES = 4  # holders one download draws from at once
+
+logger = logging.getLogger(__name__)
+
+
+class _Progress:
+    """What ``Fetcher.transfers`` shows of a download in ranges: bytes in, of how many."""
+
+    def __init__(self, byte_length: int, pieces: list[RangeAssembler]) -> None:
+        self.byte_length, self._pieces = byte_length, pieces
+
+    @property
+    def received(self) -> int:
+        return sum(p.received - p.start for p in self._pieces)
+
+
+async def fetch_from_many(
+    fetcher: Fetcher, candidate: Candidate, timeout: float, passes: int
+) -> bytes | bytearray:
+    """The candidate's bytes, in ranges from up to ``MAX_SOURCES`` of its holders at once, within
+    ``timeout``; from one holder at a time (``Fetcher.fetch``) when it has one holder or one
+    range, or when the ranges fail the hash. ``FragmentError("unavailable")`` as ``fetch``.
+
+    Args:
+        fetcher: fetches each range (its paths, rate floor and rejections).
+        candidate: the snapshot's record and holders.
+        timeout: seconds for the whole download.
+        passes: times each holder is tried (a busy one may have a slot a moment later).
+    """
+    offer = candidate.offer
+    holders = list(candidate.holders[:MAX_SOURCES])
+    if len(holders) < 2 or offer.byte_length <= PIECE_BYTES:
+        return await fetcher.fetch(candidate, timeout, passes)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    end = offer.byte_length
+    pieces = [
+        RangeAssembler(offer.content_hash, offer.byte_length, start, min(start + PIECE_BYTES, end))
+        for start in range(0, end, PIECE_BYTES)
+    ]
+    waiting = deque(pieces)  # ranges nobody is fetching now, resumed where they stopped
+    gone: set[str] = set()  # holders that no longer keep it
+
+    async def pull(holder: Holdings) -> None:
+        while waiting:
+            piece = waiting.popleft()
+            try:
+                await fetcher.fetch_from(holder, piece)
+            except FragmentError as error:  # not_held: it keeps none of it any more
+                logger.debug("holder %s: %s", holder.peer_id, error)
+                gone.add(holder.peer_id)
+            if not piece.complete:
+                waiting.appendleft(piece)  # the others take it over from here
+                return
+
+    fetcher.transfers[candidate.key] = _Progress(offer.byte_length, pieces)  # type: ignore[assignment]
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                for attempt in range(passes):
+                    await asyncio.gather(*(pull(h) for h in holders if h.peer_id not in gone))
+                    if not waiting or len(gone) == len(holders):
+                        break
+                    if attempt + 1 < passes:
+                        await asyncio.sleep(2.0)
+    finally:
+        del fetcher.transfers[candidate.key]
+    if not waiting:
+        data = b"".join(piece.finish() for piece in pieces)
+        if await asyncio.to_thread(content_hash, data) == offer.content_hash:
+            return data
+        fetcher.reject("bad_hash", f"{candidate.key}: ranges from {len(holders)} holders; fetching it again")
+    left = deadline - loop.time()
+    if left <= 0:
+        done = sum(p.received - p.start for p in pieces)
+        raise FragmentError(
+            "unavailable",
+            f"{candidate.key}: timed out after {timeout:.0f} s at {done / 1e6:.1f} of"
+            f" {offer.byte_length / 1e6:.1f} MB ({len(holders)} holder(s) at once)",
+        )
+    # what the ranges could not give: one holder at a time, with the blame where it belongs
+    return await fetcher.fetch(candidate, left, passes)

@@ -1,0 +1,58 @@
+"""A state snapshot downloaded from several holders at once, between real hivemind peers on
+loopback: faster than one holder's uplink, counted in bytes_in, and whole even when one holder
+serves wrong bytes (``protocol/multisource.py``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from _netswarm import NUM_FRAGMENTS, make_transport, wait_for  # tests/ is on sys.path under pytest
+
+from cgad.protocol.multisource import PIECE_BYTES
+
+pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
+
+UPLINK = 2e6  # bytes per second each holder serves at
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_comes_from_two_holders_at_once_and_a_lying_one_cannot_spoil_it() -> None:
+    publisher = make_transport(upload_limit=UPLINK)
+    peers = publisher.maddrs()
+    reserver = make_transport(peers=peers, upload_limit=UPLINK)
+    liar = make_transport(peers=peers, upload_limit=UPLINK)
+    joiner = make_transport(peers=peers)
+    try:
+        blob = os.urandom(4 * PIECE_BYTES + 12345)  # ~16.8 MB: 8.4 s from one holder
+        publisher.publish_state(blob, [3] * NUM_FRAGMENTS)
+        wait_for(lambda: reserver.state_offers(), what="the snapshot's record")
+        [candidate] = reserver.state_offers()
+        assert bytes(reserver.fetch_state(candidate, timeout=60)) == blob  # from the publisher alone
+        reserver.reserve_state(candidate, blob)
+        wait_for(lambda: any(len(c.holders) == 2 for c in joiner.state_offers()), what="two holders")
+        [two] = joiner.state_offers()
+        started = time.monotonic()
+        assert bytes(joiner.fetch_state(two, timeout=60)) == blob
+        seconds = time.monotonic() - started
+        # two uplinks at once: well above one holder's rate (8.4 s alone)
+        assert len(blob) / seconds > 1.4 * UPLINK, f"{len(blob) / seconds / 1e6:.2f} MB/s"
+        assert joiner.stats.bytes_received >= len(blob)  # the status's bytes_in counts the snapshot
+
+        # a holder that serves other bytes under the same hash: the ranges fail the hash, the
+        # download is done again one holder at a time, and the result is the publisher's bytes
+        wrong = bytearray(blob)
+        wrong[PIECE_BYTES + 7] ^= 0xFF
+        liar.reserve_state(candidate, bytes(wrong))
+        late = make_transport(peers=peers)
+        try:
+            wait_for(lambda: any(len(c.holders) == 3 for c in late.state_offers()), what="three holders")
+            [three] = late.state_offers()
+            assert bytes(late.fetch_state(three, timeout=90)) == blob
+            assert late.stats.rejected["bad_hash"] >= 1
+        finally:
+            late.close()
+    finally:
+        for transport in (joiner, liar, reserver, publisher):
+            transport.close()
