@@ -1,9 +1,15 @@
 # cgad-node: one image for every role (bootstrap, worker); the command picks the role.
-FROM python:3.11-slim
+# BASE_IMAGE: any image with Python 3.11+ and pip on PATH. Where the registry's python:3.11-slim
+# cannot be pulled, `make compose-up` makes a local one from Debian's packages
+# (deploy/make_base_image.sh) and passes it here.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 WORKDIR /opt/cgad-node
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # The CPU build of torch keeps the image small; for NVIDIA GPUs install the CUDA build instead
-# (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128).
+# (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128). A base that
+# already has torch 2.13.0 (the local one does) satisfies this step without a download.
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY node ./node
@@ -14,6 +20,6 @@ RUN pip install --no-cache-dir .
 # the tokenizer and token caches live on a volume, so a restart does not rebuild them
 ENV CGAD_CACHE_DIR=/cache
 VOLUME ["/cache", "/checkpoints"]
-EXPOSE 31337 31338 7780 9100
+EXPOSE 31337 31338 7780 7781 9100
 ENTRYPOINT ["cgad-node"]
 CMD ["--help"]

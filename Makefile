@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint bench clean browser
+.PHONY: setup test test-fast lint bench clean browser base-image compose-up compose-down
 
 setup: $(STAMP)
 
@@ -37,6 +37,23 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/optim_step.py
+
+# The compose network (docker-compose.yml): a bootstrap and two workers on this host, needing a running
+# Docker engine and Compose (`docker compose`, or Debian's `docker-compose`). The image's base is the
+# registry's python:3.11-slim where it can be pulled, else one made here once from Debian's packages
+# (deploy/make_base_image.sh: root, debootstrap). compose-down removes containers, network and volumes.
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+COMPOSE_PROJECT := cgad-node
+
+base-image:
+	@deploy/base_image.sh
+
+compose-up:
+	base=$$(deploy/base_image.sh) && CGAD_BASE_IMAGE=$$base $(COMPOSE) -p $(COMPOSE_PROJECT) up -d --build
+	@echo "bootstrap: metrics http://127.0.0.1:9100/metrics, dashboard http://127.0.0.1:7781/"
+
+compose-down:
+	$(COMPOSE) -p $(COMPOSE_PROJECT) down --volumes --remove-orphans
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .import_linter_cache
