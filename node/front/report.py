@@ -1,4 +1,5 @@
-"""Pictures and tables of simulation records (the JSON of `cgad-node simulate` and the sweep)."""
+"""Pictures and tables of simulation records (the JSON of `cgad-node simulate` and the sweep), and
+of `cgad-node demo`: the swarm's held-out loss against a lone node's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no screen on servers and CI
 import matplotlib.pyplot as plt
 
-__all__ = ["delay_sort_key", "plot_long_sweep", "plot_records", "summarize"]
+__all__ = [
+    "by_round",
+    "by_time",
+    "delay_sort_key",
+    "gain_in_words",
+    "plot_demo",
+    "plot_long_sweep",
+    "plot_records",
+    "summarize",
+    "thin",
+]
 
 
 def delay_sort_key(delay: str) -> tuple[int, int]:
@@ -138,5 +149,161 @@ def plot_long_sweep(result: dict, path: str | Path) -> Path:
         gains.legend(fontsize=7, ncol=min(6, len(methods)))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- the demo: the swarm and its floor
+
+
+def by_round(swarm: list[dict[int, float]], alone: dict[int, float]) -> list[tuple[int, float, float]]:
+    """``(round, the swarm's mean, the lone node's)`` held-out loss at every round the lone node
+    and at least one swarm node evaluated (the mean over those that did).
+
+    Args:
+        swarm: each swarm node's held-out loss by round.
+        alone: the lone node's held-out loss by round.
+    """
+    rows = []
+    for round_ in sorted(alone):
+        losses = [node[round_] for node in swarm if round_ in node]
+        if losses:
+            rows.append((round_, statistics.fmean(losses), alone[round_]))
+    return rows
+
+
+def _latest(points: list[tuple[float, float]], at: float) -> float | None:
+    """The last loss of ``(seconds, loss)`` points (in time order) at or before ``at``."""
+    seen = [loss for seconds, loss in points if seconds <= at]
+    return seen[-1] if seen else None
+
+
+def by_time(
+    swarm: list[list[tuple[float, float]]], alone: list[tuple[float, float]], instants: int = 6
+) -> list[tuple[float, float, float]]:
+    """``(seconds, the swarm's mean, the lone node's)`` held-out loss at ``instants`` evenly
+    spaced moments, from the first at which both have one to the last evaluation: each node's
+    latest loss by then (a node with none yet left out of the mean).
+
+    Args:
+        swarm: each swarm node's ``(seconds, loss)`` evaluations, in time order, on one clock.
+        alone: the lone node's, on the same clock.
+        instants: how many moments.
+    """
+    firsts = [node[0][0] for node in swarm if node]
+    if not firsts or not alone:
+        return []
+    start = max(min(firsts), alone[0][0])
+    end = max([alone[-1][0], *(node[-1][0] for node in swarm if node)])
+    rows = []
+    for k in range(1, instants + 1):
+        at = start + (end - start) * k / instants
+        losses = [loss for node in swarm if (loss := _latest(node, at)) is not None]
+        lone = _latest(alone, at)
+        if losses and lone is not None:
+            rows.append((at, statistics.fmean(losses), lone))
+    return rows
+
+
+def thin(rows: list, most: int) -> list:
+    """At most ``most`` of ``rows``, evenly spaced, the last always among them."""
+    if len(rows) <= most:
+        return list(rows)
+    step = len(rows) / most
+    return [rows[min(len(rows) - 1, math.ceil((k + 1) * step) - 1)] for k in range(most)]
+
+
+def _gain(swarm: float, alone: float) -> str:
+    gain = alone - swarm
+    if abs(gain) < 5e-4:
+        return "level with it"
+    side = "ahead" if gain > 0 else "behind"
+    return f"{side} by {abs(gain):.3f} ({100 * abs(gain) / alone:.1f}% {'lower' if gain > 0 else 'higher'})"
+
+
+def gain_in_words(
+    rounds: list[tuple[int, float, float]], times: list[tuple[float, float, float]], nodes: int
+) -> str:
+    """What the swarm bought, in a sentence or two: at the last round both evaluated, and at the
+    last moment of wall-clock.
+
+    Args:
+        rounds: ``by_round``'s rows.
+        times: ``by_time``'s rows.
+        nodes: how many nodes the swarm had.
+    """
+    if not rounds:
+        return "the swarm and the lone node have no evaluated round in common: nothing to compare yet"
+    round_, swarm, alone = rounds[-1]
+    text = (
+        f"after {round_} rounds the swarm's held-out loss is {swarm:.3f} (the mean of {nodes} nodes), a node"
+        f" alone's {alone:.3f}: the swarm is {_gain(swarm, alone)}"
+    )
+    if times:
+        seconds, swarm, alone = times[-1]
+        text += f"; after {seconds / 60:.1f} minutes, {swarm:.3f} against {alone:.3f}: {_gain(swarm, alone)}"
+    return text
+
+
+def plot_demo(
+    swarm_rounds: list[dict[int, float]],
+    swarm_times: list[list[tuple[float, float]]],
+    alone_rounds: dict[int, float],
+    alone_times: list[tuple[float, float]],
+    path: str | Path,
+) -> Path:
+    """Left: held-out loss by round, each swarm node thin, the swarm's mean bold, the lone node
+    dashed. Right: the same by wall-clock (minutes). The title says the gain at the last round.
+
+    Args:
+        swarm_rounds: each swarm node's held-out loss by round.
+        swarm_times: each swarm node's ``(seconds, loss)`` evaluations, in time order.
+        alone_rounds: the lone node's held-out loss by round.
+        alone_times: the lone node's ``(seconds, loss)`` evaluations.
+        path: where the PNG goes.
+    """
+    path = Path(path)
+    fig, (rounds_ax, time_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, node in enumerate(swarm_rounds):
+        if node:
+            rounds_ax.plot(sorted(node), [node[r] for r in sorted(node)], color="C0", alpha=0.35, lw=1,
+                           label="each swarm node" if i == 0 else None)  # fmt: skip
+    rows = by_round(swarm_rounds, alone_rounds)
+    mean = {r: loss for r, loss in ((r, statistics.fmean(n[r] for n in swarm_rounds if r in n))
+                                    for r in sorted({r for n in swarm_rounds for r in n}))}  # fmt: skip
+    if mean:
+        rounds_ax.plot(list(mean), list(mean.values()), color="C0", lw=2.5, marker=".",
+                       label=f"the swarm ({len(swarm_rounds)} nodes, mean)")  # fmt: skip
+    if alone_rounds:
+        lone = sorted(alone_rounds)
+        rounds_ax.plot(lone, [alone_rounds[r] for r in lone], color="black", ls="--", lw=2, marker=".",
+                       label="one node alone (the floor)")  # fmt: skip
+    rounds_ax.set(xlabel="outer round", ylabel="held-out loss", title="by round")
+    if rounds_ax.get_legend_handles_labels()[0]:
+        rounds_ax.legend()
+    for i, node in enumerate(swarm_times):
+        if node:
+            time_ax.plot([s / 60 for s, _ in node], [loss for _, loss in node], color="C0", alpha=0.35, lw=1,
+                         drawstyle="steps-post", label="each swarm node" if i == 0 else None)  # fmt: skip
+    times = by_time(swarm_times, alone_times, instants=60)
+    if times:
+        time_ax.plot([s / 60 for s, _, _ in times], [m for _, m, _ in times], color="C0", lw=2.5,
+                     label="the swarm (mean)")  # fmt: skip
+    if alone_times:
+        time_ax.plot([s / 60 for s, _ in alone_times], [loss for _, loss in alone_times], color="black",
+                     ls="--", lw=2, drawstyle="steps-post", label="one node alone")  # fmt: skip
+    time_ax.set(xlabel="minutes since the demo began", ylabel="held-out loss", title="by wall-clock")
+    if time_ax.get_legend_handles_labels()[0]:
+        time_ax.legend()
+    if rows:
+        round_, swarm, alone = rows[-1]
+        gain = _gain(swarm, alone)
+        fig.suptitle(
+            f"cgad-node demo, round {round_}: the swarm {swarm:.3f}, one node alone {alone:.3f} ({gain})"
+        )
+    else:
+        fig.suptitle(f"cgad-node demo: {len(swarm_rounds)} nodes on 127.0.0.1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -1,0 +1,52 @@
+"""`cgad-node demo`'s comparison of the swarm with a node training alone: by round, by
+wall-clock, in words, and in a PNG."""
+
+from __future__ import annotations
+
+import pytest
+
+from cgad.node.front.report import by_round, by_time, gain_in_words, plot_demo, thin
+
+
+def test_by_round_means_the_swarm_where_the_lone_node_evaluated_too() -> None:
+    swarm = [{0: 8.0, 1: 6.0, 2: 5.0}, {1: 6.5, 2: 5.5, 3: 5.0}]  # the second joined at round 1
+    alone = {0: 8.0, 1: 7.0, 2: 6.0}
+    assert by_round(swarm, alone) == [(0, 8.0, 8.0), (1, 6.25, 7.0), (2, 5.25, 6.0)]
+    assert by_round(swarm, {}) == [] and by_round([], alone) == []
+
+
+def test_by_time_takes_each_nodes_latest_loss_at_evenly_spaced_moments() -> None:
+    swarm = [[(0.0, 8.0), (60.0, 6.0)], [(30.0, 7.0), (90.0, 5.0)]]
+    alone = [(0.0, 8.0), (50.0, 7.5), (120.0, 7.0)]
+    rows = by_time(swarm, alone, instants=4)
+    assert [r[0] for r in rows] == [30.0, 60.0, 90.0, 120.0]  # from when both have a loss to the end
+    assert rows[0] == (30.0, pytest.approx(7.5), 8.0)  # 8.0 and 7.0 against 8.0
+    assert rows[-1] == (120.0, pytest.approx(5.5), 7.0)  # 6.0 and 5.0 against 7.0
+    assert by_time([[]], alone) == [] and by_time(swarm, []) == []
+
+
+def test_thin_keeps_the_last_row_and_at_most_so_many() -> None:
+    rows = list(range(23))
+    kept = thin(rows, 8)
+    assert len(kept) == 8 and kept[-1] == 22 and kept == sorted(set(kept))
+    assert thin(rows[:5], 8) == rows[:5]
+
+
+def test_the_gain_in_words_says_ahead_behind_or_level() -> None:
+    ahead = gain_in_words([(0, 8.0, 8.0), (12, 4.5, 5.0)], [(300.0, 4.5, 5.2)], nodes=3)
+    assert "after 12 rounds" in ahead and "the mean of 3 nodes" in ahead
+    assert "the swarm is ahead by 0.500 (10.0% lower)" in ahead and "after 5.0 minutes" in ahead
+    assert "behind by 0.200" in gain_in_words([(4, 5.2, 5.0)], [], nodes=2)
+    assert "level" in gain_in_words([(4, 5.0, 5.0)], [], nodes=2)
+    assert "nothing to compare" in gain_in_words([], [], nodes=2)
+
+
+def test_the_picture_shows_both_by_round_and_by_wall_clock(tmp_path) -> None:
+    swarm = [{0: 8.0, 1: 6.0, 2: 5.0}, {1: 6.5, 2: 5.5}]
+    timed = [[(0.0, 8.0), (60.0, 6.0), (120.0, 5.0)], [(70.0, 6.5), (130.0, 5.5)]]
+    png = plot_demo(
+        swarm, timed, {0: 8.0, 1: 7.0, 2: 6.0}, [(0.0, 8.0), (65.0, 7.0), (125.0, 6.0)], tmp_path / "d.png"
+    )
+    assert png.stat().st_size > 20_000
+    # a demo stopped before anything was evaluated still draws its (empty) picture
+    assert plot_demo([{}], [[]], {}, [], tmp_path / "empty.png").exists()
