@@ -99,8 +99,10 @@ class NetworkOptions(BaseModel):
         default_factory=list, description="multiaddrs of peers already in the swarm (none: start a new swarm)"
     )
     host_maddrs: list[str] = Field(
-        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
-        description="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337",
+        # every interface: a volunteer's peers dial its LAN or public address, never its loopback
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        description="multiaddrs to listen on (every interface, a free port: reachable wherever the"
+        " network lets peers in), e.g. /ip4/0.0.0.0/tcp/31337 for a fixed port to forward",
     )
     announce_maddrs: list[str] = Field(
         default_factory=list, description="multiaddrs others should dial (a public IP behind port forwarding)"
@@ -119,7 +121,11 @@ class NetworkOptions(BaseModel):
         " fragments and snapshots are ignored and its libp2p requests refused; gRPC callers are"
         " anonymous, so a node with an allowlist serves over libp2p only",
     )
-    client_mode: bool = Field(False, description="behind NAT: only dial out; be reached through relays")
+    client_mode: bool = Field(
+        False,
+        description="behave as behind NAT without checking (a joining node asks a peer to dial it back"
+        " and chooses this itself): only dial out, a DHT client, reached through relays and re-servers",
+    )
     use_relay: bool = Field(True, description="use libp2p relays to reach and be reached by NATed peers")
     grpc_host: str = Field(
         "127.0.0.1", pattern=HOST, description="host for the direct gRPC data path ('none': libp2p only)"

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from hivemind.dht.node import DHTNode
 from hivemind.dht.protocol import DHTProtocol
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 
@@ -53,6 +53,7 @@ from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher
 from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
+from cgad.protocol.reachability import DialBackServer, Reachability, ask_dial_back, relays_in, tcp_ports
 from cgad.protocol.receiving import Receiver
 from cgad.protocol.records import Holdings, Identity, Progress, run_validator, top_credits
 from cgad.protocol.scheduling import VersionClock, round_budget
@@ -131,6 +132,9 @@ class NetworkTransport(Transport):
             time=get_dht_time(),
         )
         self._closed = False
+        self._dial_back = DialBackServer()
+        self.reachability = Reachability(None, detail="not started")
+        self.client_mode = self.options.client_mode
 
         # Codec work runs here, one torch thread: the kernels are memory-bound, and a second
         # OpenMP team beside the trainer's makes both spin on a busy machine (3x slower measured).
@@ -345,16 +349,25 @@ class NetworkTransport(Transport):
     async def _start(self) -> None:
         options = self.options
         with self.identity.key_file(options.identity) as identity_path:
-            self.p2p = await P2P.create(
-                initial_peers=options.peers or None,
-                host_maddrs=options.host_maddrs,
-                announce_maddrs=options.announce_maddrs or None,
-                identity_path=identity_path,
-                check_if_identity_free=False,
-                use_relay=options.use_relay,
-                use_auto_relay=options.client_mode,
-                dht_mode="client" if options.client_mode else "server",
-            )
+            if options.client_mode:
+                self.reachability = Reachability(False, detail="--client-mode")
+            elif self.observer:
+                self.reachability = Reachability(None, detail="an observer: not checked")
+            elif not options.peers:  # the swarm's first node: the one others dial first
+                self.reachability = Reachability(None, detail="the first node: no peer to ask")
+            else:
+                self.p2p = await self._create_p2p(identity_path, None)
+                await self._dial_back.start(self.p2p)
+                ports = tcp_ports([str(a) for a in await self.p2p.get_visible_maddrs()])
+                self.reachability = await ask_dial_back(self.p2p, options.peers, ports)
+                if self.reachability.public is not None:  # again, in the mode it found
+                    await self.p2p.shutdown()
+                    self.p2p = None
+            if self.p2p is None:
+                self.p2p = await self._create_p2p(identity_path, self.reachability.public)
+                await self._dial_back.start(self.p2p)
+        self.client_mode = self.reachability.public is False
+        logger.info("%s", self.reachability.line([]))
         if self.p2p.peer_id.to_base58() != self.peer_id:
             raise RuntimeError("libp2p identity and signing key disagree")
         self._fetcher.p2p = self.p2p
@@ -364,7 +377,7 @@ class NetworkTransport(Transport):
                 p2p=self.p2p,
                 initial_peers=options.peers or None,
                 record_validator=validator,
-                client_mode=options.client_mode,
+                client_mode=self.client_mode,
                 authorizer=SwarmAuthorizer(self.swarm_key) if self.swarm_key else None,
             )
         except RuntimeError as error:  # hivemind's "none of the initial_peers responded"
@@ -381,6 +394,50 @@ class NetworkTransport(Transport):
         self._publisher.dht_node = self.dht_node
         if not self.observer:
             self._runner.spawn(self._publisher.refresh_forever(self.num_fragments))
+
+    async def _create_p2p(self, identity_path: str | None, public: bool | None) -> P2P:
+        """The libp2p daemon, in the mode reachability chose: ``public`` False (behind NAT) dials
+        out only, a DHT client, asking its bootstrap peers to relay for it; True serves as a DHT
+        server and a relay (libp2p's relay service runs only where reachability is public); None:
+        libp2p's own guess. ``ConnectionError``, in plain words, when no bootstrap peer answers."""
+        options = self.options
+        if public is None and not options.peers:
+            public = True  # a swarm's first node is the one every other dials
+        try:
+            return await P2P.create(
+                initial_peers=options.peers or None,
+                host_maddrs=options.host_maddrs,
+                announce_maddrs=options.announce_maddrs or None,
+                identity_path=identity_path,
+                check_if_identity_free=False,
+                use_relay=options.use_relay,
+                use_auto_relay=options.use_relay and public is False,
+                trusted_relays=(options.peers or None) if public is False else None,
+                force_reachability={True: "public", False: "private"}.get(public),
+                dht_mode="client" if public is False else "server",
+                startup_timeout=options.startup_timeout,
+            )
+        except P2PDaemonError as error:
+            if "bootstrap" not in str(error):
+                raise
+            raise ConnectionError(
+                f"could not connect to any peer at --peers ({', '.join(options.peers)}): is the address"
+                " right, is that node up, and can this machine reach it?"
+            ) from None
+
+    def reach(self) -> dict:
+        """How others reach this node (the dial-back result at start, and the relays its current
+        multiaddrs go through: ``Reachability.as_dict``), and how its peers' fragments reached it:
+        ``paths_by_peer``, per publisher, deliveries "direct" (the publisher was the only holder)
+        and "re-served" (peers that held its bytes were tried first)."""
+        relays: list[str] = []
+        with contextlib.suppress(Exception):  # closing, or p2pd busy: no relays to name now
+            current = self._runner.call(self.p2p.get_visible_maddrs(latest=True), timeout=5)
+            relays = relays_in([str(a) for a in current])
+        paths: dict[str, dict[str, int]] = {}
+        for (publisher, path), count in list(self._receiver.paths.items()):
+            paths.setdefault(publisher, {})[path] = count
+        return {**self.reachability.as_dict(relays), "paths_by_peer": paths}
 
     async def _answer_only_allowed(self, protocol: DHTProtocol) -> None:
         """Re-register the DHT's handlers behind ``--allow``: hivemind's authorizer hook sees a

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
@@ -22,7 +23,6 @@ from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.fetching import Fetcher, decode_and_check
 from cgad.protocol.loop import EventLoopThread
-from cgad.protocol.multisource import fetch_from_many
 from cgad.protocol.records import Progress
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
 from cgad.protocol.selection import Candidate, OfferSelector
@@ -76,6 +76,9 @@ class Receiver:
         self._in_flight: dict[FragmentKey, tuple[asyncio.Task, Candidate]] = {}
         self._metered = (0, False)  # bytes fetched and whether a fetch ran, at the last reading
         self._fetching_state = False  # set while a snapshot downloads
+        # deliveries per (publisher, path): "direct" when the publisher was the only holder
+        # listed, "re-served" when peers that hold its bytes were listed (and tried) first
+        self.paths: Counter[tuple[str, str]] = Counter()
 
     @property
     def downlink_rate(self) -> float | None:
@@ -140,10 +143,14 @@ class Receiver:
             # that left, a crowd of false holders): only what it vouched for and was refused is
             blame = None if error.reason == "unavailable" else candidate.key.publisher
             self._reject(error.reason, f"from {candidate.key.publisher}: {error.detail}", blame)
+            if error.reason == "unavailable":  # a publisher behind NAT: its re-servers may come
+                self._selector.retry_later(candidate)
             return
         finally:
             self._in_flight.pop(candidate.key, None)
             self.dispatch()
+        direct = [h.peer_id for h in candidate.holders] == [candidate.key.publisher]
+        self.paths[(candidate.key.publisher, "direct" if direct else "re-served")] += 1
         await self._accept(candidate, data)
 
     async def _accept(self, candidate: Candidate, data: bytearray) -> None:
@@ -184,10 +191,8 @@ class Receiver:
         for task, _ in list(self._in_flight.values()):
             task.cancel()
             self.stats.skipped["for_state"] += 1
-        before = self._fetcher.bytes_in
         try:
-            return await fetch_from_many(self._fetcher, candidate, timeout, STATE_PASSES)
+            return await self._fetcher.fetch(candidate, timeout, STATE_PASSES)
         finally:
-            self.stats.bytes_received += self._fetcher.bytes_in - before  # what crossed the wire for it
             self._fetching_state = False
             self.dispatch()

@@ -23,7 +23,10 @@ The rules:
 - a DELTA key (publisher, fragment, base version) is delivered at most once: the same key
   announced again with other bytes is a replay, re-announcing the same bytes is nothing;
 - an offer whose record already shows it unusable (``check_offer``) is refused before any byte
-  moves; an offer once attempted (fetched, in flight or refused) is not tried again;
+  moves; an offer once attempted (fetched, in flight or refused) is not tried again, unless no
+  holder delivered it (``retry_later``) and a holder not tried yet announces the same bytes: a
+  publisher behind NAT is reached through the public peers that fetched its fragment and serve
+  it onward, and they announce themselves after the first try failed;
 - holders are tried re-servers first (up to ``MAX_RESERVERS``, drawn at random) and the
   publisher last, so that a popular fragment's load spreads over those who already hold it.
 
@@ -139,6 +142,13 @@ class OfferSelector:
         self.attempted: dict[bytes, tuple[int, int]] = {}
         self.chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
         self.judged: dict[Hashable, float] = {}
+        self.failed: dict[bytes, set[str]] = {}  # content hash to the holders that did not deliver
+
+    def retry_later(self, candidate: Candidate) -> None:
+        """No holder of ``candidate`` delivered: fetch it again once a holder not among these
+        announces the same bytes (see the rules)."""
+        tried = self.failed.setdefault(candidate.offer.content_hash, set())
+        tried.update(h.peer_id for h in candidate.holders)
 
     def too_old(self, base_version: int, own: int) -> bool:
         return base_version < own - self.history_versions
@@ -207,6 +217,13 @@ class OfferSelector:
                     )
                 continue
             if offer.content_hash in self.attempted:
+                tried = self.failed.get(offer.content_hash)
+                untried = [
+                    h for h in self._holders(offer, holder, by_hash) if tried and h.peer_id not in tried
+                ]
+                if untried:  # counted in the fan-in already, at the first try
+                    del self.failed[offer.content_hash]
+                    selection.candidates.append(Candidate(key, offer, untried))
                 continue
             problem = check_offer(offer, numel)
             if problem is not None:
@@ -281,6 +298,7 @@ class OfferSelector:
 
         self.delivered = {k: v for k, v in self.delivered.items() if not old(k.fragment, k.base_version)}
         self.attempted = {h: fb for h, fb in self.attempted.items() if not old(*fb)}
+        self.failed = {h: tried for h, tried in self.failed.items() if h in self.attempted}
         for round_key in [k for k in self.chosen if old(k[0], k[2])]:
             del self.chosen[round_key]
         oldest = now - 2 * self.record_ttl

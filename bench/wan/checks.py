@@ -17,7 +17,9 @@ A scenario states its expectations as data (``"expect"`` in its JSON); each beco
   as its last status before the end (or before it left) says;
 - ``rounds_with_fresh``: for each node up at the end, at least this fraction of the outer steps
   seen in the samples applied a peer fragment at age 0 or 1 (on a thin link the bytes go to
-  fragments that count).
+  fragments that count);
+- ``applied_from_each``: each node up at the end applied at least this many fragments from every
+  other node up at the end (behind NAT too: through relays or the peers that re-serve them).
 
 And where the scenario names its floor (``"floor"``: the same nodes, each training alone, run in
 the same invocation), ``check_floor`` makes one more verdict, ``below_floor``: the swarm's mean
@@ -35,7 +37,7 @@ from typing import Any
 
 __all__ = ["EXPECTATIONS", "SAME_HOUR_SECONDS", "check", "check_floor", "final_losses"]
 
-EXPECTATIONS = {"learns", "recovers", "peers_at_end", "joins", "rounds_with_fresh"}
+EXPECTATIONS = {"learns", "recovers", "peers_at_end", "joins", "rounds_with_fresh", "applied_from_each"}
 SAME_HOUR_SECONDS = 3600.0
 
 
@@ -120,6 +122,14 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
         shares = {i: _share_of_steps_with_fresh(result["samples"], i) for i in up}
         ok = all(share >= expect["rounds_with_fresh"] for share in shares.values())
         verdicts.append(_verdict("rounds_with_fresh", ok, f"share of outer steps {_fmt(shares)}"))
+    if "applied_from_each" in expect:
+        ids = {i: s["peer_id"] for i, s in up.items() if s.get("peer_id")}
+        counts = {
+            (i, j): (up[i].get("applied_by_peer") or {}).get(ids[j], 0) for i in ids for j in ids if i != j
+        }
+        ok = len(ids) == len(up) and all(n >= expect["applied_from_each"] for n in counts.values())
+        detail = ", ".join(f"{i}<-{j} {n}" for (i, j), n in sorted(counts.items()))
+        verdicts.append(_verdict("applied_from_each", ok, f"applied (node<-from) {detail}"))
     return verdicts
 
 

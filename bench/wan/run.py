@@ -5,7 +5,9 @@ every node gets (and ``node_args``: more for some nodes, by index), how long to 
 given seconds (``kill``, ``restart``, ``partition`` for a while, ``shape`` to new rates,
 ``leave`` through the admin API), and what the run must show at its end (``expect``: see
 checks.py; the runner exits 1 when a check fails). Node 0 starts the swarm; the others join it,
-unless ``isolated`` is set (the floor: the same nodes, each training alone). Every few seconds
+unless ``isolated`` is set (the floor: the same nodes, each training alone). ``nat`` lists the
+nodes behind NAT routers of their own (testbed.py), ``default_network`` gives every node the
+daemon's listen defaults (a NATed node always has them). Every few seconds
 the runner asks each node's admin API for its status; at the end every node is asked to leave.
 
 A swarm scenario may name its floor (``"floor": "10mbit-4-h50-isolated"``, a scenario beside it):
@@ -59,7 +61,7 @@ POLL_SECONDS = 5.0
 
 SCENARIO_KEYS = {
     "name", "nodes", "mbit", "links", "minutes", "args", "node_args", "events", "isolated",
-    "shape_after_join", "expect", "floor", "data_seed",
+    "shape_after_join", "expect", "floor", "data_seed", "nat", "default_network",
 }  # fmt: skip
 
 
@@ -124,7 +126,10 @@ def run(
     given = {str(i): _last(node_args(scenario, i, run_seed), "--data-seed") for i in range(len(links))}
     seeds = {i: int(value) for i, value in given.items() if value is not None}
     shape_after = scenario.get("shape_after_join", False)
-    with Testbed([Link() for _ in links] if shape_after else links) as bed:
+    # nodes behind NAT routers, and whether public nodes too take the daemon's listen defaults
+    nat = {"nat": scenario["nat"]} if scenario.get("nat") else {}
+    defaults = {"listen_flags": False} if scenario.get("default_network") else {}
+    with Testbed([Link() for _ in links] if shape_after else links, **nat) as bed:
 
         def start(index: int, peers: list[str]) -> None:
             args = [*node_args(scenario, index, run_seed),
@@ -132,7 +137,7 @@ def run(
                     "--identity", str(workdir / f"n{index}.key")]  # fmt: skip
             if peers:
                 args += ["--peers", *peers]
-            bed.start(index, executable, args, workdir / f"n{index}")
+            bed.start(index, executable, args, workdir / f"n{index}", **defaults)
 
         start(0, [])
         bootstrap = [bed.multiaddr(0)]
@@ -324,7 +329,7 @@ def main() -> None:
     why = refusal(tree_state(ROOT), args.experiment)
     if why:
         sys.exit(why)
-    why = available()
+    why = available(nat=any(load_scenario(path).get("nat") for path in args.scenarios))
     if why:
         sys.exit(f"cannot build the testbed here: {why}")
     # a SIGTERM (kill, timeout) unwinds like Ctrl-C, so that the testbed's teardown runs: by

@@ -392,6 +392,7 @@ class Node(MemberHooks):
         print(f"peer id   {self.peer_id}", flush=True)
         for addr in maddrs:
             print(f"multiaddr {addr}", flush=True)
+        print(f"reach     {self.transport.reach()['line']}", flush=True)
         print(f"admin     {self.admin.address}", flush=True)
         if self.dashboard:
             print(f"dashboard {self.dashboard.url}", flush=True)
@@ -451,7 +452,9 @@ class Node(MemberHooks):
             # the training thread's time off training per outer step (evaluation, checkpoints apart)
             "stall": self.stall.summary(),
             "snapshot_bytes": self.snapshots.bytes,
+            "parameters": self.loop.sender.total_numel,
             "uptime": time.time() - self.started_at,
+            "reach": self.transport.reach(),
         }
 
     def dashboard_snapshot(self) -> dict[str, Any]:

@@ -54,6 +54,15 @@ def status_report(s: dict[str, Any]) -> str:
         f"skipped    {skipped}",
         f"DHT writes {stored}",
     ]
+    reach = s.get("reach") or {}
+    if reach:
+        lines.insert(5, f"reach      {reach.get('line')}")
+    paths = reach.get("paths_by_peer") or {}
+    if paths:
+        lines.append("paths      " + "; ".join(
+            f"{peer[-8:]} " + ", ".join(f"{k} {v}" for k, v in sorted(by.items()))
+            for peer, by in sorted(paths.items())
+        ))  # fmt: skip
     by_peer = s.get("applied_by_peer") or {}
     if by_peer:
         lines.append("applied from")

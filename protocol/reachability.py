@@ -1,0 +1,183 @@
+"""Reachability: whether other peers can dial this one, found by asking a peer to dial back.
+
+A node behind a home router can dial out but nobody can dial in, and nothing in libp2p tells it
+so in time (the daemon's AutoNAT wants several peers to agree). So at start a node that joins
+asks a peer it dialed (a bootstrap peer) to open a plain TCP connection back to each of its
+listening ports, at the address that peer sees the node's connection come from. An answer with
+a port that opened means reachable at that address; none opened means behind NAT (or a
+firewall). The node then picks its mode itself: a reachable node is a DHT server; one behind NAT
+is a DHT client that dials out, asks its bootstrap peers to relay for it, and is reached through
+the peers that fetch its fragments and serve them onward.
+
+The dial-back server is careful with what a peer asks: it dials only the addresses it sees that
+peer's own connections come from (never an address the request names), at most ``MAX_PORTS``
+ports, one request per peer per ``MIN_INTERVAL`` seconds, ``MAX_CONCURRENT`` at a time, and the
+request's size is checked before it is parsed. The answer is as untrusted: only well-formed
+addresses at the ports asked about are taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+from google.protobuf.wrappers_pb2 import StringValue
+from hivemind.p2p import P2P, P2PContext, PeerID
+
+__all__ = ["DIAL_BACK", "DialBackServer", "Reachability", "ask_dial_back", "relays_in", "tcp_ports"]
+
+DIAL_BACK = "cgad.DialBack"  # the libp2p handler's name
+MAX_PORTS = 4  # ports one request may ask about
+MAX_REQUEST = 256  # characters of a request (JSON)
+MAX_REPLY = 1024  # characters of a reply
+MIN_INTERVAL = 10.0  # seconds between two requests of one peer that are served
+MAX_CONCURRENT = 4  # requests served at once
+DIAL_TIMEOUT = 2.0  # seconds a dial back may take
+ASK_TIMEOUT = 8.0  # seconds the asking peer waits for an answer
+_IP4_TCP = re.compile(r"^/ip4/(\d{1,3}(?:\.\d{1,3}){3})/tcp/(\d{1,5})$")
+
+
+@dataclass
+class Reachability:
+    """What this node found out about itself: ``public`` True (a peer dialed it back at
+    ``addresses``), False (none of its ports opened from ``seen_as``) or None (not checked, or no
+    peer answered: ``detail`` says which)."""
+
+    public: bool | None
+    addresses: list[str] = field(default_factory=list)
+    seen_as: list[str] = field(default_factory=list)  # the addresses the asked peer saw
+    checked_by: str | None = None
+    detail: str = ""
+
+    def line(self, relays: list[str]) -> str:
+        """One line for the start-up output and status: how others reach this node."""
+        if self.public:
+            return f"reachable at {', '.join(self.addresses)} (dialed back by {_short(self.checked_by)})"
+        if self.public is False:
+            via = (
+                f"relay {', '.join(_short(r) for r in relays)}"
+                if relays
+                else "peers that re-serve its fragments"
+            )
+            seen = ", ".join(self.seen_as) or "an unknown address"
+            return (
+                f"behind NAT: reached through {via} (seen as {seen}; {_short(self.checked_by)}"
+                " could not dial back); a DHT client"
+            )
+        return f"reachability unknown: {self.detail}"
+
+    def as_dict(self, relays: list[str]) -> dict:
+        return {"public": self.public, "addresses": list(self.addresses), "seen_as": list(self.seen_as),
+                "checked_by": self.checked_by, "relays": list(relays), "line": self.line(relays)}  # fmt: skip
+
+
+def _short(peer_id: str | None) -> str:
+    return "?" if peer_id is None else f"…{peer_id[-8:]}"
+
+
+def tcp_ports(maddrs: list[str]) -> list[int]:
+    """The TCP ports this node listens on, from its own multiaddrs (relayed ones left out)."""
+    ports = {int(m) for a in maddrs if "p2p-circuit" not in a for m in re.findall(r"/tcp/(\d+)", a)}
+    return sorted(ports)[:MAX_PORTS]
+
+
+def relays_in(maddrs: list[str]) -> list[str]:
+    """The peer ids of the relays in this node's relayed (``/p2p-circuit``) multiaddrs."""
+    relays = [m.group(1) for a in maddrs for m in [re.search(r"/p2p/(\w+)/p2p-circuit", a)] if m]
+    return sorted(set(relays))
+
+
+async def _opens(ip: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), DIAL_TIMEOUT)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    return True
+
+
+class DialBackServer:
+    """Answers ``DIAL_BACK``: which of the caller's ports open from here (see the module)."""
+
+    def __init__(self) -> None:
+        self.p2p: P2P | None = None
+        self._served: dict[PeerID, float] = {}
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT)
+
+    async def start(self, p2p: P2P) -> None:
+        self.p2p = p2p
+        await p2p.add_protobuf_handler(DIAL_BACK, self._dial_back, StringValue)
+
+    async def _dial_back(self, request: StringValue, context: P2PContext) -> StringValue:
+        if len(request.value) > MAX_REQUEST:
+            return _reply(error="request too long")
+        try:
+            ports = json.loads(request.value)["ports"]
+        except (ValueError, TypeError, KeyError):
+            return _reply(error="not a request")
+        if not isinstance(ports, list) or not 0 < len(ports) <= MAX_PORTS:
+            return _reply(error=f"1 to {MAX_PORTS} ports")
+        if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports):
+            return _reply(error="ports are integers 1-65535")
+        now = time.monotonic()
+        self._served = {p: t for p, t in self._served.items() if t > now - MIN_INTERVAL}
+        if context.remote_id in self._served:
+            return _reply(error="asked again too soon")
+        self._served[context.remote_id] = now
+        async with self._slots:
+            seen = await self._seen_at(context.remote_id)
+            dials = [(ip, port) for ip in seen for port in sorted(set(ports))]
+            opened = await asyncio.gather(*(_opens(ip, port) for ip, port in dials))
+        reachable = [f"/ip4/{ip}/tcp/{port}" for (ip, port), ok in zip(dials, opened, strict=True) if ok]
+        return _reply(seen=[f"/ip4/{ip}" for ip in seen], reachable=reachable)
+
+    async def _seen_at(self, peer: PeerID) -> list[str]:
+        """The IPv4 addresses of the caller's direct connections to this peer (two at most)."""
+        assert self.p2p is not None
+        ips = set()
+        for info in await self.p2p.list_peers():
+            if info.peer_id == peer:
+                for addr in info.addrs:
+                    match = _IP4_TCP.match(str(addr))
+                    if match and "p2p-circuit" not in str(addr):
+                        ips.add(match.group(1))
+        return sorted(ips)[:2]
+
+
+def _reply(**fields: object) -> StringValue:
+    return StringValue(value=json.dumps(fields))
+
+
+async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachability:
+    """Ask the peers in ``peers`` (multiaddrs with a peer id), in turn, to dial this node back at
+    ``ports``; the first well-formed answer decides."""
+    failures = []
+    for maddr in peers:
+        peer = maddr.rstrip("/").split("/p2p/")[-1]
+        try:
+            answer = await asyncio.wait_for(
+                p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer), DIAL_BACK, StringValue(value=json.dumps({"ports": ports})),
+                    StringValue,
+                ),
+                ASK_TIMEOUT,
+            )  # fmt: skip
+            reply = json.loads(answer.value) if len(answer.value) <= MAX_REPLY else {}
+        except Exception as error:  # an older peer without the handler, or one that left
+            failures.append(f"{_short(peer)}: {type(error).__name__}")
+            continue
+        if not isinstance(reply, dict) or "error" in reply or not isinstance(reply.get("reachable"), list):
+            failures.append(f"{_short(peer)}: {str(reply.get('error', 'a malformed answer'))[:80]}")
+            continue
+        reachable = [
+            a for a in reply["reachable"][: MAX_PORTS * 2]
+            if isinstance(a, str) and (m := _IP4_TCP.match(a)) and int(m.group(2)) in ports
+        ]  # fmt: skip
+        seen = [
+            a for a in reply.get("seen", [])[:2] if isinstance(a, str) and re.fullmatch(r"/ip4/[\d.]+", a)
+        ]
+        return Reachability(bool(reachable), reachable, seen, peer)
+    return Reachability(None, detail="no peer answered the dial-back request (" + "; ".join(failures) + ")")
