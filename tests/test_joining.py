@@ -97,6 +97,31 @@ def test_a_peer_whose_snapshot_was_poisoned_is_not_tried_at_its_older_versions()
         assert joiner.stats.rejected["bad_state"] == 1  # version 4 refused, version 3 never fetched
 
 
+def test_a_snapshot_a_version_older_from_more_holders_comes_first() -> None:
+    """Within a version of the newest, the snapshot that more peers hold is downloaded first
+    (from all of them at once; the version it lacks is replayed); older ones stay behind."""
+    with (
+        make_transport() as publisher,
+        make_transport(peers=publisher.maddrs()) as reserver,
+        make_transport(peers=publisher.maddrs()) as joiner,
+    ):
+        held_twice = _snapshot(3, 1.0)
+        publisher.publish_state(_snapshot(2, 3.0), [2])
+        publisher.publish_state(held_twice, [3])
+        wait_for(lambda: len(reserver.state_offers()) == 2, what="two offers")
+        [three] = [c for c in reserver.state_offers() if c.key.base_version == 3]
+        reserver.reserve_state(three, held_twice)
+        publisher.publish_state(_snapshot(4, 2.0), [4])  # newest, one holder
+        # the publisher keeps its two newest: 3 (held twice) and 4
+        offered = lambda: sorted((c.key.base_version, len(c.holders)) for c in joiner.state_offers())  # noqa: E731
+        wait_for(lambda: offered() == [(3, 2), (4, 1)], what="4, and 3 from two holders")
+        sync = _sync(joiner, publisher.maddrs())
+        order = [(c.key.base_version, len(c.holders)) for c in sync._worth_adopting(at_least_ours=True)]
+        assert order == [(3, 2), (4, 1)]
+        adopted = sync.sync(required=True)
+        assert adopted is not None and torch.equal(sync.loop.phi[0], torch.ones(4))
+
+
 def _two_fragment_snapshot(versions: list, snapshot_round: int) -> bytes:
     with make_transport() as scratch:
         config = JoinConfig(run_id=RUN, fragments=2)

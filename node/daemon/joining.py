@@ -23,6 +23,7 @@ from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Reference
 from cgad.node.member.swarm import behind, snapshot_ceiling, swarm_versions
 from cgad.protocol.errors import FragmentError
+from cgad.protocol.multisource import MAX_SOURCES
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION
 from cgad.protocol.selection import Candidate
@@ -214,16 +215,25 @@ class StateSync:
         return snapshot_ceiling(self.reports(), self.loop.versions, self.config.cutoff)
 
     def _worth_adopting(self, at_least_ours: bool) -> list[Candidate]:
-        """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), newest
-        first; none claiming to be past ``_ceiling`` (a claim, until the bytes are checked)."""
+        """Snapshots on offer ahead of this peer (or level with it, ``at_least_ours``), none
+        claiming to be past ``_ceiling`` (a claim, until the bytes are checked): those within
+        ``ADOPTED_LAG`` of the newest first, the most holders first among them (a download
+        draws from every holder at once, and the version it lacks is replayed after it), then
+        the rest, newest first."""
         mine = min(self.loop.versions)
         ceiling = self._ceiling()
-        return [
+        offers = [
             c
             for c in self.transport.state_offers()
             if (c.key.base_version >= mine if at_least_ours else c.key.base_version > mine)
             and c.key.base_version <= ceiling
         ]
+        if not offers:
+            return offers
+        newest = max(c.key.base_version for c in offers)
+        near = [c for c in offers if c.key.base_version >= newest - ADOPTED_LAG]
+        near.sort(key=lambda c: (min(len(c.holders), MAX_SOURCES), c.key.base_version), reverse=True)
+        return near + [c for c in offers if c.key.base_version < newest - ADOPTED_LAG]
 
     def _adopt(self, candidate: Candidate, failures: list[str]) -> int | None:
         """Download one snapshot, check it and adopt it: its round, or None (with why, in
