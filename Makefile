@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint bench clean browser base-image compose-up compose-down
+.PHONY: setup test test-fast lint bench clean browser iptables base-image compose-up compose-down
 
 setup: $(STAMP)
 
@@ -28,7 +28,14 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	  chromium >/dev/null; } || echo "chromium is not installed: the dashboard's browser test will skip"
 
-test: lint browser
+# The NAT testbed's routers need iptables: installed when missing, where we may (root with apt);
+# elsewhere tests/test_nat.py says why it skips.
+iptables:
+	@command -v iptables >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	  iptables >/dev/null; } || echo "iptables is not installed: the NAT testbed's test will skip"
+
+test: lint browser iptables
 	$(BIN)/pytest -q --durations=12
 
 # the unit tier, for iteration: no processes, no peers, no training runs (under a minute)
