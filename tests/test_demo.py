@@ -1,5 +1,6 @@
 """The README's main-job command, shortened: `cgad-node demo` runs a real swarm and reports."""
 
+import json
 import os
 import re
 import signal
@@ -26,8 +27,22 @@ def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path):
     for _, start, end, published, applied, _ in rows:
         assert float(end) < float(start)
         assert int(published) > 0 and int(applied) > 0
+    # beside them, one node trained alone on the same settings: it learned, and applied nothing
+    alone = re.search(r"^\s*alone\s+([\d.]+)\s+([\d.]+)\s+\d+\s+0\s", result.stdout, re.M)
+    assert alone and float(alone.group(2)) < float(alone.group(1)), result.stdout
+    # the swarm against it by round and by wall-clock, and the gain in words
+    versus = re.findall(
+        r"^\s*(round|minute)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)$", result.stdout, re.M
+    )
+    assert {"round", "minute"} <= {v[0] for v in versus}, result.stdout
+    for _, swarm, lone, gain in versus:
+        assert float(gain) == pytest.approx(float(lone) - float(swarm), abs=2e-3)
+    assert re.search(r"the swarm is (ahead by|behind by|level)", result.stdout), result.stdout
     png = tmp_path / "demo_loss.png"
     assert str(png.resolve()) in result.stdout and png.stat().st_size > 10_000
+    # the swarm's dashboards were told where the lone node's loss is, and it is there
+    floor = json.loads((tmp_path / "demo-swarm" / "alone.json").read_text())["points"]
+    assert len(floor) >= 2 and floor[-1][2] < floor[0][2]
     assert not list((tmp_path / "demo-swarm").glob("*.maddrs.tmp"))
 
 

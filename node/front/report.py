@@ -299,7 +299,7 @@ def plot_demo(
         round_, swarm, alone = rows[-1]
         gain = _gain(swarm, alone)
         fig.suptitle(
-            f"cgad-node demo, round {round_}: the swarm {swarm:.3f}, one node alone {alone:.3f} ({gain})"
+            f"cgad-node demo, round {round_}: the swarm {swarm:.3f}, one node alone {alone:.3f}: {gain}"
         )
     else:
         fig.suptitle(f"cgad-node demo: {len(swarm_rounds)} nodes on 127.0.0.1")
