@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -348,6 +349,7 @@ class NetworkTransport(Transport):
 
     async def _start(self) -> None:
         options = self.options
+        listen = options.host_maddrs
         with self.identity.key_file(options.identity) as identity_path:
             if options.client_mode:
                 self.reachability = Reachability(False, detail="--client-mode")
@@ -356,15 +358,17 @@ class NetworkTransport(Transport):
             elif not options.peers:  # the swarm's first node: the one others dial first
                 self.reachability = Reachability(None, detail="the first node: no peer to ask")
             else:
-                self.p2p = await self._create_p2p(identity_path, None)
+                self.p2p = await self._create_p2p(identity_path, None, listen)
                 await self._dial_back.start(self.p2p)
                 ports = tcp_ports([str(a) for a in await self.p2p.get_visible_maddrs()])
                 self.reachability = await ask_dial_back(self.p2p, options.peers, ports)
                 if self.reachability.public is not None:  # again, in the mode it found
                     await self.p2p.shutdown()
                     self.p2p = None
+                    # on the port it had: peers that met the first daemon keep its address
+                    listen = _same_port(options.host_maddrs, ports)
             if self.p2p is None:
-                self.p2p = await self._create_p2p(identity_path, self.reachability.public)
+                self.p2p = await self._create_p2p(identity_path, self.reachability.public, listen)
                 await self._dial_back.start(self.p2p)
         self.client_mode = self.reachability.public is False
         logger.info("%s", self.reachability.line([]))
@@ -395,7 +399,7 @@ class NetworkTransport(Transport):
         if not self.observer:
             self._runner.spawn(self._publisher.refresh_forever(self.num_fragments))
 
-    async def _create_p2p(self, identity_path: str | None, public: bool | None) -> P2P:
+    async def _create_p2p(self, identity_path: str | None, public: bool | None, listen: list[str]) -> P2P:
         """The libp2p daemon, in the mode reachability chose: ``public`` False (behind NAT) dials
         out only, a DHT client, asking its bootstrap peers to relay for it; True serves as a DHT
         server and a relay (libp2p's relay service runs only where reachability is public); None:
@@ -406,7 +410,7 @@ class NetworkTransport(Transport):
         try:
             return await P2P.create(
                 initial_peers=options.peers or None,
-                host_maddrs=options.host_maddrs,
+                host_maddrs=listen,
                 announce_maddrs=options.announce_maddrs or None,
                 identity_path=identity_path,
                 check_if_identity_free=False,
@@ -476,3 +480,10 @@ class NetworkTransport(Transport):
         """This peer's latest report, for the poller and the receiver to judge offers by (the
         trainer's thread replaces it whole, so each reading is one whole report)."""
         return self._progress
+
+
+def _same_port(host_maddrs: list[str], ports: list[int]) -> list[str]:
+    """``host_maddrs`` with a TCP port of 0 (any) pinned to the one port the first daemon got."""
+    if len(ports) != 1:
+        return host_maddrs
+    return [re.sub(r"/tcp/0(?=/|$)", f"/tcp/{ports[0]}", maddr) for maddr in host_maddrs]

@@ -29,7 +29,7 @@ def poison_state(node: Node) -> None:
     """Offer NaN parameters as this node's state, ahead of every honest snapshot and within a
     joiner's check (anchored on the swarm's median, not on this node's own versions, which may lag)."""
 
-    def publish_state() -> None:
+    def publish_state(wait: bool = False) -> None:
         with node._outer_lock:
             outer = node.loop.state_dict()
         # the joiner's ceiling: the low median of the reports past version 0, plus the cutoff

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,7 @@ class Node(MemberHooks):
                 params_codec=c.params_codec,
                 link_budget=self.transport.round_budget,
                 error_feedback=c.error_feedback,
+                encoder=ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgad-encode"),
             )
             self.started_at = time.time()
             self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens
@@ -357,6 +359,7 @@ class Node(MemberHooks):
         way with the steps it has; then checkpoint, and give peers a moment to fetch the last
         fragment."""
         self.member.finish(self.trainer.steps, leaving=self._leave.is_set())
+        self.loop.settle()  # the last Δ handed to the transport before peers are given time for it
         if self.config.checkpoint_dir:
             self.save()
         self._show(self.status(), final=True)

@@ -32,7 +32,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cgad.node.member.outer import Delivery, OuterLoop
+from cgad.node.member.ledger import Delivery
+from cgad.node.member.outer import OuterLoop
 from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
 from cgad.node.member.swarm import SwarmView, behind, swarm_versions
 

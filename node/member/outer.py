@@ -29,15 +29,17 @@ from another thread holds its own lock around ``sync`` and ``state_dict``.
 from __future__ import annotations
 
 import random
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from concurrent.futures import Executor, Future
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from cgad.node.config import OuterOptions
+from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, method, unflatten
 from cgad.node.member.mixing import gossip_pull
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
@@ -53,47 +55,7 @@ HISTORY = 100_000
 LATE_SHARE = 0.25
 TOKEN_CAP = 2  # a delivery weighs at most this many times the receiver's own block (claims are cheap)
 
-__all__ = ["Delivery", "OuterLoop", "strided_fragments"]
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """A pseudo-gradient as the optimizer saw it."""
-
-    fragment: int
-    publisher: str
-    base_version: int
-    age: int
-    weight: float  # σ(τ) for the age-aware family, 1 otherwise
-    own: bool  # this peer's own fresh pseudo-gradient
-
-
-def strided_fragments(num_params: int, count: int) -> list[list[int]]:
-    """Parameter indices of each fragment: strided, so every fragment spans the whole depth."""
-    if count > num_params:
-        raise ValueError(f"{count} fragments for only {num_params} parameter tensors")
-    return [list(range(f, num_params, count)) for f in range(count)]
-
-
-@dataclass
-class _Counters:
-    published: int = 0
-    applied: int = 0
-    dropped_stale: int = 0
-    clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)
-    tokens_capped: int = 0  # peers' token claims cut to TOKEN_CAP × the own block's
-    discarded: int = 0  # own blocks kept from peers and from the own step (after adopting a state)
-    held_ahead: int = 0  # peers' deltas of a version this peer had not reached, kept for it
-    rejected: Counter[str] = field(default_factory=Counter)
-    applied_by_peer: Counter[str] = field(default_factory=Counter)
-    applied_by_age: Counter[int] = field(default_factory=Counter)  # peers' deliveries taken
-    rejected_by_peer: Counter[str] = field(default_factory=Counter)
-    age_sum: int = 0
-    age_count: int = 0
-    mixed: int = 0
-    clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
-    replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
-    sent_as: Counter[str] = field(default_factory=Counter)  # own deltas per codec this loop chose
+__all__ = ["OuterLoop"]
 
 
 class OuterLoop:
@@ -111,11 +73,14 @@ class OuterLoop:
         params_codec: str = "fp32",
         link_budget: Callable[[], float | None] | None = None,
         error_feedback: bool = True,
+        encoder: Executor | None = None,
     ) -> None:
         """``codec``, ``sparse_keep``, ``link_budget`` and ``error_feedback``: what the member's
         ``Sender`` encodes deltas with (the one owner of the codec choice and error feedback; the
         transport gets bytes). ``params_codec``: how the transport sends φ for mixing
-        (``--mixing late`` sends it only where the link has room for it)."""
+        (``--mixing late`` sends it only where the link has room for it). ``encoder``: a
+        one-thread executor that encodes and hands over each Δ while training goes on (a
+        daemon's); None: at once, on the caller's thread (the simulator's, which must repeat)."""
         self.theta = params
         self.options = options
         self.method = method(options.optimizer)
@@ -124,7 +89,7 @@ class OuterLoop:
         self.fragments = strided_fragments(len(params), options.fragments)
         self.phi = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
         self.versions = [0] * options.fragments
-        self.counters = _Counters()
+        self.counters = Counters()
         # the deliveries the optimizer took, newest last (bounded: a daemon runs for weeks)
         self.history: deque[Delivery] = deque(maxlen=HISTORY)
         self.rng = random.Random(seed)
@@ -138,6 +103,9 @@ class OuterLoop:
         self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
+        # with an encoder (a daemon's thread), each fragment's send under way
+        self._encoder = encoder
+        self._sending: dict[int, Future[None]] = {}
         self.sender = Sender(
             codec,
             sparse_keep=sparse_keep,
@@ -183,32 +151,39 @@ class OuterLoop:
                 self._turn[f] = None
                 return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
-        fragment = Fragment(key, own, tokens)
-        if self.sender.encodes and self.method.shares:
-            # the own step still takes the whole Δ_f (waiting for what a lossy round leaves out
-            # would delay the own progress by rounds); peers get Δ_f and what earlier rounds left
-            # out, and are judged against that (the yardstick)
-            if share:
-                data, codec, kept, target = self.sender.send(f, own)
-                self.counters.sent_as[f"sparse:{kept}" if codec is Codec.SPARSE else str(codec)] += 1
-            else:  # a discarded block: judged by, never sent, so it leaves the residual alone
-                target = self.sender.withhold(f, own)
-            fragment = Fragment(key, target, tokens)
-        # a discarded block is still this node's own work: a yardstick no peer can move
-        self._yardstick[f] = fragment
-        if not share and self.method.shares:
+        if share and self.method.shares:
+            self._turn[f] = Fragment(key, own, tokens)
+            if self._encoder is None:
+                self._send(f, key, own, tokens)
+            else:  # encoding and hashing overlap the inner steps until the outer step waits for them
+                self._sending[f] = self._encoder.submit(self._send, f, key, own, tokens)
+            return
+        # a discarded block (judged by, never sent, so it leaves the residual alone) is still
+        # this node's own work: a yardstick no peer can move
+        target = self.sender.withhold(f, own) if self.sender.encodes and self.method.shares else own
+        self._yardstick[f] = Fragment(key, target, tokens)
+        if self.method.shares:
             self.counters.discarded += 1
             self._turn[f] = None
-            return
-        self._turn[f] = Fragment(key, own, tokens)
-        if not self.method.shares:
-            return
-        if not self.sender.encodes:
-            self.transport.publish(fragment)
-            sent_bytes = encoded_size(own.numel(), "fp32")
         else:
+            self._turn[f] = Fragment(key, own, tokens)
+
+    def _send(self, f: int, key: FragmentKey, own: Tensor, tokens: int) -> None:
+        """Hand Δ_f to the transport, in the codec the sender picks (and φ_f too when mixing is
+        due). The own step still takes the whole Δ_f (waiting for what a lossy round leaves out
+        would delay the own progress by rounds); peers get Δ_f and what earlier rounds left out,
+        and are judged against that (the yardstick). Runs on the encoder thread when there is
+        one: it reads φ_f, which only f's outer step changes, and that waits for it (``settle``)."""
+        if self.sender.encodes:
+            data, codec, kept, target = self.sender.send(f, own)
+            self.counters.sent_as[f"sparse:{kept}" if codec is Codec.SPARSE else str(codec)] += 1
+            self._yardstick[f] = Fragment(key, target, tokens)
             self.transport.publish_encoded(key, data, codec=codec, numel=own.numel(), tokens=tokens)
             sent_bytes = len(data)
+        else:
+            self._yardstick[f] = Fragment(key, own, tokens)
+            self.transport.publish(self._yardstick[f])
+            sent_bytes = encoded_size(own.numel(), "fp32")
         self.counters.published += 1
         mixing_due = self._mixing_due(f) and self._room_for_params(f, sent_bytes)
         if self.method.mixes_params or mixing_due:
@@ -216,6 +191,14 @@ class OuterLoop:
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
             if mixing_due:  # kept to measure drift against peers' φ of this version
                 self._phi_published.setdefault(f, {})[self.versions[f]] = params
+
+    def settle(self, f: int | None = None) -> None:
+        """Wait for fragment f's send on the encoder thread (None: every fragment's); what it
+        raised is raised here."""
+        for fragment in [f] if f is not None else list(self._sending):
+            pending = self._sending.pop(fragment, None)
+            if pending is not None:
+                pending.result()
 
     def apply(self, f: int, carry: bool = False, swarm_version: int | None = None) -> list[Delivery]:
         """One outer step on fragment f with its own fresh Δ and everything delivered since.
@@ -233,6 +216,7 @@ class OuterLoop:
         fresh: a Δ computed from φ(v+1) added to φ(v) is neither this step's nor that one's."""
         if f not in self._turn:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
+        self.settle(f)
         own = self._turn.pop(f)
         # θ_f − θ_f at publish = θ_f − (φ_f − Δ_own): the progress to carry over the step
         progress = (
@@ -481,6 +465,7 @@ class OuterLoop:
         """Adopt another peer's (or a checkpoint's) outer state; θ restarts from its φ. Checked
         whole before anything changes: a state that does not fit raises and leaves this one.
         ``reference`` regenerates φ₀ from the seed an int8 state names."""
+        self.settle()
         phi, versions = load_checked_state(self.phi, len(self.versions), self.optimizer, state, reference)
         with torch.no_grad():
             for p, q, t in zip(self.phi, phi, self.theta, strict=True):

@@ -30,7 +30,8 @@ import torch
 
 from cgad.node.config import SimConfig
 from cgad.node.member.engine import Member, MemberHooks, Schedule
-from cgad.node.member.outer import Delivery, OuterLoop
+from cgad.node.member.ledger import Delivery
+from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Phi0
 from cgad.node.member.swarm import snapshot_ceiling
 from cgad.node.training.data import BatchIterator, TokenDataset

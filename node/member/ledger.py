@@ -1,0 +1,49 @@
+"""What a member keeps count of: the deliveries its outer steps took, its counters, and which
+parameter tensors make up each fragment."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["Counters", "Delivery", "strided_fragments"]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A pseudo-gradient as the optimizer saw it."""
+
+    fragment: int
+    publisher: str
+    base_version: int
+    age: int
+    weight: float  # σ(τ) for the age-aware family, 1 otherwise
+    own: bool  # this peer's own fresh pseudo-gradient
+
+
+def strided_fragments(num_params: int, count: int) -> list[list[int]]:
+    """Parameter indices of each fragment: strided, so every fragment spans the whole depth."""
+    if count > num_params:
+        raise ValueError(f"{count} fragments for only {num_params} parameter tensors")
+    return [list(range(f, num_params, count)) for f in range(count)]
+
+
+@dataclass
+class Counters:
+    published: int = 0
+    applied: int = 0
+    dropped_stale: int = 0
+    clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)
+    tokens_capped: int = 0  # peers' token claims cut to TOKEN_CAP × the own block's
+    discarded: int = 0  # own blocks kept from peers and from the own step (after adopting a state)
+    held_ahead: int = 0  # peers' deltas of a version this peer had not reached, kept for it
+    rejected: Counter[str] = field(default_factory=Counter)
+    applied_by_peer: Counter[str] = field(default_factory=Counter)
+    applied_by_age: Counter[int] = field(default_factory=Counter)  # peers' deliveries taken
+    rejected_by_peer: Counter[str] = field(default_factory=Counter)
+    age_sum: int = 0
+    age_count: int = 0
+    mixed: int = 0
+    clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
+    replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
+    sent_as: Counter[str] = field(default_factory=Counter)  # own deltas per codec this loop chose
