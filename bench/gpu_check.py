@@ -134,10 +134,11 @@ def outer_step(model: torch.nn.Module, device: torch.device, deadline: Deadline)
     for repeat in range(OUTER_REPEATS + 1):
         if repeat and deadline.left() < 30:
             break
-        with torch.no_grad():
-            for theta in (theta_a, theta_b):
-                for t in theta:
-                    t.add_(torch.randn_like(t), alpha=1e-3)
+        with torch.no_grad():  # a block's progress: a shared direction and each member's own noise
+            for t_a, t_b in zip(theta_a, theta_b, strict=True):
+                common = torch.randn_like(t_a)
+                for t in (t_a, t_b):
+                    t.add_(common, alpha=1e-3).add_(torch.randn_like(t), alpha=3e-4)
         b.publish(0, tokens=1000)
         published, _ = _timed(device, lambda: a.publish(0, tokens=1000))
         applied, deliveries = _timed(device, lambda: a.apply(0))
@@ -151,6 +152,8 @@ def outer_step(model: torch.nn.Module, device: torch.device, deadline: Deadline)
         "publish_median_s": statistics.median(publish_s) if publish_s else None,
         "apply_median_s": statistics.median(apply_s) if apply_s else None,
         "deliveries_last_step": len(deliveries),
+        "applied_from_peer": a.counters.applied,
+        "rejected": dict(a.counters.rejected),
         "sent_as": dict(a.counters.sent_as),
         "peak_gpu_bytes": _peak_gpu(device),
     }

@@ -117,6 +117,7 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path, monkeypatch, token_cache
     outer = preset["outer_step"]
     assert len(outer["apply_seconds"]) == gpu_check.OUTER_REPEATS
     assert outer["deliveries_last_step"] == 2  # its own Δ and the other member's
+    assert outer["applied_from_peer"] == gpu_check.OUTER_REPEATS + 1 and not outer["rejected"], outer
     codecs = {codec: preset["codecs"][codec] for codec in gpu_check.CODECS}
     sizes = {codec: got["bytes"] for codec, got in codecs.items()}
     assert sizes["sparse"] < sizes["2bit"] < sizes["4bit"] < sizes["fp16"] < 4 * numel
