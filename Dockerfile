@@ -11,11 +11,16 @@ ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # (pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128). A base that
 # already has torch 2.13.0 (the local one does) satisfies this step without a download.
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-COPY pyproject.toml README.md ./
+# the dependencies in a layer of their own, so that a change to the code rebuilds only the last step
+COPY pyproject.toml ./
+RUN python3 -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        >/tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt && rm /tmp/requirements.txt
+COPY README.md ./
 COPY node ./node
 COPY protocol ./protocol
 COPY optim ./optim
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir --no-deps .
 
 # the tokenizer and token caches live on a volume, so a restart does not rebuild them
 ENV CGAD_CACHE_DIR=/cache
