@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import struct
 import tempfile
 from collections import OrderedDict
@@ -52,7 +53,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "MAX_CREDITS",
     "MAX_OFFERS",
+    "MAX_RECORD_BYTES",
     "MAX_RECORD_TTL",
+    "MAX_TOKENS_PER_SECOND",
     "PROTOCOL_VERSION",
     "Holdings",
     "Identity",
@@ -79,6 +82,14 @@ PROTOCOL_VERSION = 3
 MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
 MAX_CREDITS = 32  # publishers a progress record credits: those its peer applied the most from
 MAX_RECORD_TTL = 3600.0  # seconds: no record of a run may claim to live longer
+# bytes of one signed value: a full holdings record is < 8 KB, a progress record of 4096 fragments
+# ~14 KB; hivemind.DHT's pipe hangs on values of ~32 KB, and p2pd refuses messages over 4 MiB
+MAX_RECORD_BYTES = 24 * 1024
+# a subkey is exactly one "[owner:ssh-rsa ...]" (an RSA key of up to 4096 bits), nothing around it:
+# the signature validator only asks that the subkey *contain* the owner's key, so "[owner:KEY]#1",
+# "#2"... were as many subkeys one key could sign, without bound
+_OWNER_SUBKEY = re.compile(rb"\[owner:ssh-rsa [A-Za-z0-9+/]{1,1000}={0,2}\]")
+MAX_TOKENS_PER_SECOND = 1e12  # far above any trainer; a claim beyond is a lie, not a fast peer
 _PEER_ID = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
 _NON_NEGATIVE = pydantic.conint(strict=True, ge=0)
 
@@ -127,8 +138,8 @@ class Progress(_Strict):
     peer_id: _PEER_ID
     versions: pydantic.conlist(_NON_NEGATIVE, max_items=4096)  # outer version per fragment
     inner_step: _NON_NEGATIVE
-    tokens_per_second: pydantic.confloat(strict=True, ge=0.0)
-    time: pydantic.StrictFloat  # DHT time of the report
+    tokens_per_second: pydantic.confloat(strict=True, ge=0.0, le=MAX_TOKENS_PER_SECOND, allow_inf_nan=False)
+    time: pydantic.confloat(strict=True, allow_inf_nan=False)  # DHT time of the report
     grpc: Optional[_ENDPOINT] = None  # noqa: UP045 (direct endpoint)
     published: _NON_NEGATIVE = 0  # fragments it has published (its own claim: shown, never trusted)
     # the held-out loss of its latest evaluation (its own claim: shown, never trusted)
@@ -232,10 +243,12 @@ class RememberingValidator(CompositeValidator):
 
 
 class RunKeysValidator(RecordValidatorBase):
-    """Every record at a run's keys is one owner's subkey, and expires within
-    ``MAX_RECORD_TTL``. Without this, a bare value at a key (which needs no signature, having no
-    owner) would replace every subkey under it and be refused by nobody, and a record could be
-    made to outlive its writer for good."""
+    """Every record at a run's keys is one owner's subkey (exactly ``[owner:KEY]``: one per owner
+    and key), at most ``MAX_RECORD_BYTES``, and expires within ``MAX_RECORD_TTL``. Without this, a
+    bare value at a key (which needs no signature, having no owner) would replace every subkey
+    under it and be refused by nobody, a record could be made to outlive its writer for good, and
+    one key could sign any number of subkeys ("[owner:KEY]#1", "#2"...) until the key's records
+    no longer fit a DHT reply (``dhtbounds`` bounds what a key holds across owners)."""
 
     def __init__(self, run_id: str, num_fragments: int) -> None:
         names = [fragment_key(run_id, f) for f in range(num_fragments)]
@@ -245,7 +258,15 @@ class RunKeysValidator(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in self._keys:
             return True  # not this run's: the schema validator refuses unknown keys
-        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS or len(record.value) > MAX_RECORD_BYTES:
+            return False
+        if len(record.subkey) > 1100:  # checked before parsing: an owner subkey is ~400 bytes
+            return False
+        try:
+            owner = DHTProtocol.serializer.loads(record.subkey)
+        except Exception:  # msgpack's errors have no common base: any of them is garbage
+            return False
+        if not isinstance(owner, bytes) or _OWNER_SUBKEY.fullmatch(owner) is None:
             return False
         return record.expiration_time <= get_dht_time() + MAX_RECORD_TTL
 
