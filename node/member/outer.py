@@ -87,7 +87,9 @@ class OuterLoop:
         self.transport = transport
         self.run_id = run_id
         self.fragments = strided_fragments(len(params), options.fragments)
-        self.phi = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in params]
+        # the outer state lives in host memory whatever device θ trains on: peers' deltas arrive
+        # there, and a GPU keeps its memory for the model (θ crosses over once per block)
+        self.phi = [torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in params]
         self.versions = [0] * options.fragments
         self.counters = Counters()
         # the deliveries the optimizer took, newest last (bounded: a daemon runs for weeks)
@@ -138,7 +140,7 @@ class OuterLoop:
         optimizer after adopting a state."""
         idx = self.fragments[f]
         with torch.no_grad():
-            own = torch.cat([(self.phi[i] - self.theta[i].float()).flatten() for i in idx])
+            own = torch.cat([(self.phi[i] - _host(self.theta[i])).flatten() for i in idx])
             if not torch.isfinite(own).all():
                 # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
                 # With several fragments the other fragments' θ is NaN too (one forward pass made
@@ -221,7 +223,7 @@ class OuterLoop:
         # θ_f − θ_f at publish = θ_f − (φ_f − Δ_own): the progress to carry over the step
         progress = (
             [
-                self.theta[i].float() - self.phi[i] + d
+                _host(self.theta[i]) - self.phi[i] + d
                 for i, d in zip(self.fragments[f], self.unflatten(f, own.tensor), strict=True)
             ]
             if carry and own is not None
@@ -479,3 +481,8 @@ class OuterLoop:
         # what the old trajectory left unsent, and the φ it published, belong to that trajectory
         self.sender.forget()
         self._phi_published.clear()
+
+
+def _host(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32 in host memory (itself when it is so already)."""
+    return tensor.detach().to(device="cpu", dtype=torch.float32)
