@@ -4,9 +4,11 @@ A slow link cannot carry every peer's fragment every round. Started all at once,
 share the link and all arrive late, past the age at which the outer step still uses them (the
 first testbed runs applied 3-5% of fragments at 2 Mbit with the link full). So fetches wait in a
 ``FetchQueue`` and at most ``max_fetches`` run at a time; the queue hands out the youngest offer
-first (the one that stays useful longest), passes over an offer that the measured link would
-deliver only after it has aged past ``stale_after`` versions, and the transport cancels a fetch in
-flight once its fragment is that old. The link carries fewer fragments, in full and in time.
+first (the one that stays useful longest) among those at or below this peer's own version, then
+those ahead of it (the nearest first: a claim of a future version is not preferred), passes over
+an offer that the measured link would deliver only after it has aged past ``stale_after``
+versions, and the transport cancels a fetch in flight once its fragment is that old. The link
+carries fewer fragments, in full and in time.
 
 Two measurements feed it: ``LinkMeter``, the bytes per second the downlink carries while any
 fetch runs, and ``VersionClock``, the seconds this peer takes per version of a fragment.
@@ -208,10 +210,20 @@ class FetchQueue:
     ) -> tuple[Candidate | None, list[Passed]]:
         """The next offer to fetch, or None; and the offers passed over on the way. ``bytes_ahead``
         is what the fetches in flight still have to receive: a new fetch shares the link with
-        them, so it arrives after about (``bytes_ahead`` + its size) / ``link_rate`` seconds."""
+        them, so it arrives after about (``bytes_ahead`` + its size) / ``link_rate`` seconds.
+        Offers at or below this peer's own version of their fragment come first (youngest
+        first); one ahead of it (a claim nobody can use yet, which identities that send nothing
+        may make in advance) waits behind them, the nearest first.
+
+        Args:
+            versions: this peer's own versions, per fragment.
+            link_rate: the measured downlink, bytes per second (None: not measured).
+            seconds_per_version: this peer's seconds per version of a fragment (None: not yet).
+            bytes_ahead: bytes the fetches in flight still have to receive.
+        """
         passed: list[Passed] = []
         while self._heap:
-            _, _, candidate = heapq.heappop(self._heap)
+            candidate = self._take_next(versions)
             if self.is_stale(candidate, versions):
                 passed.append(Passed(candidate, "stale"))
                 continue
@@ -220,6 +232,28 @@ class FetchQueue:
                 continue
             return candidate, passed
         return None, passed
+
+    def _take_next(self, versions: Sequence[int]) -> Candidate:
+        """Remove and return the queue's best offer for ``versions`` (a scan: the queue is
+        bounded by ``limit``, and which offers are ahead changes as this peer's versions do)."""
+        best = min(
+            range(len(self._heap)),
+            key=lambda i: self._order_now(self._heap[i], versions),
+        )
+        _, _, candidate = self._heap[best]
+        self._heap[best] = self._heap[-1]
+        self._heap.pop()
+        heapq.heapify(self._heap)
+        return candidate
+
+    @staticmethod
+    def _order_now(
+        item: tuple[tuple[int, int, int], int, Candidate], versions: Sequence[int]
+    ) -> tuple[int, int, int, int]:
+        (kind_rank, newest, fragment), order, _ = item
+        ahead = -newest - own_version(versions, fragment)  # base version past the own one
+        # ahead ones after the rest, the nearest first; among the rest the push order's rank
+        return (kind_rank, 1, ahead, order) if ahead > 0 else (kind_rank, 0, newest, order)
 
     def _arrives_too_late(
         self,

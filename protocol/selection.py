@@ -19,7 +19,15 @@ The rules:
   passes and no single peer moves); within that it only says this peer is behind (joining or
   re-syncing), counted in ``behind``; either is counted once per publisher, fragment and kind
   while the verdict is remembered, whatever versions it names;
-- at most ``fan_in`` publishers per (fragment, kind, base version), drawn at random;
+- at most ``fan_in`` publishers per (fragment, kind, base version), drawn at random, publishers
+  whose bytes verified before first; a slot is spent on bytes that arrived and verified
+  (``deliver``), and held meanwhile only while the fetch may still deliver: a fetch that brought
+  nothing (``retry_later``) frees it at once, one that never reports back after
+  ``pending_seconds``. An offer passed over for want of a slot is not attempted: it is chosen
+  when a slot frees. A publisher has at most ``MAX_PENDING_PER_PUBLISHER`` unverified offers of a
+  fragment and kind at once, and a version ahead of this peer's own (and of the swarm's) fills at
+  most half its slots with unverified offers until this peer gets there: identities that
+  announce future versions first, and send nothing, cannot take the slots of those that do;
 - a DELTA key (publisher, fragment, base version) is delivered at most once: the same key
   announced again with other bytes is a replay, re-announcing the same bytes is nothing;
 - an offer whose record already shows it unusable (``check_offer``) is refused before any byte
@@ -46,10 +54,24 @@ from cgad.protocol.codec import SPARSE_MAX_KEPT, Codec, encoded_size, sparse_kep
 from cgad.protocol.records import Holdings, Offer
 from cgad.protocol.transport import FragmentKey, Kind
 
-__all__ = ["STATE_CODEC", "Candidate", "OfferSelector", "Rejection", "Selection", "check_offer"]
+__all__ = [
+    "MAX_PENDING_PER_PUBLISHER",
+    "STATE_CODEC",
+    "Candidate",
+    "OfferSelector",
+    "Rejection",
+    "Selection",
+    "check_offer",
+]
 
 STATE_CODEC = "state"  # a snapshot's encoding: the node's own packing, opaque to the transport
 MAX_RESERVERS = 3  # re-servers a fetch tries (drawn at random) before the publisher
+# unverified offers of one fragment and kind a publisher may have chosen at once: an honest one
+# has its own version's and at most the next one's in flight
+MAX_PENDING_PER_PUBLISHER = 2
+# seconds a chosen offer holds its fan-in slot without its bytes verifying: about a fetch's
+# timeout (``fetch_timeout``); a fetch that fails says so at once (``retry_later``)
+PENDING_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -116,9 +138,23 @@ def swarm_version(reports: Sequence[Sequence[int]], fragment: int) -> int | None
 
 class OfferSelector:
     """The policy above, with its ledgers: ``delivered`` (DELTA or PARAMS key to the content hash
-    accepted for it), ``attempted`` (content hash to its fragment and base version), ``chosen``
-    (publishers taken per fragment, kind and base version: the fan-in cap's ledger) and
-    ``judged`` (faulty records already counted, with when). ``forget`` bounds them all."""
+    accepted for it), ``attempted`` (content hash to its fragment and base version), per fragment,
+    kind and base version ``chosen`` (publishers chosen once: never again), ``pending`` (chosen,
+    bytes not verified yet, with when), ``verified`` (publishers whose bytes verified: the fan-in
+    cap's ledger) and ``passed`` (publishers counted as skipped), ``earned`` (publishers whose
+    bytes verified, with when) and ``judged`` (faulty records already counted, with when).
+    ``forget`` bounds them all.
+
+    Args:
+        run_id: the run whose offers these are.
+        peer_id: this peer (its own offers are never chosen).
+        fan_in: publishers per fragment, kind and base version.
+        history_versions: offers further behind this peer's own version are ignored.
+        record_ttl: a record's lifetime in the DHT (judged records are forgotten after two).
+        max_ahead: offers further ahead of this peer's own version are refused unfetched.
+        rng: the draw among publishers (seeded: the same choices every time).
+        pending_seconds: how long a chosen offer holds its slot without its bytes verifying.
+    """
 
     def __init__(
         self,
@@ -130,6 +166,7 @@ class OfferSelector:
         record_ttl: float,
         max_ahead: int | None = None,
         rng: random.Random | None = None,
+        pending_seconds: float = PENDING_SECONDS,
     ) -> None:
         self.run_id = run_id
         self.peer_id = peer_id
@@ -137,18 +174,26 @@ class OfferSelector:
         self.history_versions = history_versions
         self.max_ahead = history_versions if max_ahead is None else max_ahead
         self.record_ttl = record_ttl
+        self.pending_seconds = pending_seconds
         self.rng = rng or random.Random()
         self.delivered: dict[FragmentKey, bytes] = {}
         self.attempted: dict[bytes, tuple[int, int]] = {}
         self.chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
+        self.pending: dict[tuple[int, Kind, int], dict[str, float]] = defaultdict(dict)
+        self.verified: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
+        self.passed: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
+        self.earned: dict[str, float] = {}
         self.judged: dict[Hashable, float] = {}
         self.failed: dict[bytes, set[str]] = {}  # content hash to the holders that did not deliver
+        self._now = 0.0  # the DHT time of the latest choice (``deliver`` is told none)
 
     def retry_later(self, candidate: Candidate) -> None:
-        """No holder of ``candidate`` delivered: fetch it again once a holder not among these
-        announces the same bytes (see the rules)."""
+        """No holder of ``candidate`` delivered: its fan-in slot is free again, and it is fetched
+        again once a holder not among these announces the same bytes (see the rules)."""
         tried = self.failed.setdefault(candidate.offer.content_hash, set())
         tried.update(h.peer_id for h in candidate.holders)
+        key = candidate.key
+        self.pending.get((key.fragment, key.kind, key.base_version), {}).pop(key.publisher, None)
 
     def too_old(self, base_version: int, own: int) -> bool:
         return base_version < own - self.history_versions
@@ -166,11 +211,16 @@ class OfferSelector:
         self.attempted[digest] = (fragment, base_version)
 
     def deliver(self, key: FragmentKey, digest: bytes) -> bool:
-        """Record that ``key`` was accepted with these bytes; False (and nothing recorded) when
-        the key was delivered already, e.g. by a second announcement that raced this fetch."""
+        """Record that ``key`` was accepted with these bytes (they verified: its publisher's fan-in
+        slot is spent); False (and nothing recorded) when the key was delivered already, e.g. by
+        a second announcement that raced this fetch."""
         if key in self.delivered:
             return False
         self.delivered[key] = digest
+        round_key = (key.fragment, key.kind, key.base_version)
+        self.pending.get(round_key, {}).pop(key.publisher, None)
+        self.verified[round_key].add(key.publisher)
+        self.earned[key.publisher] = self._now
         return True
 
     def choose(
@@ -187,6 +237,7 @@ class OfferSelector:
         ``swarm`` the swarm's (the median of live peers' reports; None: unknown) and ``now`` the
         DHT time. Candidates returned count as attempted from here on."""
         selection = Selection()
+        self._now = now
         by_hash = _holders_by_hash(holdings)
         fresh: dict[tuple[int, Kind, int], list[Candidate]] = defaultdict(list)
         for holder, offer in self._vouched(holdings):
@@ -221,8 +272,9 @@ class OfferSelector:
                 untried = [
                     h for h in self._holders(offer, holder, by_hash) if tried and h.peer_id not in tried
                 ]
-                if untried:  # counted in the fan-in already, at the first try
+                if untried:  # chosen already, at the first try: it takes its slot again
                     del self.failed[offer.content_hash]
+                    self.pending[(fragment, kind, offer.base_version)][key.publisher] = now
                     selection.candidates.append(Candidate(key, offer, untried))
                 continue
             problem = check_offer(offer, numel)
@@ -235,18 +287,46 @@ class OfferSelector:
             holders = self._holders(offer, holder, by_hash)
             fresh[(fragment, kind, offer.base_version)].append(Candidate(key, offer, holders))
         for round_key, candidates in fresh.items():
-            taken = self.chosen[round_key]
+            taken, pending = self.chosen[round_key], self._pending(round_key, now)
+            # a version ahead of this peer (and of the swarm) is a claim nobody can use yet:
+            # half its slots wait for this peer to get there
+            ahead = round_key[2] > max(own, swarm if swarm is not None else own)
             self.rng.shuffle(candidates)
+            candidates.sort(key=lambda c: c.key.publisher not in self.earned)  # stable: drawn within
             for candidate in candidates:
-                if candidate.key.publisher in taken:
+                publisher = candidate.key.publisher
+                if publisher in taken:
+                    continue
+                room = self.fan_in - len(self.verified.get(round_key, ())) - len(pending)
+                if ahead:
+                    room = min(room, max(1, self.fan_in // 2) - len(pending))
+                busy = self._pending_of(publisher, fragment, round_key[1], now) >= MAX_PENDING_PER_PUBLISHER
+                if room <= 0 or busy:
+                    if publisher not in self.passed[round_key]:  # counted once
+                        self.passed[round_key].add(publisher)
+                        selection.fan_in_skipped += 1
                     continue
                 self.mark_attempted(candidate.offer.content_hash, fragment, candidate.key.base_version)
-                if len(taken) >= self.fan_in:
-                    selection.fan_in_skipped += 1
-                    continue
-                taken.add(candidate.key.publisher)
+                taken.add(publisher)
+                pending[publisher] = now
                 selection.candidates.append(candidate)
         return selection
+
+    def _pending(self, round_key: tuple[int, Kind, int], now: float) -> dict[str, float]:
+        """The chosen publishers of ``round_key`` whose bytes may still come (not verified, not
+        failed, chosen less than ``pending_seconds`` ago)."""
+        pending = self.pending[round_key]
+        for publisher in [p for p, since in pending.items() if now - since >= self.pending_seconds]:
+            del pending[publisher]
+        return pending
+
+    def _pending_of(self, publisher: str, fragment: int, kind: Kind, now: float) -> int:
+        """``publisher``'s unverified offers of ``fragment`` and ``kind`` at any version."""
+        return sum(
+            publisher in self._pending(round_key, now)
+            for round_key in list(self.pending)
+            if round_key[:2] == (fragment, kind)
+        )
 
     def choose_states(self, holdings: Sequence[Holdings], max_bytes: int, now: float) -> Selection:
         """Every state snapshot on offer (none of this peer's own), vouched for by its
@@ -299,7 +379,9 @@ class OfferSelector:
         self.delivered = {k: v for k, v in self.delivered.items() if not old(k.fragment, k.base_version)}
         self.attempted = {h: fb for h, fb in self.attempted.items() if not old(*fb)}
         self.failed = {h: tried for h, tried in self.failed.items() if h in self.attempted}
-        for round_key in [k for k in self.chosen if old(k[0], k[2])]:
-            del self.chosen[round_key]
+        for ledger in (self.chosen, self.pending, self.verified, self.passed):
+            for round_key in [k for k in ledger if old(k[0], k[2])]:
+                del ledger[round_key]
         oldest = now - 2 * self.record_ttl
+        self.earned = {publisher: when for publisher, when in self.earned.items() if when > oldest}
         self.judged = {record: when for record, when in self.judged.items() if when > oldest}

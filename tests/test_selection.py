@@ -68,7 +68,7 @@ def _selector(
     )  # fmt: skip
 
 
-def _choose(selector: OfferSelector, holdings: list[Holdings], own: int = 0, now: float = 0.0) -> Selection:
+def _choose(selector: OfferSelector, holdings: list[Holdings], own: int = 5, now: float = 0.0) -> Selection:
     return selector.choose(0, NUMEL, holdings, own, now)
 
 
@@ -94,7 +94,7 @@ def test_fan_in_caps_publishers_per_fragment_kind_and_base_version_drawn_at_rand
     first_five = PEERS[:5]
     assert len(_choose(selector, [_own(_offer(p)) for p in first_five]).candidates) == 2
     # another base version, or the other kind, has a cap of its own
-    assert len(_choose(selector, [_own(_offer(p, base=6)) for p in first_five]).candidates) == 2
+    assert len(_choose(selector, [_own(_offer(p, base=6)) for p in first_five], own=6).candidates) == 2
     params = _choose(selector, [_own(_offer(p, kind=Kind.PARAMS)) for p in first_five])
     assert [c.key.kind for c in params.candidates] == [Kind.PARAMS] * 2
     # a publisher that appears later finds the round full
@@ -234,7 +234,8 @@ def test_forgetting_bounds_every_ledger() -> None:
         for candidate in selection.candidates:
             selector.deliver(candidate.key, candidate.offer.content_hash)
     assert selector.judge(("garbage", 1), now=0.0) and not selector.judge(("garbage", 1), now=1.0)
-    assert len(selector.delivered) == 40 and len(selector.attempted) == 80 and len(selector.chosen) == 40
+    # the publisher passed over for want of a slot is not attempted: it may have the next free one
+    assert len(selector.delivered) == 40 and len(selector.attempted) == 40 and len(selector.chosen) == 40
 
     selector.forget([30], now=2 * RECORD_TTL - 1)  # keep bases 20 and later
     assert {k.base_version for k in selector.delivered} == set(range(20, 40))
