@@ -49,6 +49,7 @@ from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from cgad.protocol.auth import AllowedCallers, SwarmAuthorizer, SwarmKey
 from cgad.protocol.codec import Codec
 from cgad.protocol.config import PATHS, NetworkOptions
+from cgad.protocol.dhtbounds import bound_dht
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher
 from cgad.protocol.loop import EventLoopThread
@@ -390,8 +391,9 @@ class NetworkTransport(Transport):
                 f"no peer at --peers answered ({error}); is the address right, and if"
                 f" the swarm is private, is this node's key its key? (it has {has})"
             ) from None
-        if self._allow:
-            await self._answer_only_allowed(self.dht_node.protocol)
+        # what one key may hold and one reply may carry: at once, before any await lets a store in
+        bound_dht(self.dht_node.protocol)
+        await self._reregister_dht_handlers(self.dht_node.protocol)
         await self._server.start(self.p2p)
         self._poller.dht_node = self.dht_node
         self._runner.spawn(self._poller.poll_forever())
@@ -443,13 +445,16 @@ class NetworkTransport(Transport):
             paths.setdefault(publisher, {})[path] = count
         return {**self.reachability.as_dict(relays), "paths_by_peer": paths}
 
-    async def _answer_only_allowed(self, protocol: DHTProtocol) -> None:
-        """Re-register the DHT's handlers behind ``--allow``: hivemind's authorizer hook sees a
-        request but not its sender, so the check wraps the handlers, which get the caller's
-        libp2p-authenticated peer id: the same check the fragment server makes."""
+    async def _reregister_dht_handlers(self, protocol: DHTProtocol) -> None:
+        """Re-register the DHT's handlers: hivemind's wrapper took each method when the node
+        started, before ``bound_dht`` budgeted ``rpc_find``; and behind ``--allow``: hivemind's
+        authorizer hook sees a request but not its sender, so the check wraps the handlers, which
+        get the caller's libp2p-authenticated peer id: the same check the fragment server makes."""
         await protocol.remove_p2p_handlers(self.p2p)
         servicer = AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer)
-        await protocol.add_p2p_handlers(self.p2p, AllowedCallers(servicer, self._server.caller_allowed))
+        if self._allow:
+            servicer = AllowedCallers(servicer, self._server.caller_allowed)
+        await protocol.add_p2p_handlers(self.p2p, servicer)
 
     async def _stop(self) -> None:
         await self._runner.cancel_tasks()

@@ -1,0 +1,188 @@
+"""Bounds on what this node's DHT holds for one key and sends in one reply.
+
+hivemind's local storage keeps any number of subkeys under a key, and its ``rpc_find`` answers
+with everything it holds for every key asked: a key bloated past p2pd's 4 MiB message limit made
+each reply that named it fail to send, and the asker then dropped the answering node from its
+routing table. One subkey per owner and key, and values of at most ``records.MAX_RECORD_BYTES``,
+are checked by every node's validator (``records.RunKeysValidator``); this module bounds the
+rest, where the records are held and answered:
+
+- ``BoundedLocalStorage``: at most ``MAX_KEY_RECORDS`` subkeys and ``MAX_KEY_BYTES`` bytes under
+  one key; a new subkey beyond either is refused (an owner refreshing or withdrawing its record
+  always may), so records that came first stay; its expiration heaps are compacted, so refreshes
+  of the same records do not grow them.
+- ``budget_find_replies``: one ``rpc_find`` reply stays under ``MAX_FIND_REPLY_BYTES`` whatever the
+  number of keys asked: a dictionary over its share keeps its smallest records (ties drawn at
+  random), so a lookup of any key survives a bloated one.
+
+Threads: both run on the transport's event-loop thread, where hivemind touches its storage.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Awaitable, Callable
+
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID, BinaryDHTValue, Subkey
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from hivemind.p2p import P2PContext
+from hivemind.proto import dht_pb2
+from hivemind.utils.timed_storage import DHTExpiration, TimedStorage
+
+__all__ = [
+    "MAX_FIND_REPLY_BYTES", "MAX_KEY_BYTES", "MAX_KEY_RECORDS", "BoundedLocalStorage", "bound_dht",
+    "budget_find_replies", "trim_find_response",
+]  # fmt: skip
+
+MAX_KEY_RECORDS = 512  # subkeys under one key: a record per peer of a swarm of up to 512
+MAX_KEY_BYTES = 2 << 20  # bytes under one key (subkeys and values): far below p2pd's 4 MiB
+MAX_FIND_REPLY_BYTES = 3 << 20  # one reply, all keys together, leaving room for neighbours
+_RESULT_OVERHEAD = 4096  # a result's neighbour ids and framing, besides its value
+
+
+def _compact(storage: TimedStorage) -> None:
+    """Drop the heap entries of records replaced or gone: every store pushes one, even a refused
+    refresh, and they otherwise stay until their expiration time comes round (an hour)."""
+    if len(storage.expiration_heap) > 2 * len(storage.data) + 64:
+        storage.expiration_heap = [storage.key_to_heap[key] for key in storage.data]
+        heapq.heapify(storage.expiration_heap)
+
+
+def _record_bytes(subkey: Subkey, value: BinaryDHTValue) -> int:
+    return (len(subkey) if isinstance(subkey, bytes | str) else 64) + len(value)
+
+
+class BoundedLocalStorage(DHTLocalStorage):
+    """hivemind's ``DHTLocalStorage`` with a bound on each key: ``max_records`` subkeys and
+    ``max_bytes`` bytes (a plain value counts its bytes too).
+
+    Args:
+        maxsize: the most keys held (None: no bound but the validators', which admit only the
+            run's keys), as in hivemind.
+        max_records: subkeys one key may hold.
+        max_bytes: bytes of subkeys and values one key may hold.
+    """
+
+    def __init__(
+        self,
+        maxsize: int | None = None,
+        *,
+        max_records: int = MAX_KEY_RECORDS,
+        max_bytes: int = MAX_KEY_BYTES,
+    ) -> None:
+        super().__init__(maxsize)
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+
+    def store(
+        self, key: DHTID, value: BinaryDHTValue, expiration_time: DHTExpiration, subkey: Subkey | None = None
+    ) -> bool:
+        if subkey is None and isinstance(value, bytes) and len(value) > self.max_bytes:
+            return False
+        stored = super().store(key, value, expiration_time, subkey)
+        _compact(self)
+        return stored
+
+    def store_subkey(
+        self, key: DHTID, subkey: Subkey, value: BinaryDHTValue, expiration_time: DHTExpiration
+    ) -> bool:
+        size = _record_bytes(subkey, value)
+        if size > self.max_bytes:
+            return False
+        held = self.get(key)
+        if held is not None and isinstance(held.value, DictionaryDHTValue):
+            entries = held.value
+            previous = entries.get(subkey)
+            total = sum(_record_bytes(s, item.value) for s, item in entries.items())
+            if previous is None:
+                if len(entries.data) >= self.max_records or total + size > self.max_bytes:
+                    return False  # a new subkey: the key is full
+            elif total - _record_bytes(subkey, previous.value) + size > self.max_bytes:
+                return False
+            stored = super().store_subkey(key, subkey, value, expiration_time)
+            _compact(entries)
+        else:
+            stored = super().store_subkey(key, subkey, value, expiration_time)
+        _compact(self)
+        return stored
+
+
+def bound_dht(protocol: DHTProtocol) -> None:
+    """Replace ``protocol``'s storage and cache by bounded ones holding what they held (within the
+    bounds), and budget its ``rpc_find`` replies. Call on the event-loop thread, right after the
+    DHT node starts (no await between the copy and the swap: nothing is stored in between).
+
+    Args:
+        protocol: a running node's ``DHTProtocol`` (``DHTNode.protocol``).
+    """
+    for name in ("storage", "cache"):
+        old: DHTLocalStorage = getattr(protocol, name)
+        new = BoundedLocalStorage(None if old.maxsize == float("inf") else int(old.maxsize))
+        for key, item in list(old.items()):
+            if isinstance(item.value, DictionaryDHTValue):
+                for subkey, entry in item.value.items():
+                    new.store_subkey(key, subkey, entry.value, entry.expiration_time)
+            else:
+                new.store(key, item.value, item.expiration_time)
+        setattr(protocol, name, new)
+    budget_find_replies(protocol)
+
+
+def budget_find_replies(protocol: DHTProtocol, budget: int = MAX_FIND_REPLY_BYTES) -> None:
+    """Wrap ``protocol.rpc_find`` so that each reply it makes fits ``budget`` bytes
+    (``trim_find_response``). hivemind's handler wrapper looks the method up at every call, and
+    signs the reply (a private swarm's ticket) after this trims it.
+
+    Args:
+        protocol: the node's ``DHTProtocol``.
+        budget: the most bytes one reply may take.
+    """
+    find: Callable[[dht_pb2.FindRequest, P2PContext], Awaitable[dht_pb2.FindResponse]] = protocol.rpc_find
+
+    async def rpc_find(request: dht_pb2.FindRequest, context: P2PContext) -> dht_pb2.FindResponse:
+        return trim_find_response(await find(request, context), budget)
+
+    protocol.rpc_find = rpc_find  # type: ignore[method-assign]
+
+
+def trim_find_response(
+    response: dht_pb2.FindResponse, budget: int, rng: random.Random | None = None
+) -> dht_pb2.FindResponse:
+    """``response`` within ``budget`` bytes: each result gets an equal share; a dictionary over
+    its share keeps its smallest records (ties in random order) that fit, a plain value over it
+    becomes "not found".
+
+    Args:
+        response: a reply of hivemind's ``rpc_find``.
+        budget: the most bytes the reply may take.
+        rng: the draw among records of equal size (a fresh one by default).
+    """
+    if response.ByteSize() <= budget or not response.results:
+        return response
+    rng = rng or random.Random()
+    share = max(0, budget // len(response.results) - _RESULT_OVERHEAD)
+    serializer = DHTProtocol.serializer
+    for result in response.results:
+        if len(result.value) <= share:
+            continue
+        if result.type == dht_pb2.FOUND_DICTIONARY:
+            held = serializer.loads(result.value)
+            items = [
+                (len(subkey) + len(item.value), rng.random(), subkey, item) for subkey, item in held.items()
+            ]
+            items.sort(key=lambda entry: entry[:2])
+            kept = DictionaryDHTValue()
+            room = share - 64  # the dictionary's own framing
+            for size, _, subkey, item in items:
+                if size + 16 > room:
+                    break
+                room -= size + 16  # msgpack's framing of one entry and its expiration
+                kept.store(subkey, item.value, item.expiration_time)
+            result.value = serializer.dumps(kept)
+        else:
+            result.type = dht_pb2.NOT_FOUND
+            result.value = b""
+            result.expiration_time = 0
+    return response

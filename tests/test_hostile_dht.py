@@ -1,0 +1,127 @@
+"""A bloated DHT key against real hivemind peers on 127.0.0.1 (issue 27, hole 1): what one key
+may hold on a node is bounded, and a lookup answered by a node holding bloated keys still
+arrives, so the asker keeps that node in its routing table.
+
+The records are put straight into the node's storage, as a swarm of that many owners would
+have stored them through the validators (each owner may sign one subkey per key; minting a
+few hundred RSA keys would only make the test slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
+from hivemind.utils import get_dht_time
+
+from cgad.protocol.dhtbounds import (
+    MAX_FIND_REPLY_BYTES,
+    MAX_KEY_BYTES,
+    MAX_KEY_RECORDS,
+    BoundedLocalStorage,
+    trim_find_response,
+)
+from cgad.protocol.network import NetworkTransport
+from cgad.protocol.records import fragment_key, state_key
+
+pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
+
+RUN = "net-test"  # tests/_netswarm.py's run
+
+
+def _owner(index: int) -> bytes:
+    return b"[owner:ssh-rsa AAAAB3NzaC1yc2E" + str(index).encode() + b"]"
+
+
+def _fill(transport: NetworkTransport, key: str, count: int, size: int) -> int:
+    """Store ``count`` records of ``size`` bytes under ``key`` in ``transport``'s local storage;
+    how many it took."""
+    assert transport.dht_node is not None
+    storage = transport.dht_node.protocol.storage
+    key_id = DHTID.generate(source=key)
+    expiration = get_dht_time() + 60
+
+    async def fill() -> int:
+        return sum(storage.store_subkey(key_id, _owner(i), bytes(size), expiration) for i in range(count))
+
+    return asyncio.run_coroutine_threadsafe(fill(), transport.loop).result(30)
+
+
+def _held(transport: NetworkTransport, key: str) -> DictionaryDHTValue:
+    assert transport.dht_node is not None
+    item = transport.dht_node.protocol.storage.get(DHTID.generate(source=key))
+    assert item is not None and isinstance(item.value, DictionaryDHTValue)
+    return item.value
+
+
+@pytest.mark.timeout(60)
+def test_a_key_holds_a_bounded_number_of_records_and_bytes(netswarm: list[NetworkTransport]) -> None:
+    p0 = netswarm[0]
+    # a thousand owners of small records: the count bound
+    _fill(p0, state_key(RUN), 1000, 200)
+    assert len(_held(p0, state_key(RUN)).data) == MAX_KEY_RECORDS
+    # few owners of records of 24 KiB: the byte bound
+    _fill(p0, fragment_key(RUN, 9), 300, 24 << 10)
+    held = _held(p0, fragment_key(RUN, 9))
+    assert sum(len(s) + len(v.value) for s, v in held.items()) <= MAX_KEY_BYTES
+    assert len(held.data) >= MAX_KEY_BYTES // (25 << 10)  # filled up to the bound, not short of it
+
+
+def test_an_owner_may_refresh_its_record_in_a_full_key() -> None:
+    storage = BoundedLocalStorage(max_records=3, max_bytes=1 << 20)
+    key, now = DHTID.generate(source="k"), get_dht_time()
+    assert all(storage.store_subkey(key, _owner(i), b"v", now + 10) for i in range(3))
+    assert not storage.store_subkey(key, _owner(3), b"v", now + 10)  # full: a newcomer waits
+    assert storage.store_subkey(key, _owner(1), b"newer", now + 20)  # a standing owner refreshes
+    for _ in range(1000):  # refused refreshes (older) do not grow the expiration heap
+        storage.store_subkey(key, _owner(1), b"old", now + 5)
+    held = storage.get(key).value
+    assert held.get(_owner(1)).value == b"newer"
+    assert len(held.expiration_heap) < 100
+
+
+@pytest.mark.timeout(90)
+def test_a_lookup_survives_keys_bloated_past_a_message(netswarm: list[NetworkTransport]) -> None:
+    p0, _, _, p3 = netswarm
+    keys = [fragment_key(RUN, f) for f in (10, 11, 12)]
+    for key in keys:  # 3 x ~1.9 MiB: what three keys may each hold, over p2pd's 4 MiB together
+        _fill(p0, key, 80, 24 << 10)
+    assert p3.dht_node is not None
+    protocol = p3.dht_node.protocol
+    # the raw RPC: whether the reply arrives at all (the records here are not signed, so
+    # hivemind's call_find would refuse their content; a real swarm's would be)
+    request = dht_pb2.FindRequest(
+        keys=[DHTID.generate(source=key).to_bytes() for key in keys], peer=protocol.node_info
+    )
+    stub = protocol.get_stub(PeerID.from_base58(p0.peer_id))
+    call = stub.rpc_find(request, timeout=20)
+    response = asyncio.run_coroutine_threadsafe(call, p3.loop).result(30)
+    assert response.ByteSize() <= MAX_FIND_REPLY_BYTES
+    for result in response.results:
+        assert result.type == dht_pb2.FOUND_DICTIONARY
+        held = DHTProtocol.serializer.loads(result.value)
+        assert 0 < len(held.data) < 80  # trimmed to its share, not dropped
+
+
+def test_a_trimmed_reply_keeps_the_smallest_records_within_the_budget() -> None:
+    held = DictionaryDHTValue()
+    now = get_dht_time()
+    for i in range(200):
+        held.store(_owner(i), bytes(20_000 if i % 2 else 500), now + 60)
+    value = DHTProtocol.serializer.dumps(held)
+    response = dht_pb2.FindResponse(
+        results=[dht_pb2.FindResult(type=dht_pb2.FOUND_DICTIONARY, value=value, expiration_time=now + 60)] * 2
+    )
+    budget = 1 << 20
+    assert response.ByteSize() > budget
+    trimmed = trim_find_response(response, budget, random.Random(0))
+    assert trimmed.ByteSize() <= budget <= MAX_FIND_REPLY_BYTES
+    kept = DHTProtocol.serializer.loads(trimmed.results[0].value)
+    sizes = [len(item.value) for _, item in kept.items()]
+    assert sizes.count(500) == 100  # every small record, then the large ones that fit
