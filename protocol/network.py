@@ -450,6 +450,8 @@ class NetworkTransport(Transport):
         started, before ``bound_dht`` budgeted ``rpc_find``; and behind ``--allow``: hivemind's
         authorizer hook sees a request but not its sender, so the check wraps the handlers, which
         get the caller's libp2p-authenticated peer id: the same check the fragment server makes."""
+        if protocol.client_mode:
+            return  # a DHT client answers no RPC: nothing is registered
         await protocol.remove_p2p_handlers(self.p2p)
         servicer = AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer)
         if self._allow:

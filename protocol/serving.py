@@ -31,6 +31,7 @@ from hivemind.p2p import P2P, P2PContext
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, NonceLedger, SwarmKey
 from cgad.protocol.config import NetworkOptions
+from cgad.protocol.framing import add_capped_stream_handler
 from cgad.protocol.store import FragmentStore
 from cgad.protocol.tls import ServerCertificate
 from cgad.protocol.transport import TransportStats
@@ -58,6 +59,9 @@ MIN_STATE_SERVE_RATE = 8_000.0
 STATE_SERVE_GRACE = 30.0  # seconds
 MAX_GRPC_STREAMS = 64  # gRPC refuses further calls at once (RESOURCE_EXHAUSTED): they try elsewhere
 FRAGMENT_HOLD = 5.0  # seconds a fragment chunk waits at most while a snapshot streams
+# a FetchRequest is a hash, two ints and a ticket (~130 bytes): a larger frame is never read
+MAX_FETCH_REQUEST_BYTES = 1024
+NOT_ALLOWED = "not allowed: this peer trains only with the peers it lists"
 
 
 def _not_a_hang_up(record: logging.LogRecord) -> bool:
@@ -105,7 +109,12 @@ class FragmentServer:
         """Answer on libp2p, and on gRPC unless ``grpc_listen`` is none."""
         self._no_state = asyncio.Event()
         self._no_state.set()
-        await p2p.add_protobuf_handler(LIBP2P_FETCH, self._fetch_libp2p, pb.FetchRequest, stream_output=True)
+        # read by hand: hivemind's reader buffers whatever length a caller declares, before any check
+        await add_capped_stream_handler(
+            p2p, LIBP2P_FETCH, self._fetch_libp2p, pb.FetchRequest,
+            max_request_bytes=MAX_FETCH_REQUEST_BYTES, allowed=self.caller_allowed,
+            refusal=pb.FetchResponse(error=NOT_ALLOWED), on_refused=self._count_refusal,
+        )  # fmt: skip
         await p2p.add_protobuf_handler(LIBP2P_DESCRIBE, self._describe, pb.DescribeRequest)
         listen = self.options.grpc_listen
         if listen is None:
@@ -221,6 +230,9 @@ class FragmentServer:
             else:
                 self._no_state.set()
 
+    def _count_refusal(self, reason: str) -> None:
+        self.stats.rejected[reason] += 1
+
     def caller_allowed(self, context: P2PContext) -> bool:
         """Whether a libp2p caller (libp2p authenticates its peer id) is in ``--allow``; a refusal
         is counted ``not_allowed``. The DHT's handlers ask this too (``AllowedCallers``)."""
@@ -240,7 +252,7 @@ class FragmentServer:
 
     async def _fetch_libp2p(self, request: pb.FetchRequest, context: P2PContext) -> Outgoing:
         if not self.caller_allowed(context):
-            yield self._refusal("not allowed: this peer trains only with the peers it lists", False)
+            yield self._refusal(NOT_ALLOWED, False)
             return
         async for message in self._fetch(request, serialized=False):
             yield message
