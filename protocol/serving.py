@@ -10,8 +10,11 @@ A state snapshot goes first: while one streams out, each fragment stream holds i
 until no snapshot streams, or for ``FRAGMENT_HOLD`` seconds (below the fetcher's silence
 timeout, so the fetch survives), so a joiner gets the uplink instead of a share of it (a fragment
 that waits only arrives a little older). At most ``MAX_STATE_STREAMS`` snapshots stream
-at once; a further asker is refused and tries another holder, and a snapshot stream read slower
-than ``MIN_STATE_SERVE_RATE`` is ended.
+at once, at most ``MAX_STATE_STREAMS_PER_ASKER`` to one asker (its libp2p peer id, or its
+address on gRPC); a further asker is refused and tries another holder. A snapshot stream must
+keep up an average rate that rises with its age: ``MIN_STATE_SERVE_RATE`` at the end of the grace
+period, then in proportion to the time it has held its slot, so that no reader, however steady,
+keeps a slot for ever (a reader at 8.7 kB/s held both slots against an 8 kB/s floor for good).
 
 Threads: a ``FragmentServer`` runs on the transport's event-loop thread ("cgad-net-*"), as do all
 its handlers; ``stats.bytes_sent`` is counted there. The store it serves from has its own lock.
@@ -23,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import grpc
@@ -56,7 +60,8 @@ MAX_STATE_STREAMS = 2
 # Honest joiners got 69 kB/s each through a shared 2 Mbit uplink; under --upload-limit the floor
 # is at most the limit's share of a full set of snapshot streams and a fragment stream.
 MIN_STATE_SERVE_RATE = 8_000.0
-STATE_SERVE_GRACE = 30.0  # seconds
+STATE_SERVE_GRACE = 30.0  # seconds; the floor at time t past it is MIN_STATE_SERVE_RATE * t / grace
+MAX_STATE_STREAMS_PER_ASKER = 1  # a joiner downloads from several holders, one range from each
 MAX_GRPC_STREAMS = 64  # gRPC refuses further calls at once (RESOURCE_EXHAUSTED): they try elsewhere
 FRAGMENT_HOLD = 5.0  # seconds a fragment chunk waits at most while a snapshot streams
 # a FetchRequest is a hash, two ints and a ticket (~130 bytes): a larger frame is never read
@@ -97,6 +102,7 @@ class FragmentServer:
         self.peer_id = peer_id
         self.description = ""  # the swarm identity this peer tells askers (JSON, set by its node)
         self.state_streams = 0  # snapshots streaming out now
+        self._state_askers: Counter[str] = Counter()  # snapshots streaming out now, per asker
         self._uplink_free = 0.0  # loop time by which what was sent is out at ``upload_limit``
         self._no_state: asyncio.Event | None = None  # set while no snapshot streams
         self.grpc_endpoint: str | None = None  # host:port others dial, once the server runs
@@ -156,10 +162,16 @@ class FragmentServer:
             await self._grpc_server.stop(grace=None)
 
     async def _stream_out(
-        self, header: pb.FragmentHeader, data: bytes | bytearray, offset: int, serialized: bool, end: int
+        self,
+        header: pb.FragmentHeader,
+        data: bytes | bytearray,
+        offset: int,
+        serialized: bool,
+        end: int | None = None,
     ) -> Outgoing:
-        """Header and the chunks of ``data[offset:end]``, within this peer's upload rate; a
-        fragment's behind any snapshot."""
+        """Header and the chunks of ``data[offset:end]`` (None: to the end), within this peer's
+        upload rate; a fragment's behind any snapshot, a snapshot's ended when read too slowly."""
+        end = len(data) if end is None else end
         stream = serialized_response_stream if serialized else response_stream
         rate = self.options.upload_limit
         loop = asyncio.get_running_loop()
@@ -169,7 +181,12 @@ class FragmentServer:
         floor = min(MIN_STATE_SERVE_RATE, (rate or math.inf) / (MAX_STATE_STREAMS + 1))
         for index, message in enumerate(stream(header, data, offset, end=end)):
             elapsed = loop.time() - started
-            if state and elapsed > STATE_SERVE_GRACE and position - offset < floor * elapsed:
+            # the average rate asked rises with the time held: floor * elapsed / grace
+            if (
+                state
+                and elapsed > STATE_SERVE_GRACE
+                and position - offset < floor * elapsed**2 / STATE_SERVE_GRACE
+            ):
                 self.stats.rejected["slow_reader"] += 1
                 logger.info("ended a snapshot stream read at %.0f B/s", (position - offset) / elapsed)
                 return
@@ -200,7 +217,7 @@ class FragmentServer:
         self.stats.rejected["unauthorized"] += 1
         return False
 
-    async def _fetch(self, request: pb.FetchRequest, serialized: bool) -> Outgoing:
+    async def _fetch(self, request: pb.FetchRequest, serialized: bool, asker: str) -> Outgoing:
         if not self._authorized(request, FETCH_PURPOSE):
             yield self._refusal("unauthorized: this swarm is private", serialized)
             return
@@ -212,15 +229,23 @@ class FragmentServer:
         if state and self.state_streams >= MAX_STATE_STREAMS:
             yield self._refusal("busy: serving other snapshots", serialized)
             return
+        if state and self._state_askers[asker] >= MAX_STATE_STREAMS_PER_ASKER:
+            self.stats.rejected["state_slots"] += 1
+            yield self._refusal("busy: already serving you a snapshot", serialized)
+            return
         offset = min(request.offset, len(entry.data))
         # a range (a download from several holders at once), or to the end
         end = min(offset + request.length, len(entry.data)) if request.length else len(entry.data)
         self._count_state_stream(int(state))
+        self._state_askers[asker] += int(state)
         try:
             async for message in self._stream_out(entry.header, entry.data, offset, serialized, end):
                 yield message
         finally:
             self._count_state_stream(-int(state))
+            self._state_askers[asker] -= int(state)
+            if self._state_askers[asker] <= 0:  # bounded: only askers streaming now are kept
+                del self._state_askers[asker]
 
     def _count_state_stream(self, change: int) -> None:
         self.state_streams += change
@@ -247,12 +272,19 @@ class FragmentServer:
         return pb.DescribeResponse(run_id=self.options.run_id, swarm_json=self.description)
 
     async def _fetch_grpc(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Outgoing:
-        async for message in self._fetch(request, serialized=True):
+        # a gRPC caller is anonymous: its address (without the port, which it picks) names it
+        async for message in self._fetch(request, serialized=True, asker=_grpc_host(context.peer())):
             yield message
 
     async def _fetch_libp2p(self, request: pb.FetchRequest, context: P2PContext) -> Outgoing:
         if not self.caller_allowed(context):
             yield self._refusal(NOT_ALLOWED, False)
             return
-        async for message in self._fetch(request, serialized=False):
+        async for message in self._fetch(request, serialized=False, asker=context.remote_id.to_base58()):
             yield message
+
+
+def _grpc_host(peer: str) -> str:
+    """The address in gRPC's ``context.peer()`` ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"), less
+    the port."""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer

@@ -46,7 +46,11 @@ def _signed(identity: Identity, key: str, subkey: bytes, value: object) -> DHTRe
 def _progress(identity: Identity, **fields: object) -> dict:
     # every field, as an honest peer's record has them (the schema compares what it parsed)
     record = Progress(
-        peer_id=identity.peer_id, versions=[1, 2, 3, 4], inner_step=5, tokens_per_second=1.0, time=get_dht_time()
+        peer_id=identity.peer_id,
+        versions=[1, 2, 3, 4],
+        inner_step=5,
+        tokens_per_second=1.0,
+        time=get_dht_time(),
     ).dict()
     record.update(fields)
     return record

@@ -1,0 +1,82 @@
+"""An outsider holding the snapshot slots (issue 27, hole 6): one asker gets one snapshot stream
+at a time, and the rate a snapshot stream must keep up rises with the time it holds its slot, so
+a reader just above the old fixed floor no longer keeps a slot for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol import serving
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.records import Offer
+from cgad.protocol.serving import FragmentServer
+from cgad.protocol.store import FragmentStore, StoredFragment
+from cgad.protocol.transport import TransportStats
+from cgad.protocol.wire import content_hash
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _server_with_snapshot(size: int) -> tuple[FragmentServer, bytes]:
+    data = bytes(size)
+    digest = content_hash(data)
+    header = pb.FragmentHeader(kind=pb.STATE, byte_length=size, content_hash=digest, base_version=1)
+    offer = Offer(
+        publisher="QmMe", base_version=1, kind="state", tokens=0, codec="state", numel=size,
+        content_hash=digest, byte_length=size,
+    )  # fmt: skip
+    store = FragmentStore(2, 2)
+    store.put(StoredFragment(header=header, data=data, offer=offer, own=True))
+    return FragmentServer(NetworkOptions(run_id="t"), store, TransportStats(), "QmMe"), digest
+
+
+def test_one_asker_holds_one_snapshot_slot_at_a_time() -> None:
+    server, digest = _server_with_snapshot(4 << 20)
+    request = pb.FetchRequest(content_hash=digest)
+
+    async def first_message(asker: str):
+        stream = server._fetch(request, serialized=False, asker=asker)
+        return stream, await anext(stream)
+
+    async def scenario() -> None:
+        held, header = await first_message("QmOutsider")
+        assert header.WhichOneof("part") == "header"
+        _, refusal = await first_message("QmOutsider")  # its second stream, while the first runs
+        assert refusal.WhichOneof("part") == "error" and "busy" in refusal.error
+        other, header = await first_message("QmJoiner")  # another asker gets the second slot
+        assert header.WhichOneof("part") == "header"
+        await held.aclose()  # the first stream ends: the asker may stream again
+        again, header = await first_message("QmOutsider")
+        assert header.WhichOneof("part") == "header"
+        await other.aclose()
+        await again.aclose()
+
+    asyncio.run(scenario())
+    assert server.stats.rejected["state_slots"] == 1
+    assert server.state_streams == 0 and not server._state_askers
+
+
+def test_a_steady_reader_above_the_fixed_floor_is_ended_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader at 3x the floor: the old fixed floor served it to the end; the rising one ends it
+    after about 3 grace periods. A reader with no pause reads everything."""
+    pause, grace = 0.05, 0.3
+    rate = serving.CHUNK_BYTES / pause  # what the slow reader takes, at most
+    monkeypatch.setattr(serving, "STATE_SERVE_GRACE", grace)
+    monkeypatch.setattr(serving, "MIN_STATE_SERVE_RATE", rate / 3)
+    data = bytes(64 * serving.CHUNK_BYTES)  # 64 chunks: 3.2 s at that rate
+    header = pb.FragmentHeader(kind=pb.STATE, byte_length=len(data))
+
+    async def read(delay: float) -> int:
+        server = FragmentServer(NetworkOptions(run_id="t"), FragmentStore(2, 2), TransportStats(), "QmMe")
+        messages = 0
+        async for _ in server._stream_out(header, data, 0, serialized=False):
+            messages += 1
+            await asyncio.sleep(delay)
+        return messages
+
+    assert asyncio.run(read(0.0)) == 65  # the header and every chunk
+    assert asyncio.run(read(pause)) < 40  # ended near 3 x grace (~0.9 s, ~18 chunks)
