@@ -11,8 +11,10 @@ On the WAN testbed (bench/wan/testbed.py: a namespace per node, ``tc tbf`` links
 2. **two holders**: A offers one snapshot only (``--state-every`` large, the exception to the
    defaults that keeps B's adopted copy the newest of those bytes); B joins and serves what it
    adopted onward; then a probe in C's namespace (``--probe``: the transport a joiner downloads
-   with, ``fetch_state``) downloads the snapshot both hold, from both at once. Measured: its
-   download rate against one holder's uplink.
+   with, ``fetch_state``) downloads the snapshot both hold, from both at once, over a link with
+   ``--joiner-down-mbit`` down (a home line: its downlink several times its uplink; on a
+   symmetric link one holder already fills it). Measured: its download rate against one
+   holder's uplink.
 
 Writes ``bench/results/join.json`` (with the commit it ran at) and prints a summary. Needs root
 and iproute2 (as the WAN runner).
@@ -111,13 +113,14 @@ def _download_seconds(lines: list[str]) -> float | None:
     return (stamps["end"] - stamps["start"]).total_seconds()
 
 
-def one_repeat(preset: str, mbit: float, extra: list[str], workdir: Path) -> dict[str, Any]:
+def one_repeat(preset: str, mbit: float, down_mbit: float, extra: list[str], workdir: Path) -> dict[str, Any]:
     common = ["--model", preset, "--run-id", "joinbench", *extra]
     link = Link(up_mbit=mbit, down_mbit=mbit)
+    home = Link(up_mbit=mbit, down_mbit=down_mbit)
     out: dict[str, Any] = {}
     for phase in ("one_holder", "two_holders"):
         a_args = common + (["--state-every", "100000"] if phase == "two_holders" else [])
-        with Testbed([link, link, link]) as bed:
+        with Testbed([link, link, home]) as bed:
             bed.start(0, EXECUTABLE, a_args, workdir / phase / "n0")
             peers = [bed.multiaddr(0)]
             admin = bed.nodes[0].admin
@@ -193,6 +196,7 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--mbit", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--joiner-down-mbit", type=float, default=50.0)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--inner-steps", type=int, default=10)
@@ -212,12 +216,13 @@ def main() -> None:
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="cgad-join-") as tmp:
             print(f"repeat {repeat + 1}/{args.repeats} ...", flush=True)
-            repeats.append(one_repeat(args.preset, args.mbit, extra, Path(tmp)))
+            repeats.append(one_repeat(args.preset, args.mbit, args.joiner_down_mbit, extra, Path(tmp)))
             b = repeats[-1]["one_holder"]["b"]
             mb, seconds = b["rx_bytes"] / 1e6, b["seconds_to_first_step"]
             print(f"  one holder: {mb:.1f} MB in, first step at {seconds:.0f} s", flush=True)
     parameters = repeats[0]["one_holder"]["parameters"]
-    result = {"preset": args.preset, "mbit": args.mbit, "settings": extra, **state,
+    result = {"preset": args.preset, "mbit": args.mbit, "joiner_down_mbit": args.joiner_down_mbit,
+              "settings": extra, **state,
               "parameters": parameters, "repeats": repeats,
               "summary": summarise(repeats, args.mbit, parameters)}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
