@@ -378,8 +378,8 @@ def _decode_scales(data: bytes | memoryview, offset: int, count: int, codec: Cod
 def decode(data: bytes | bytearray | memoryview) -> Tensor:
     """The tensor ``encode`` produced, in its original shape and dtype.
 
-    Anything else raises ``FragmentError`` with a reason; nothing is allocated before the header
-    has been checked against the actual length of ``data``.
+    Anything else (values its header's dtype cannot hold too) raises ``FragmentError`` with a
+    reason; nothing is allocated before the header has been checked against the length of ``data``.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise FragmentError("garbage", f"expected bytes, got {type(data).__name__}")
@@ -414,6 +414,12 @@ def decode(data: bytes | bytearray | memoryview) -> Tensor:
             packed = np.frombuffer(data, dtype=np.uint8, count=nblocks * block // 4, offset=codes_offset)
             blocks.numpy().view(np.dtype((np.void, 16))).reshape(-1)[:] = _TWO_BIT_BYTE_TO_QUAD[packed]
         flat = blocks.mul_(scales[:, None]).view(-1)[:numel]
+    if dtype is not torch.float32 and numel:
+        # encode's bytes of a float16 tensor fit float16; others (1e6 under float16) decode to Inf
+        low, high = _finite_range(flat)
+        limit = torch.finfo(dtype).max
+        if not -limit <= low <= high <= limit:
+            raise FragmentError("non_finite", f"values in [{low}, {high}] overflow {dtype}")
     return flat.to(dtype).view(shape)
 
 
