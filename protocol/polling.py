@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import TypeVar
@@ -48,7 +49,10 @@ from cgad.protocol.scheduling import VersionClock, poll_pause
 from cgad.protocol.selection import Candidate, OfferSelector, Rejection, own_version, swarm_version
 from cgad.protocol.transport import TransportStats
 
-__all__ = ["KNOWN_PEERS", "PROGRESS_SKEW", "REJOIN_EVERY", "Poller"]
+__all__ = [
+    "KNOWN_PEERS", "MAX_ENDPOINTS_PER_HOST", "MAX_FAULTY_RECORDS", "PROGRESS_SKEW", "REJOIN_EVERY",
+    "EndpointClaims", "FaultLedger", "Poller", "live_progress",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T", Holdings, Progress)
@@ -58,6 +62,91 @@ T = TypeVar("T", Holdings, Progress)
 PROGRESS_SKEW = 60.0
 REJOIN_EVERY = 10.0  # seconds between pings of the peers it knew, while a peer sees none live
 KNOWN_PEERS = 64  # the most recently seen peers it remembers for that (records are cheap to forge)
+MAX_FAULTY_RECORDS = 4096  # faulty records remembered (to count each once): identities are free
+# gRPC endpoints a record may make this peer dial: each named by one peer, so many identities
+# cannot aim every fetcher at one host:port, and at most this many ports per host
+MAX_ENDPOINTS_PER_HOST = 32
+MAX_ENDPOINTS = 1024  # endpoints (and their claimants) remembered, least recently seen forgotten
+
+
+def live_progress(records: Sequence[Progress], now: float, liveness_ttl: float) -> dict[str, Progress]:
+    """The records younger than ``liveness_ttl`` by peer: the swarm's view (who is live, the median
+    version) is taken from these only, never from a record its peer stopped refreshing.
+
+    Args:
+        records: sound progress records.
+        now: the DHT time.
+        liveness_ttl: seconds a record counts as live after its time.
+    """
+    return {p.peer_id: p for p in records if p.time + liveness_ttl > now}
+
+
+class FaultLedger:
+    """Faulty records already counted (key, owner, expiration), so that each is counted once:
+    bounded by ``size`` (least recently seen forgotten) and by age (``keep`` seconds)."""
+
+    def __init__(self, size: int = MAX_FAULTY_RECORDS, keep: float = 3600.0) -> None:
+        self.size = size
+        self.keep = keep
+        self._seen: OrderedDict[tuple, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def first_time(self, record: tuple, now: float) -> bool:
+        """Whether ``record`` is new here (and remember it).
+
+        Args:
+            record: what names the faulty record (hashable, small).
+            now: the DHT time.
+        """
+        while self._seen and (
+            len(self._seen) >= self.size or next(iter(self._seen.values())) < now - self.keep
+        ):
+            self._seen.popitem(last=False)
+        new = record not in self._seen
+        self._seen[record] = now
+        self._seen.move_to_end(record)
+        return new
+
+
+class EndpointClaims:
+    """Which holder may name which gRPC endpoint: the first to name one keeps it while it is
+    remembered, and a host gets at most ``per_host`` endpoints; a holder over either bound keeps
+    its record without the endpoint (it is still reached over libp2p)."""
+
+    def __init__(self, per_host: int = MAX_ENDPOINTS_PER_HOST, size: int = MAX_ENDPOINTS) -> None:
+        self.per_host = per_host
+        self.size = size
+        self._owner: OrderedDict[str, str] = OrderedDict()  # endpoint -> peer id
+        self._per_host: Counter[str] = Counter()
+
+    def check(self, holdings: Holdings) -> Holdings:
+        """``holdings``, its endpoint removed when another peer named it first or its host has
+        ``per_host`` endpoints already.
+
+        Args:
+            holdings: a sound holder's record.
+        """
+        endpoint = holdings.grpc
+        if endpoint is None:
+            return holdings
+        owner = self._owner.get(endpoint)
+        if owner is None:
+            host = endpoint.rsplit(":", 1)[0]
+            if self._per_host[host] >= self.per_host:
+                return holdings.copy(update={"grpc": None, "tls": None})
+            self._owner[endpoint] = owner = holdings.peer_id
+            self._per_host[host] += 1
+            while len(self._owner) > self.size:
+                forgotten, _ = self._owner.popitem(last=False)
+                self._per_host[forgotten.rsplit(":", 1)[0]] -= 1
+                if self._per_host[forgotten.rsplit(":", 1)[0]] <= 0:
+                    del self._per_host[forgotten.rsplit(":", 1)[0]]
+        if owner != holdings.peer_id:
+            return holdings.copy(update={"grpc": None, "tls": None})
+        self._owner.move_to_end(endpoint)
+        return holdings
 
 
 def _peer_ids(maddrs: Sequence[str]) -> list[str]:
@@ -100,6 +189,8 @@ class Poller:
         self._progress = progress
         self._reject = reject
         self._holdings = ParseCache(parse_holdings)  # holders' records, parsed once while they stand
+        self.faulty = FaultLedger(keep=2 * options.record_ttl)  # faulty records counted once
+        self.endpoints = EndpointClaims()
         # whom to ping when no peer is left: --peers always, and the peers last seen live (newest
         # last; bounded, as identities are free to make)
         self._bootstrap_ids = _peer_ids(options.peers)
@@ -155,7 +246,8 @@ class Poller:
         now = get_dht_time()
         self.state_candidates = self._parse_states(found.get(state_key(run_id)), now)
 
-        live = {p.peer_id: p for p in self._records(found.get(progress_key(run_id)), "progress", now)}
+        records = self._records(found.get(progress_key(run_id)), "progress", now)
+        live = live_progress(records, now, self.options.liveness_ttl)
         live.setdefault(self.peer_id, self._progress())
         self.live = live
         for peer in live.keys() - {self.peer_id}:
@@ -190,13 +282,16 @@ class Poller:
         faulty record once)."""
 
         def faulty(error: FragmentError, owner: bytes, expiration: float) -> None:
-            if self._selector.judge((record, owner, expiration), now):
+            # the owner by digest: an owner key is ~400 bytes, and the ledger holds thousands
+            if self.faulty.first_time(
+                (record, hashlib.blake2b(owner, digest_size=16).digest(), expiration), now
+            ):
                 self._reject(error.reason, error.detail, None)
 
         if record == "progress":
             parse = partial(parse_live_progress, now=now, clock_skew=PROGRESS_SKEW)
             return read_records(entry, self._allowed(parse), faulty)
-        return read_records(entry, self._allowed(self._holdings), faulty)
+        return [self.endpoints.check(h) for h in read_records(entry, self._allowed(self._holdings), faulty)]
 
     def _allowed(self, parse: Callable[[bytes, object], T]) -> Callable[[bytes, object], T]:
         """``parse``, refusing the record of a peer outside ``--allow`` (and, in a holder's

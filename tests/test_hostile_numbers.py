@@ -12,6 +12,9 @@ import torch
 
 from cgad.protocol import FragmentError
 from cgad.protocol.codec import decode, encode
+from cgad.protocol.polling import MAX_FAULTY_RECORDS, EndpointClaims, FaultLedger, live_progress
+from cgad.protocol.records import Holdings, Progress
+from cgad.protocol.selection import swarm_version
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,3 +42,58 @@ def test_decode_refuses_values_its_declared_dtype_cannot_hold(codec: str) -> Non
     # and a float16 tensor's own encoding decodes as it did
     small = torch.full((512,), 1000.0, dtype=torch.float16)
     assert torch.equal(decode(encode(small, codec)), small) or codec != "fp32"
+
+
+def _pid(tag: str, i: int = 0) -> str:
+    """A peer id's shape (base58 digits only) for ``tag`` and ``i``."""
+    digits = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+    text = ""
+    while True:
+        text, i = digits[i % 58] + text, i // 58
+        if not i:
+            return f"Qm{tag}{text}"
+
+
+def _report(peer: str, time: float, versions: list[int]) -> Progress:
+    return Progress(peer_id=peer, versions=versions, inner_step=0, tokens_per_second=0.0, time=time)
+
+
+def test_the_swarm_view_takes_live_records_only() -> None:
+    """Records older than the liveness TTL (peers gone, not yet expired from the DHT) count
+    neither as live nor in the median version: three stale records at version 90 used to make
+    the median of 5 peers 90."""
+    now = 1000.0
+    records = [_report(_pid("Z", i), now - 100, [90]) for i in range(3)]
+    records += [_report("QmA", now - 1, [10]), _report("QmB", now - 2, [11])]
+    live = live_progress(records, now, liveness_ttl=30.0)
+    assert sorted(live) == ["QmA", "QmB"]
+    assert swarm_version([p.versions for p in live.values()], 0) == 10
+
+
+def test_the_ledger_of_faulty_records_is_bounded() -> None:
+    ledger = FaultLedger(size=100, keep=60.0)
+    assert all(ledger.first_time(("progress", i.to_bytes(16, "big"), 5.0), 0.0) for i in range(10_000))
+    assert len(ledger) <= 100
+    assert not ledger.first_time(("progress", (9_999).to_bytes(16, "big"), 5.0), 1.0)  # seen: once
+    ledger.first_time(("state", b"x", 1.0), 100.0)  # a minute later the old ones are gone
+    assert len(ledger) == 1
+    assert MAX_FAULTY_RECORDS <= 1 << 16
+
+
+def _holder(peer: str, endpoint: str) -> Holdings:
+    return Holdings(peer_id=peer, grpc=endpoint, offers=[])
+
+
+def test_records_cannot_aim_fetchers_at_any_number_of_endpoints() -> None:
+    claims = EndpointClaims(per_host=4, size=64)
+    # the first peer to name an endpoint keeps it; another naming it is reached over libp2p
+    assert claims.check(_holder("QmA", "203.0.113.9:4000")).grpc == "203.0.113.9:4000"
+    assert claims.check(_holder("QmB", "203.0.113.9:4000")).grpc is None
+    assert claims.check(_holder("QmA", "203.0.113.9:4000")).grpc == "203.0.113.9:4000"
+    # sybils naming every port of one host: only per_host of them keep one
+    kept = [claims.check(_holder(_pid("S", p), f"198.51.100.7:{p}")).grpc for p in range(1, 1000)]
+    assert sum(e is not None for e in kept) == 4
+    # bounded memory: endpoints beyond ``size`` are forgotten, oldest first
+    for i in range(1000):
+        claims.check(_holder(_pid("H", i), f"h{i}.example:5000"))
+    assert len(claims._owner) <= 64
