@@ -55,8 +55,10 @@ COMPOSE_PROJECT := cgad-node
 base-image:
 	@deploy/base_image.sh
 
+# the three services share one image: built once (through the bootstrap), then started
 compose-up:
-	base=$$(deploy/base_image.sh) && CGAD_BASE_IMAGE=$$base $(COMPOSE) -p $(COMPOSE_PROJECT) up -d --build
+	base=$$(deploy/base_image.sh) && CGAD_BASE_IMAGE=$$base $(COMPOSE) -p $(COMPOSE_PROJECT) build bootstrap
+	$(COMPOSE) -p $(COMPOSE_PROJECT) up -d
 	@echo "bootstrap: metrics http://127.0.0.1:9100/metrics, dashboard http://127.0.0.1:7781/"
 
 compose-down:
