@@ -48,7 +48,7 @@ from cgad.protocol.wire import (
     split_chunk,
 )
 
-__all__ = ["MAX_DESCRIPTION", "Fetcher", "decode_and_check"]
+__all__ = ["MAX_DESCRIPTION", "MIN_TRANSFER_RATE", "Fetcher", "decode_and_check"]
 
 MAX_DESCRIPTION = 4096
 RETRY_SECONDS = 2.0  # between passes over a candidate's holders
@@ -90,11 +90,18 @@ class Fetcher:
         for channel in self._channels.values():
             await channel.close()
 
-    async def fetch(self, candidate: Candidate, timeout: float | None = None, passes: int = 1) -> bytearray:
+    async def fetch(
+        self,
+        candidate: Candidate,
+        timeout: float | None = None,
+        passes: int = 1,
+        min_rate: float | None = None,
+    ) -> bytearray:
         """The candidate's bytes from the first of its holders that delivers them verified, each
         holder resuming where the last stopped; ``passes`` times over the holders (a busy one may
-        have a slot a moment later), within ``timeout`` (default ``fetch_timeout``).
-        ``FragmentError("unavailable")`` says how far it got otherwise."""
+        have a slot a moment later), within ``timeout`` (default ``fetch_timeout``); a holder
+        slower than ``min_rate`` bytes per second on average is dropped, and no later pass tries
+        it. ``FragmentError("unavailable")`` says how far it got otherwise."""
         timeout = self.options.fetch_timeout if timeout is None else timeout
         offer = candidate.offer
         # a snapshot's length is only its record's claim: memory follows the bytes that arrive
@@ -111,7 +118,7 @@ class Fetcher:
                     for holder in candidate.holders:
                         if holder.peer_id in gone:
                             continue
-                        data = await self._fetch_judged(holder, assembler, contributors, gone)
+                        data = await self._fetch_judged(holder, assembler, contributors, gone, min_rate)
                         if data is not None:
                             return data
                     if len(gone) == len(candidate.holders):
@@ -132,7 +139,12 @@ class Fetcher:
         )
 
     async def _fetch_judged(
-        self, holder: Holdings, assembler: ChunkAssembler, contributors: list[str], gone: set[str]
+        self,
+        holder: Holdings,
+        assembler: ChunkAssembler,
+        contributors: list[str],
+        gone: set[str],
+        min_rate: float | None = None,
     ) -> bytearray | None:
         """``fetch_from``, with the blame for bytes that fail the hash put where it belongs. The
         hash covers the whole, so a transfer resumed across holders does not say who sent the
@@ -140,9 +152,9 @@ class Fetcher:
         fetched again from the holder that completed it, alone and from the first byte, which
         then either delivers or is the one at fault. So a holder that sends one wrong byte and
         leaves spoils a transfer once, never the publisher's name or the whole fetch."""
-        before = assembler.received
+        before, started = assembler.received, time.monotonic()
         try:
-            data = await self.fetch_from(holder, assembler)
+            data = await self.fetch_from(holder, assembler, min_rate=min_rate)
         except FragmentError as error:
             if error.reason == "not_held":
                 gone.add(holder.peer_id)
@@ -154,12 +166,15 @@ class Fetcher:
             contributors.clear()
             if others:
                 self.reject("bad_hash", f"from one of {', '.join([*others, holder.peer_id])}: {error.detail}")
-                return await self._fetch_judged(holder, assembler, contributors, gone)
+                return await self._fetch_judged(holder, assembler, contributors, gone, min_rate)
             self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
             gone.add(holder.peer_id)
             return None
         if assembler.received > before and holder.peer_id not in contributors:
             contributors.append(holder.peer_id)
+        elapsed, floor = time.monotonic() - started, MIN_TRANSFER_RATE if min_rate is None else min_rate
+        if data is None and elapsed > MIN_RATE_GRACE and assembler.received - before < floor * elapsed:
+            gone.add(holder.peer_id)  # it trickled: another pass would only trickle again
         return data
 
     async def describe(self, peer_id: str) -> tuple[str, str]:
@@ -188,10 +203,15 @@ class Fetcher:
         return response.run_id, response.swarm_json
 
     async def fetch_from(
-        self, holder: Holdings, assembler: ChunkAssembler, paths: Sequence[str] | None = None
+        self,
+        holder: Holdings,
+        assembler: ChunkAssembler,
+        paths: Sequence[str] | None = None,
+        min_rate: float | None = None,
     ) -> bytearray | None:
         """Bytes from one holder over the first path that works, resuming where a previous holder
-        or stream stopped; None when this holder could not deliver. ``FragmentError`` when it
+        or stream stopped, at ``min_rate`` bytes per second at least (after ``MIN_RATE_GRACE``);
+        None when this holder could not deliver. ``FragmentError`` when it
         says it no longer keeps them ("not_held"), or when the completed bytes fail the hash
         ("bad_hash": the caller restarts the assembly and knows who else contributed)."""
         # the rate floor holds over all of a holder's streams: one that sends a byte per stream
@@ -206,7 +226,7 @@ class Fetcher:
             while fruitless < 2:
                 received_before = assembler.received
                 try:
-                    await self._drain(self._open_fetch(path, holder, assembler), assembler, since)
+                    await self._drain(self._open_fetch(path, holder, assembler), assembler, since, min_rate)
                     if assembler.complete:
                         return assembler.finish()
                     # libp2p reports a dropped connection as a clean end of stream: resume
@@ -283,21 +303,24 @@ class Fetcher:
         return self._open_libp2p(holder.peer_id, LIBP2P_FETCH, request, pb.FetchResponse)
 
     async def _drain(
-        self, stream: AsyncIterator[Message | bytes], assembler: ChunkAssembler, since: tuple[float, int]
+        self,
+        stream: AsyncIterator[Message | bytes],
+        assembler: ChunkAssembler,
+        since: tuple[float, int],
+        min_rate: float | None = None,
     ) -> None:
         """Read a header-then-chunks stream into ``assembler``, which expects what the signed
         record names; ``FragmentError("too_slow")`` when the holder has sent less than
-        ``MIN_TRANSFER_RATE`` on average since ``since`` (its first stream: time, bytes then)."""
+        ``min_rate`` (None: ``MIN_TRANSFER_RATE``) on average since ``since`` (its first
+        stream: time, bytes then)."""
+        min_rate = MIN_TRANSFER_RATE if min_rate is None else min_rate
         iterator = aiter(stream)
         first = True
         started, start_bytes = since
         try:
             while True:
                 elapsed = time.monotonic() - started
-                if (
-                    elapsed > MIN_RATE_GRACE
-                    and assembler.received - start_bytes < MIN_TRANSFER_RATE * elapsed
-                ):
+                if elapsed > MIN_RATE_GRACE and assembler.received - start_bytes < min_rate * elapsed:
                     rate = (assembler.received - start_bytes) / elapsed
                     raise FragmentError("too_slow", f"{rate:.0f} B/s over {elapsed:.0f} s")
                 try:

@@ -4,7 +4,10 @@ Every peer that adopted a snapshot serves it on (``reserve_state``), so a popula
 many holders, and one holder's uplink need not carry every joiner. The snapshot is cut into
 ranges of ``PIECE_BYTES``; each holder (up to ``MAX_SOURCES``) takes the next range nobody has
 taken, and the ranges arrive side by side. A holder that fails or trickles leaves its range,
-resumed where it stopped, to the others. The signed record names the hash of the whole, so it is
+resumed where it stopped, to the others, and one slower than its share of the rate the download
+needs to finish in its time (``state_min_rate``) is dropped for good after ``MIN_RATE_GRACE``:
+a holder trickling at 5 kB/s held joiners for half an hour. The signed record names the hash of
+the whole, so it is
 checked once every range is in; bytes that fail it are fetched again the careful way
 (``Fetcher.fetch``: one holder at a time, which says who sent them), so a holder that lies costs
 one extra download, never a wrong state.
@@ -19,6 +22,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from cgad.protocol.errors import FragmentError
+from cgad.protocol.fetching import MIN_RATE_GRACE, MIN_TRANSFER_RATE
 from cgad.protocol.records import Holdings
 from cgad.protocol.selection import Candidate
 from cgad.protocol.wire import RangeAssembler, content_hash
@@ -26,10 +30,29 @@ from cgad.protocol.wire import RangeAssembler, content_hash
 if TYPE_CHECKING:
     from cgad.protocol.fetching import Fetcher
 
-__all__ = ["MAX_SOURCES", "PIECE_BYTES", "fetch_from_many"]
+__all__ = ["MAX_SOURCES", "PIECE_BYTES", "fetch_from_many", "state_min_rate"]
 
 PIECE_BYTES = 4 << 20  # a range: a few seconds of a 10 Mbit uplink, few enough to track
 MAX_SOURCES = 4  # holders one download draws from at once
+# a holder must deliver at least this share of its part of the rate that brings the whole in
+# within the download's time (honest holders' rates vary; the others take over the rest)
+HOLDER_RATE_SHARE = 0.5
+
+
+def state_min_rate(byte_length: int, timeout: float, holders: int) -> float:
+    """Bytes per second each of ``holders`` must deliver on average (after ``MIN_RATE_GRACE``):
+    ``HOLDER_RATE_SHARE`` of its share of ``byte_length`` over ``timeout``, and at least the
+    fetcher's floor for any transfer. The timeout is the joiner's own (its link, the size it
+    expects), so the floor is too, never the holder's.
+
+    Args:
+        byte_length: the snapshot's size (its record's claim: a larger claim only raises it).
+        timeout: seconds the whole download may take.
+        holders: holders drawn from at once.
+    """
+    needed = byte_length / max(timeout, 1e-9) / max(holders, 1)
+    return max(MIN_TRANSFER_RATE, HOLDER_RATE_SHARE * needed)
+
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +84,8 @@ async def fetch_from_many(
     offer = candidate.offer
     holders = list(candidate.holders[:MAX_SOURCES])
     if len(holders) < 2 or offer.byte_length <= PIECE_BYTES:
-        return await fetcher.fetch(candidate, timeout, passes)
+        return await fetcher.fetch(candidate, timeout, passes, state_min_rate(offer.byte_length, timeout, 1))
+    min_rate = state_min_rate(offer.byte_length, timeout, len(holders))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     end = offer.byte_length
@@ -75,11 +99,19 @@ async def fetch_from_many(
     async def pull(holder: Holdings) -> None:
         while waiting:
             piece = waiting.popleft()
+            before, started = piece.received, loop.time()
             try:
-                await fetcher.fetch_from(holder, piece)
+                await fetcher.fetch_from(holder, piece, min_rate=min_rate)
             except FragmentError as error:  # not_held: it keeps none of it any more
                 logger.debug("holder %s: %s", holder.peer_id, error)
                 gone.add(holder.peer_id)
+            elapsed = loop.time() - started
+            if (
+                not piece.complete
+                and elapsed > MIN_RATE_GRACE
+                and piece.received - before < min_rate * elapsed
+            ):
+                gone.add(holder.peer_id)  # it trickled: another pass would only trickle again
             if not piece.complete:
                 waiting.appendleft(piece)  # the others take it over from here
                 return
@@ -110,4 +142,4 @@ async def fetch_from_many(
             f" {offer.byte_length / 1e6:.1f} MB ({len(holders)} holder(s) at once)",
         )
     # what the ranges could not give: one holder at a time, with the blame where it belongs
-    return await fetcher.fetch(candidate, left, passes)
+    return await fetcher.fetch(candidate, left, passes, state_min_rate(offer.byte_length, left, 1))

@@ -26,7 +26,8 @@ SWARM = {"run_id": RUN, "model": "m", "tokenizer": "t", "optimizer": "cga", "fra
 
 def _sync(transport, peers: list[str]) -> StateSync:
     config = JoinConfig(run_id=RUN, peers=peers)
-    loop = OuterLoop([torch.zeros(4)], config, transport, RUN)
+    # its own φ near the snapshots' (a joiner holds a snapshot's φ against its own)
+    loop = OuterLoop([torch.full((4,), 0.5)], config, transport, RUN)
     swarm = {**SWARM, "protocol": PROTOCOL_VERSION}
     return StateSync(config, transport, loop, swarm, threading.Lock(), threading.Event())
 
@@ -86,14 +87,18 @@ def test_a_peer_whose_snapshot_was_poisoned_is_not_tried_at_its_older_versions()
         make_transport(peers=honest.maddrs()) as poisoner,
         make_transport(peers=honest.maddrs()) as joiner,
     ):
-        # within the cutoff (4) of the peers' progress reports (0), so that every offer is worth trying
+        # within the cutoff (4) of the peers' progress reports (4), so that every offer is worth
+        # trying, the poisoner's nearest the swarm's version: tried first
+        honest.report_progress([4], 50, 0.0)
         honest.publish_state(_snapshot(2, 1.0), [2])
         for version in (3, 4):  # the publisher keeps its two newest: both on offer, both NaN
             poisoner.publish_state(_snapshot(version, float("nan")), [version])
         wait_for(lambda: len(joiner.state_offers()) == 3, what="three offers")
         sync = _sync(joiner, honest.maddrs())
+        wait_for(lambda: len(sync.reports()) == 1, what="the report")
         adopted = sync.sync(required=True)
-        assert adopted == (honest.peer_id, 2) and torch.equal(sync.loop.phi[0], torch.ones(4))
+        # counted on to the honest source's report (4) once adopted
+        assert adopted == (honest.peer_id, 4) and torch.equal(sync.loop.phi[0], torch.ones(4))
         assert joiner.stats.rejected["bad_state"] == 1  # version 4 refused, version 3 never fetched
 
 
@@ -138,7 +143,7 @@ def _two_fragment_snapshot(versions: list, snapshot_round: int) -> bytes:
         [3, float("inf")],  # int(inf) raised OverflowError, past the refusal, and ended the node
         [3, 3.0],  # not a version: 3.5 would be truncated
         [3, True],
-        [3, 4 + 4 + 1],  # one fragment past the ceiling (the cutoff past the reports)
+        [3, 3 + 4 + 1],  # one fragment past the ceiling (the cutoff past the reports)
     ],
 )
 def test_a_snapshot_whose_versions_are_forged_is_refused(versions: list) -> None:
@@ -147,15 +152,15 @@ def test_a_snapshot_whose_versions_are_forged_is_refused(versions: list) -> None
         make_transport(peers=honest.maddrs()) as forger,
         make_transport(peers=honest.maddrs()) as joiner,
     ):
-        honest.report_progress([2, 2], 50, 0.0)
+        honest.report_progress([3, 3], 50, 0.0)  # the forger's version is the swarm's: tried first
         honest.publish_state(_two_fragment_snapshot([2, 2], 2), [2, 2])
         forger.publish_state(_two_fragment_snapshot(versions, 3), [3])
         wait_for(lambda: len(joiner.state_offers()) == 2, what="two offers")
         config = JoinConfig(run_id=RUN, peers=honest.maddrs(), fragments=2)
-        loop = OuterLoop([torch.zeros(4), torch.zeros(4)], config, joiner, RUN)
+        loop = OuterLoop([torch.full((4,), 0.5), torch.full((4,), 0.5)], config, joiner, RUN)
         swarm = {**SWARM, "fragments": 2, "protocol": PROTOCOL_VERSION}
         sync = StateSync(config, joiner, loop, swarm, threading.Lock(), threading.Event())
-        wait_for(lambda: sync._ceiling() == 2 + 4, what="the honest report")
+        wait_for(lambda: sync._ceiling() == 3 + 4, what="the honest report")
         assert sync.sync(required=True) == (honest.peer_id, 2)
         assert loop.versions == [2, 2] and joiner.stats.rejected["bad_state"] == 1
 

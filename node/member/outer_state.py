@@ -10,8 +10,12 @@ optimizer's per-parameter state: the outer momentum is rebuilt by the joiner's o
 as a fresh member's is. About 1.02 bytes per parameter.
 
 Every value of a state that came from a peer is the peer's claim: versions must be whole and
-non-negative, φ finite in the dtype it will be held in, and the optimizer's per-parameter state
-of its parameter's shape and finite, or nothing of it is taken.
+non-negative, φ finite in the dtype it will be held in, and the optimizer's state what an outer
+optimizer keeps (``PER_PARAMETER_STATE``: floats of exactly its parameter's shape, rank included,
+finite, second moments non-negative; ``COUNT_STATE``: whole counts, at most
+``COUNTS_PER_VERSION`` per version of the state), or nothing of it is taken. A joiner also holds
+φ against what it knows itself (``check_drift``): its own φ, and how far an honest version moves
+a value.
 """
 
 from __future__ import annotations
@@ -26,14 +30,40 @@ from torch import Tensor
 from cgad.protocol.codec import Codec, decode, encode, encoded_size
 from cgad.protocol.errors import FragmentError
 
-__all__ = ["SNAPSHOT_CODECS", "STATE_DTYPES", "Phi0", "Reference", "load_checked_state", "snapshot_state"]
+__all__ = [
+    "SNAPSHOT_CODECS",
+    "STATE_DTYPES",
+    "Phi0",
+    "Reference",
+    "check_drift",
+    "decode_phi",
+    "drift_per_version",
+    "load_checked_state",
+    "snapshot_state",
+]
 
 # how a state's φ travels: fp32 (a checkpoint: everything as held), fp16 (φ in float16, the
 # optimizer's float state in bfloat16: ~4 bytes per parameter once a momentum exists), int8
 # (φ − φ₀ in 8-bit blocks, no per-parameter optimizer state: ~1.02 bytes per parameter)
 SNAPSHOT_CODECS = ("fp32", "fp16", "int8")
 MAX_SEED = 2**63 - 1  # a reference seed from a peer: what torch.manual_seed takes
-
+# the per-parameter state the outer optimizers keep across rounds (CGA's momentum, CGAD's and
+# Adam-Decay's moments, the Nesterov family's buffers), and their counts: nothing else is taken
+# from a peer (CGA's per-round sums, for one, would be added into the next step as they are)
+PER_PARAMETER_STATE = frozenset({"momentum", "exp_avg", "exp_avg_sq", "momentum_buffer", "grad_buffer"})
+SECOND_MOMENTS = frozenset({"exp_avg_sq"})  # a square root is taken of them: never negative
+COUNT_STATE = frozenset({"step", "steps", "arrivals"})
+# counts per version a state may hold: a step per version, an arrival per delivery (Delayed
+# Nesterov: the own and each peer's, within the fan-in), far fewer than this
+COUNTS_PER_VERSION = 64
+# check_drift: a peer's φ may differ from this node's own by this many times the RMS of the own
+# tensor (two random initialisations differ by √2 of it) ...
+INIT_SPREAD = 4.0
+# ... plus, for each version between them and one more, this many times H × the inner lr (an
+# inner AdamW step moves a value by about the lr at most, and an outer step by a few times the
+# block's Δ: clipped peers, momentum; the outer lr multiplies it, or is itself the step of the
+# Adam family): a generous bound on an honest swarm, far below a forged φ
+DRIFT_FACTOR = 16.0
 
 
 class Phi0:
@@ -131,7 +161,7 @@ def load_checked_state(
     """
 
     versions = state["versions"]
-    phi = _decoded_phi(local_phi, state, reference)
+    phi = decode_phi(local_phi, state, reference)
     if not (isinstance(versions, list) and all(type(v) is int and v >= 0 for v in versions)):
         raise ValueError(f"versions {versions!r}")
     if len(phi) != len(local_phi) or len(versions) != fragments:
@@ -152,7 +182,7 @@ def load_checked_state(
             group.update(hyper)
             if "freshness" in group:
                 group["freshness"] = _share(group["freshness"])
-        _check_optimizer_state(optimizer)
+        _check_optimizer_state(optimizer, max(versions, default=0))
     except Exception as exc:  # torch raises whatever the malformed part provokes
         optimizer.load_state_dict(saved)
         raise ValueError(f"the outer optimizer's state does not fit this peer's: {exc!r}") from exc
@@ -166,12 +196,63 @@ def _to_uint8(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _decoded_phi(
-    local_phi: Sequence[Tensor], state: dict[str, Any], reference: Reference | None
-) -> list[Any]:
+def drift_per_version(inner_steps: int, inner_lr: float, outer_lr: float | str) -> float:
+    """The RMS by which an honest version may move a tensor of φ, for ``check_drift``:
+    ``DRIFT_FACTOR`` × H × the inner lr, times the outer lr where it multiplies the block's Δ,
+    plus the outer lr where it is itself the step (the Adam family).
+
+    Args:
+        inner_steps: H, inner steps per round.
+        inner_lr: the inner AdamW learning rate.
+        outer_lr: the outer learning rate (``"auto"``: the method's own, of the order of 1 or of
+            H × the inner lr).
+    """
+    outer = 1.0 if isinstance(outer_lr, str) else float(outer_lr)
+    return DRIFT_FACTOR * inner_steps * inner_lr * max(1.0, outer) + outer
+
+
+def check_drift(local_phi: Sequence[Tensor], phi: Sequence[Any], apart: int, per_version: float) -> None:
+    """Refuse (``ValueError``) a peer's φ further from this node's own than an honest swarm gets:
+    per tensor, the RMS of the difference at most ``INIT_SPREAD`` × the own tensor's RMS plus
+    ``per_version`` for each of ``apart`` versions. A finite φ plus noise ×1e30 passed every
+    other check, and a joiner that took it trained to NaN and served it onward.
+
+    Args:
+        local_phi: this node's own φ.
+        phi: the peer's φ, decoded (``decode_phi``).
+        apart: the versions between the two (the most over fragments) plus one.
+        per_version: the RMS an honest version may move a tensor (``drift_per_version``).
+    """
+    if len(phi) != len(local_phi):
+        raise ValueError(f"φ of {len(phi)} tensors for {len(local_phi)}")
+    with torch.no_grad():
+        for i, (p, q) in enumerate(zip(local_phi, phi, strict=True)):
+            if not isinstance(q, Tensor) or q.shape != p.shape or q.dtype not in STATE_DTYPES:
+                raise ValueError(f"outer state tensor {getattr(q, 'shape', q)} != local {tuple(p.shape)}")
+            if p.numel() == 0:
+                continue
+            own = p.detach().float()
+            scale = math.sqrt(p.numel())
+            rms = float(torch.linalg.vector_norm(own)) / scale
+            moved = float(torch.linalg.vector_norm(q.detach().float() - own)) / scale
+            bound = INIT_SPREAD * rms + per_version * apart
+            if not moved <= bound:  # NaN and Inf fail too
+                raise ValueError(
+                    f"outer state tensor {i} is {moved:.3g} (RMS) from this node's own, more than"
+                    f" {bound:.3g} over {apart} version(s)"
+                )
+
+
+def decode_phi(local_phi: Sequence[Tensor], state: dict[str, Any], reference: Reference | None) -> list[Any]:
     """The state's φ as tensors: as it is, or decoded from int8 blocks (each checked by the
     codec: header, length, checksum, finite scales) and added to φ₀ regenerated from the
-    state's seed. Shapes are checked by the caller."""
+    state's seed. Shapes are checked by the caller (``load_checked_state``, ``check_drift``).
+
+    Args:
+        local_phi: this node's own φ (how many tensors, of which shapes).
+        state: the state (a peer's claim).
+        reference: regenerates φ₀ from the seed an ``int8`` state names.
+    """
     phi = state["phi"]
     if state.get("phi_codec", "fp32") == "fp32":
         return phi
@@ -209,20 +290,31 @@ def _finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Every per-parameter state tensor of ``optimizer`` has its parameter's shape (or none, a
-    step count) and finite values, and every number is finite: a wrong shape failed at the next
-    outer step, and a NaN moment made φ NaN for good. ``ValueError`` otherwise."""
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, version: int) -> None:
+    """Every per-parameter state of ``optimizer`` is one an outer optimizer keeps: a float tensor
+    of exactly its parameter's shape (a 0-dimension momentum was broadcast in and ended the
+    daemon at its first outer step), finite (a NaN moment made φ NaN for good), a second moment
+    non-negative (a negative one made φ NaN), or a whole count from 0 to ``COUNTS_PER_VERSION``
+    per version up to ``version`` (a step of -1 divided by zero). ``ValueError`` otherwise."""
+    most = COUNTS_PER_VERSION * (version + 1)
     for group in optimizer.param_groups:
         for p in group["params"]:
             for name, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, Tensor):
-                    if value.dim() != 0 and value.shape != p.shape:
-                        raise ValueError(f"state {name!r} of shape {tuple(value.shape)} for {tuple(p.shape)}")
-                    if value.is_floating_point() and not torch.isfinite(value).all():
-                        raise ValueError(f"state {name!r} holds NaN or Inf")
-                elif not _finite_number(value):
-                    raise ValueError(f"state {name!r} is {value!r}")
+                if name in COUNT_STATE:
+                    count = value.item() if isinstance(value, Tensor) and value.dim() == 0 else value
+                    if not (_finite_number(count) and count == int(count) and 0 <= count <= most):
+                        raise ValueError(f"state {name!r} is {value!r} at version {version}")
+                    continue
+                if name not in PER_PARAMETER_STATE or not isinstance(value, Tensor):
+                    raise ValueError(f"state {name!r} ({type(value).__name__}) is not an outer optimizer's")
+                if value.shape != p.shape or not value.is_floating_point():
+                    raise ValueError(
+                        f"state {name!r} of shape {tuple(value.shape)} and {value.dtype} for {tuple(p.shape)}"
+                    )
+                if not torch.isfinite(value).all():
+                    raise ValueError(f"state {name!r} holds NaN or Inf")
+                if name in SECOND_MOMENTS and bool((value < 0).any()):
+                    raise ValueError(f"state {name!r} holds negative second moments")
 
 
 def _fits_float16(tensor: Tensor) -> bool:
