@@ -98,7 +98,8 @@ def _engine_missing() -> str | None:
         return "no docker command"
     info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
-        return f"no Docker engine runs here (docker info: {info.stderr.strip().splitlines()[-1:]})"
+        last = (info.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"no Docker engine runs here (docker info: {last})"
     has_plugin = subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
     if not has_plugin and shutil.which("docker-compose") is None:
         return "neither `docker compose` nor `docker-compose` is installed"
