@@ -61,8 +61,7 @@ COUNTS_PER_VERSION = 64
 INIT_SPREAD = 4.0
 # ... plus, for each version between them and one more, this many times H × the inner lr (an
 # inner AdamW step moves a value by about the lr at most, and an outer step by a few times the
-# block's Δ: clipped peers, momentum; the outer lr multiplies it, or is itself the step of the
-# Adam family): a generous bound on an honest swarm, far below a forged φ
+# block's Δ: clipped peers, momentum): a generous bound on an honest swarm, far below a forged φ
 DRIFT_FACTOR = 16.0
 
 
@@ -198,17 +197,17 @@ def _to_uint8(data: bytes) -> Tensor:
 
 def drift_per_version(inner_steps: int, inner_lr: float, outer_lr: float | str) -> float:
     """The RMS by which an honest version may move a tensor of φ, for ``check_drift``:
-    ``DRIFT_FACTOR`` × H × the inner lr, times the outer lr where it multiplies the block's Δ,
-    plus the outer lr where it is itself the step (the Adam family).
+    ``DRIFT_FACTOR`` × H × the inner lr, times the outer lr where that is above 1 (the Nesterov
+    family and CGA multiply the block's Δ by it; the Adam family's outer lr is itself a step of
+    the order of H × the inner lr, ``auto``: half of it).
 
     Args:
         inner_steps: H, inner steps per round.
         inner_lr: the inner AdamW learning rate.
-        outer_lr: the outer learning rate (``"auto"``: the method's own, of the order of 1 or of
-            H × the inner lr).
+        outer_lr: the outer learning rate (``"auto"``: the method's own, at most about 1).
     """
     outer = 1.0 if isinstance(outer_lr, str) else float(outer_lr)
-    return DRIFT_FACTOR * inner_steps * inner_lr * max(1.0, outer) + outer
+    return DRIFT_FACTOR * inner_steps * inner_lr * max(1.0, outer)
 
 
 def check_drift(local_phi: Sequence[Tensor], phi: Sequence[Any], apart: int, per_version: float) -> None:
