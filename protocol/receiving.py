@@ -23,6 +23,7 @@ from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.fetching import Fetcher, decode_and_check
 from cgad.protocol.loop import EventLoopThread
+from cgad.protocol.multisource import fetch_from_many
 from cgad.protocol.records import Progress
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
 from cgad.protocol.selection import Candidate, OfferSelector
@@ -191,8 +192,10 @@ class Receiver:
         for task, _ in list(self._in_flight.values()):
             task.cancel()
             self.stats.skipped["for_state"] += 1
+        before = self._fetcher.bytes_in
         try:
-            return await self._fetcher.fetch(candidate, timeout, STATE_PASSES)
+            return await fetch_from_many(self._fetcher, candidate, timeout, STATE_PASSES)
         finally:
+            self.stats.bytes_received += self._fetcher.bytes_in - before  # what crossed the wire for it
             self._fetching_state = False
             self.dispatch()
