@@ -54,8 +54,9 @@ PER_PARAMETER_STATE = frozenset({"momentum", "exp_avg", "exp_avg_sq", "momentum_
 SECOND_MOMENTS = frozenset({"exp_avg_sq"})  # a square root is taken of them: never negative
 COUNT_STATE = frozenset({"step", "steps", "arrivals"})
 # counts per version a state may hold: a step per version, an arrival per delivery (Delayed
-# Nesterov: the own and each peer's, within the fan-in), far fewer than this
-COUNTS_PER_VERSION = 64
+# Nesterov: the own and each peer's, within the fan-in, which has no upper bound), far fewer
+# than this; what it refuses is a count no run explains (negative, fractional, 1e9 at version 2)
+COUNTS_PER_VERSION = 1024
 # check_drift: a peer's φ may differ from this node's own by this many times the RMS of the own
 # tensor (two random initialisations differ by √2 of it) ...
 INIT_SPREAD = 4.0
