@@ -34,6 +34,7 @@ __all__ = ["MAX_SOURCES", "PIECE_BYTES", "fetch_from_many", "state_min_rate"]
 
 PIECE_BYTES = 4 << 20  # a range: a few seconds of a 10 Mbit uplink, few enough to track
 MAX_SOURCES = 4  # holders one download draws from at once
+ENDGAME_SECONDS = 2.0  # a range under way this long may be taken over by a holder twice as fast
 # a holder must deliver at least this share of its part of the rate that brings the whole in
 # within the download's time (honest holders' rates vary; the others take over the rest)
 HOLDER_RATE_SHARE = 0.5
@@ -94,41 +95,69 @@ async def fetch_from_many(
         for start in range(0, end, PIECE_BYTES)
     ]
     waiting = deque(pieces)  # ranges nobody is fetching now, resumed where they stopped
-    gone: set[str] = set()  # holders that no longer keep it
+    gone: set[str] = set()  # holders that no longer keep it, or trickled
+    # the range each worker fetches now: (its task, when it began, bytes in then)
+    under_way: dict[int, tuple[asyncio.Task, float, int]] = {}
+    rates: dict[str, float] = {}  # each holder's rate over its last whole range
+
+    def slowest(rate: float) -> int | None:
+        """A range under way that a holder at ``rate`` would finish in less than half the time
+        its own holder needs: the endgame, where one slow holder would hold up the whole."""
+        now, best = loop.time(), None
+        for index, (task, began, at_start) in under_way.items():
+            piece, elapsed = pieces[index], now - began
+            theirs = (piece.received - at_start) / elapsed if elapsed > 0 else 0.0
+            if elapsed > ENDGAME_SECONDS and rate > 2 * theirs and task is not asyncio.current_task():
+                left = piece.end - piece.received
+                best = index if best is None or left > pieces[best].end - pieces[best].received else best
+        return best
 
     async def pull(holder: Holdings) -> None:
-        while waiting:
+        while not all(piece.complete for piece in pieces):
+            if not waiting:
+                # every range is taken: help where a holder is far slower than this one, by
+                # taking its range over from where it is (its worker ends; it was slow)
+                index = slowest(rates.get(holder.peer_id, 0.0))
+                if index is not None:
+                    under_way[index][0].cancel()
+                await asyncio.sleep(ENDGAME_SECONDS / 4)
+                continue
             piece = waiting.popleft()
+            index = pieces.index(piece)
             before, started = piece.received, loop.time()
+            under_way[index] = (asyncio.current_task(), started, before)  # type: ignore[assignment]
             try:
                 await fetcher.fetch_from(holder, piece, min_rate=min_rate)
             except FragmentError as error:  # not_held: it keeps none of it any more
                 logger.debug("holder %s: %s", holder.peer_id, error)
                 gone.add(holder.peer_id)
+            finally:
+                del under_way[index]
+                if not piece.complete:
+                    waiting.appendleft(piece)  # the others take it over from here, cancelled or not
             elapsed = loop.time() - started
-            if (
-                not piece.complete
-                and elapsed > MIN_RATE_GRACE
-                and piece.received - before < min_rate * elapsed
-            ):
+            if piece.complete:
+                rates[holder.peer_id] = (piece.received - before) / max(elapsed, 1e-9)
+                continue
+            if elapsed > MIN_RATE_GRACE and piece.received - before < min_rate * elapsed:
                 gone.add(holder.peer_id)  # it trickled: another pass would only trickle again
-            if not piece.complete:
-                waiting.appendleft(piece)  # the others take it over from here
-                return
+            return
 
     fetcher.transfers[candidate.key] = _Progress(offer.byte_length, pieces)  # type: ignore[assignment]
     try:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 for attempt in range(passes):
-                    await asyncio.gather(*(pull(h) for h in holders if h.peer_id not in gone))
-                    if not waiting or len(gone) == len(holders):
+                    workers = [pull(h) for h in holders if h.peer_id not in gone]
+                    # a worker cancelled in the endgame has left its range to a faster one
+                    await asyncio.gather(*workers, return_exceptions=True)
+                    if all(piece.complete for piece in pieces) or len(gone) == len(holders):
                         break
                     if attempt + 1 < passes:
                         await asyncio.sleep(2.0)
     finally:
         del fetcher.transfers[candidate.key]
-    if not waiting:
+    if all(piece.complete for piece in pieces):
         data = b"".join(piece.finish() for piece in pieces)
         if await asyncio.to_thread(content_hash, data) == offer.content_hash:
             return data

@@ -56,3 +56,29 @@ def test_a_snapshot_comes_from_two_holders_at_once_and_a_lying_one_cannot_spoil_
     finally:
         for transport in (joiner, liar, reserver, publisher):
             transport.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_holder_far_slower_than_the_others_leaves_its_range_to_them() -> None:
+    """The endgame: once every range is taken, a holder twice as fast takes over a slow one's
+    range from where it stopped, instead of the download waiting for the slow holder."""
+    publisher = make_transport()  # unlimited: loopback
+    peers = publisher.maddrs()
+    slow = make_transport(peers=peers, upload_limit=40e3)  # a 4 MiB range would take 100 s
+    joiner = make_transport(peers=peers)
+    try:
+        blob = os.urandom(3 * PIECE_BYTES)
+        publisher.publish_state(blob, [3] * NUM_FRAGMENTS)
+        wait_for(lambda: slow.state_offers(), what="the snapshot's record")
+        [candidate] = slow.state_offers()
+        assert bytes(slow.fetch_state(candidate, timeout=60)) == blob
+        slow.reserve_state(candidate, blob)
+        wait_for(lambda: any(len(c.holders) == 2 for c in joiner.state_offers()), what="two holders")
+        [two] = joiner.state_offers()
+        started = time.monotonic()
+        assert bytes(joiner.fetch_state(two, timeout=90)) == blob
+        # not the slow holder's 100 s for its range, nor the 15 s before its rate floor drops it
+        assert time.monotonic() - started < 12
+    finally:
+        for transport in (joiner, slow, publisher):
+            transport.close()
