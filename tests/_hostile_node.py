@@ -63,8 +63,8 @@ def _forge(node: Node, attack: Attack) -> None:
     if attack.kind == "future":
         honest_report = node.transport.report_progress
 
-        def report_progress(versions: Sequence[int], inner_step: int, speed: float, **claims) -> None:
-            honest_report([v + int(attack.amount) for v in versions], inner_step, speed, **claims)
+        def report_progress(versions: Sequence[int], inner_step: int, speed: float, *claims, **named) -> None:
+            honest_report([v + int(attack.amount) for v in versions], inner_step, speed, *claims, **named)
 
         node.transport.report_progress = report_progress  # type: ignore[method-assign]
 

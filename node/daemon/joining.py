@@ -420,6 +420,8 @@ class StateSync:
     ) -> int | None:
         """Adopt a checked snapshot (its versions checked again against the ceiling now: a re-sync
         adopts a while after its download): its round, or None (with why, in ``failures``)."""
+        with self.outer_lock:
+            self.loop.settle()  # a failed send of the own Δ raises here: it is not the snapshot's fault
         try:
             self._check_versions(candidate, state)
             with self.outer_lock:

@@ -344,6 +344,7 @@ class Node(MemberHooks):
             loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
             self.eval_history.append((self.member.round, loss))
         self._round_mark = (time.monotonic(), self.trainer.tokens)
+        self.stall = StallMeter()  # from the first block: not the join, the first snapshot or evaluation
         while not self._leave.is_set() and not self.member.done:
             self.losses.append(self.trainer.step())
             blocks = self.member.blocks

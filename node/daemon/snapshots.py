@@ -57,6 +57,7 @@ class SnapshotPublisher:
     ) -> None:
         self.loop, self.transport, self.lock, self.swarm = loop, transport, lock, swarm
         self.codec, self.phi0, self._build_phi0 = codec, phi0, build_phi0
+        self._other: Phi0 | None = None  # the last φ₀ built for another seed
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgad-snapshot")
         self._pending: Future[None] | None = None
         self.bytes = 0  # the size of the latest snapshot offered
@@ -64,8 +65,13 @@ class SnapshotPublisher:
         self.skipped = 0  # rounds that offered none: the previous one was still being packed
 
     def reference(self, seed: int) -> Phi0:
-        """φ₀ of ``seed``: this node's own, or built from the seed (a model's initialisation)."""
-        return self.phi0 if seed == self.phi0.seed else self._build_phi0(seed)
+        """φ₀ of ``seed``: this node's own, or built from the seed (a model's initialisation;
+        the last one built is kept, as the swarm's snapshots name one seed)."""
+        if seed == self.phi0.seed:
+            return self.phi0
+        if self._other is None or self._other.seed != seed:
+            self._other = self._build_phi0(seed)
+        return self._other
 
     def offer(self, round_: int, wait: bool = False) -> None:
         """Pack and offer a snapshot at ``round_`` on the snapshot thread (``wait``: and return
@@ -83,8 +89,11 @@ class SnapshotPublisher:
             with self.lock:  # one consistent snapshot, never half an outer step
                 versions = list(self.loop.versions)
                 reference = self.phi0 if self.codec == "int8" else None
-                outer = self.loop.state_dict(self.codec, reference=reference)
-            blob = pack({"swarm": self.swarm, "outer": outer, "round": round_})
+                snapshot = {"swarm": self.swarm, "round": round_,
+                            "outer": self.loop.state_dict(self.codec, reference=reference)}  # fmt: skip
+                # int8 holds copies only; fp32 holds the optimizer's live tensors: packed here
+                blob = None if self.codec == "int8" else pack(snapshot)
+            blob = blob or pack(snapshot)
             self.transport.publish_state(blob, versions)
         except Exception:  # a failed snapshot must not end the node: the next round offers one
             logger.exception("packing the state snapshot failed")

@@ -448,6 +448,7 @@ class OuterLoop:
         that the swarm has moved past while it downloaded): ages then measure real lateness."""
         if len(versions) != len(self.versions):
             raise ValueError(f"{len(versions)} versions for {len(self.versions)} fragments")
+        self.settle()  # a send under way reads versions
         self.versions = [max(a, int(b)) for a, b in zip(self.versions, versions, strict=True)]
 
     def mean_age(self) -> float:

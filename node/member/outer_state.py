@@ -261,11 +261,8 @@ def decode_phi(local_phi: Sequence[Tensor], state: dict[str, Any], reference: Re
     seed = state.get("reference_seed")
     if seed is not None and (type(seed) is not int or not 0 <= seed <= MAX_SEED or reference is None):
         raise ValueError(f"reference seed {seed!r} (or no way to regenerate φ₀ here)")
-    base = reference(seed) if seed is not None and reference is not None else None
-    if base is not None and len(base) != len(local_phi):
-        raise ValueError(f"φ₀ of {len(base)} tensors for {len(local_phi)}")
     decoded = []
-    for i, (local, data) in enumerate(zip(local_phi, phi, strict=True)):
+    for local, data in zip(local_phi, phi, strict=True):
         if not isinstance(data, Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
             raise ValueError("int8 φ that is not a byte string")
         # the codec's header says how long the tensor is: no larger than this peer's own
@@ -277,7 +274,15 @@ def decode_phi(local_phi: Sequence[Tensor], state: dict[str, Any], reference: Re
             raise ValueError(f"int8 φ: {exc}") from exc
         if delta.shape != local.shape:
             raise ValueError(f"outer state tensor {tuple(delta.shape)} != local {tuple(local.shape)}")
-        decoded.append(delta.add_(base.tensor(i)) if base is not None else delta)
+        decoded.append(delta)
+    # φ₀ only once every tensor's bytes passed: building a model from a seed is the one costly
+    # step a peer's claim can ask for
+    base = reference(seed) if seed is not None and reference is not None else None
+    if base is not None:
+        if len(base) != len(local_phi):
+            raise ValueError(f"φ₀ of {len(base)} tensors for {len(local_phi)}")
+        for i, delta in enumerate(decoded):
+            delta.add_(base.tensor(i))
     return decoded
 
 
