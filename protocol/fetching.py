@@ -34,11 +34,13 @@ from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, SwarmKey
 from cgad.protocol.codec import decode
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
+from cgad.protocol.framing import iterate_capped
 from cgad.protocol.records import Holdings
 from cgad.protocol.selection import Candidate
 from cgad.protocol.tls import channel_credentials, channel_options
 from cgad.protocol.transport import FragmentKey, TransportStats
 from cgad.protocol.wire import (
+    CHUNK_BYTES,
     GRPC_FETCH,
     LIBP2P_DESCRIBE,
     LIBP2P_FETCH,
@@ -276,9 +278,10 @@ class Fetcher:
         self, peer_id: str, handler: str, request: Message, response_type: type[Message]
     ) -> AsyncIterator[Message]:
         assert self.p2p is not None
-        stream = await asyncio.wait_for(
-            self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer_id), handler, request, response_type),
-            self.options.connect_timeout,
+        # each response frame's declared length is checked before a byte of it is buffered: a
+        # holder's frame is a header or a chunk, never more than CHUNK_BYTES and its framing
+        stream = iterate_capped(
+            self.p2p, PeerID.from_base58(peer_id), handler, request, response_type, CHUNK_BYTES + (64 << 10)
         )
         try:
             async for message in stream:

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 
 import pytest
 from _netswarm import make_transport, wait_for  # tests/ is on sys.path under pytest
 from hivemind.p2p import P2P, PeerID
 
+from cgad.protocol import FragmentError
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.framing import FrameTooLarge, iterate_capped
 from cgad.protocol.network import NetworkTransport
+from cgad.protocol.records import Holdings
 from cgad.protocol.wire import LIBP2P_FETCH
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -96,5 +100,30 @@ def test_a_client_refuses_a_reply_frame_over_its_cap() -> None:
                         pass
 
             _run(node, outsider, fetch)
+    finally:
+        node.close()
+
+
+def test_a_fetch_from_a_holder_declaring_a_huge_frame_reads_none_of_it(caplog: pytest.LogCaptureFixture):
+    """The fetcher's libp2p path reads each response frame through the same cap: a holder that
+    declares 255 MiB is a failed holder at once, not 255 MiB buffered."""
+    node = make_transport()
+    try:
+        with _outsider_of(node) as outsider:
+
+            async def serve(_info, reader, writer) -> None:
+                writer.write(P2P.MESSAGE_MARKER + CLAIMED.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+                await writer.drain()
+                await asyncio.sleep(30)
+                writer.close()
+
+            _run(node, outsider, lambda: outsider.add_binary_stream_handler(LIBP2P_FETCH, serve))
+            holder = Holdings(peer_id=outsider.peer_id.to_base58(), grpc=None, offers=[])
+            started = time.monotonic()
+            with caplog.at_level(logging.DEBUG, logger="cgad.protocol.fetching"):
+                with pytest.raises(FragmentError) as failed:
+                    node.download(holder, bytes(32), 1 << 20, "libp2p", timeout=60)
+            assert failed.value.reason == "unavailable" and time.monotonic() - started < 10
+            assert "FrameTooLarge" in caplog.text  # refused by its declared length, not timed out
     finally:
         node.close()
