@@ -95,8 +95,10 @@ class Receiver:
 
     def enqueue(self, candidate: Candidate) -> None:
         """Queue an offer to fetch (a full queue drops its oldest, counted ``queue_full``)."""
-        if self._queue.push(candidate) is not None:
+        dropped = self._queue.push(candidate)
+        if dropped is not None:
             self.stats.skipped["queue_full"] += 1
+            self._selector.release(dropped)
 
     def cancel_stale(self, versions: Sequence[int]) -> None:
         """Cancel the fetches in flight whose fragment could no longer count when it lands."""
@@ -122,6 +124,7 @@ class Receiver:
             )
             for item in passed:
                 self.stats.skipped[item.reason] += 1
+                self._selector.release(item.candidate)
             if candidate is None:
                 break
             task = self._runner.spawn(self._fetch(candidate))
@@ -146,7 +149,12 @@ class Receiver:
             self._reject(error.reason, f"from {candidate.key.publisher}: {error.detail}", blame)
             if error.reason == "unavailable":  # a publisher behind NAT: its re-servers may come
                 self._selector.retry_later(candidate)
+            else:
+                self._selector.release(candidate)
             return
+        except asyncio.CancelledError:  # stale, or a state download took the link
+            self._selector.release(candidate)
+            raise
         finally:
             self._in_flight.pop(candidate.key, None)
             self.dispatch()
@@ -167,6 +175,7 @@ class Receiver:
             tensor = await decoding
         except FragmentError as error:
             self._reject(error.reason, f"{key} from {key.publisher}: {error.detail}", key.publisher)
+            self._selector.release(candidate)
             return
         if not self._selector.deliver(key, offer.content_hash):  # a second announcement raced this
             if key.kind is Kind.DELTA:

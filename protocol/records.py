@@ -91,6 +91,7 @@ MAX_RECORD_BYTES = 24 * 1024
 _OWNER_SUBKEY = re.compile(rb"\[owner:ssh-rsa [A-Za-z0-9+/]{1,1000}={0,2}\]")
 MAX_TOKENS_PER_SECOND = 1e12  # far above any trainer; a claim beyond is a lie, not a fast peer
 _PEER_ID = pydantic.constr(strict=True, min_length=1, max_length=128, regex=r"^[1-9A-HJ-NP-Za-km-z]+$")
+_BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # what a peer id is made of
 _NON_NEGATIVE = pydantic.conint(strict=True, ge=0)
 
 
@@ -164,9 +165,11 @@ def top_credits(applied_by_peer: Mapping[str, int]) -> dict[str, int]:
     what a progress record can carry of a node's ``applied_by_peer``.
 
     Args:
-        applied_by_peer: fragments applied per publisher's peer id (zero counts are left out).
+        applied_by_peer: fragments applied per publisher's peer id (zero counts, and names that
+            are no peer id, such as an all-reduce group's, are left out).
     """
-    ranked = sorted(((n, p) for p, n in dict(applied_by_peer).items() if n > 0), key=lambda c: (-c[0], c[1]))
+    counts = [(n, p) for p, n in dict(applied_by_peer).items() if n > 0 and _BASE58.fullmatch(p)]
+    ranked = sorted(counts, key=lambda c: (-c[0], c[1]))
     return {peer: int(count) for count, peer in ranked[:MAX_CREDITS]}
 
 

@@ -195,6 +195,14 @@ class OfferSelector:
         key = candidate.key
         self.pending.get((key.fragment, key.kind, key.base_version), {}).pop(key.publisher, None)
 
+    def release(self, candidate: Candidate) -> None:
+        """``candidate`` leaves without its bytes verifying (dropped from the fetch queue, its
+        fetch cancelled or failed, its bytes refused): its fan-in slot is free again. A slot
+        held until the pending expiry instead made its publisher "busy" for minutes after two
+        cancelled fetches, and every later offer of it was skipped."""
+        key = candidate.key
+        self.pending.get((key.fragment, key.kind, key.base_version), {}).pop(key.publisher, None)
+
     def too_old(self, base_version: int, own: int) -> bool:
         return base_version < own - self.history_versions
 

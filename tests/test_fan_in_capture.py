@@ -129,3 +129,30 @@ def test_the_fetch_queue_takes_offers_at_or_below_the_own_version_before_those_a
     while (item := queue.pop([10], link_rate=None, seconds_per_version=None, bytes_ahead=0)[0]) is not None:
         order.append(item.key.base_version)
     assert order == [10, 9, 8, 11, 13, 14]
+
+
+def test_a_fetch_that_leaves_without_its_bytes_frees_its_slot():
+    """A chosen offer whose fetch is cancelled (stale, or a state download took the link) or
+    dropped from the queue releases its slot: two such once kept a publisher "busy" for the
+    pending expiry, and every later offer of it was skipped (volunteers behind NAT never
+    exchanged a fragment)."""
+    from cgad.protocol.records import Holdings, Offer
+    from cgad.protocol.selection import MAX_PENDING_PER_PUBLISHER, OfferSelector
+    from cgad.protocol.transport import Kind
+
+    selector = OfferSelector("run", "QmMe123456789", fan_in=4, history_versions=64, record_ttl=120)
+
+    def offer(version: int) -> Holdings:
+        o = Offer(publisher="QmPubsher123", kind=Kind.DELTA.value, base_version=version, tokens=10,
+                  content_hash=bytes([version]) * 32, byte_length=76, numel=32, codec="4bit")  # fmt: skip
+        return Holdings(peer_id=o.publisher, offers=[o], grpc=None)
+
+    chosen = []
+    for version in range(MAX_PENDING_PER_PUBLISHER):
+        chosen += selector.choose(0, 32, [offer(version + 3)], own=3, now=float(version)).candidates
+    assert len(chosen) == MAX_PENDING_PER_PUBLISHER
+    version = 3 + MAX_PENDING_PER_PUBLISHER
+    assert not selector.choose(0, 32, [offer(version)], own=3, now=5.0).candidates  # busy
+    for candidate in chosen:
+        selector.release(candidate)
+    assert selector.choose(0, 32, [offer(version + 1)], own=3, now=6.0).candidates

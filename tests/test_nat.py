@@ -66,6 +66,12 @@ def test_an_offer_no_holder_delivered_is_fetched_again_from_a_new_holder():
 @pytest.mark.integration
 @pytest.mark.skipif(available(nat=True) is not None, reason=str(available(nat=True)))
 @pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    reason="known, open (issue 29): the public node's libp2p fetches from the volunteers stall"
+    " after 90 kB (a relayed connection's data limit is suspected), so it applies none of theirs"
+    " and re-serves nothing; the volunteers apply the public node's fragments",
+    strict=False,
+)
 def test_two_volunteers_behind_nat_apply_each_others_fragments(tmp_path, monkeypatch):
     from run import load_scenario, run
 

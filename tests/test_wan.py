@@ -170,7 +170,7 @@ def test_a_run_records_the_commit_and_a_tree_with_changes_outside_results_is_ref
 def test_main_refuses_a_tree_with_changes_before_anything_else(runner, monkeypatch):
     dirty = {"commit": "0" * 40, "clean": False, "changes": [" M node/x.py"]}
     monkeypatch.setattr(runner, "tree_state", lambda root: dirty)
-    monkeypatch.setattr(runner, "available", lambda: pytest.fail("checked the testbed first"))
+    monkeypatch.setattr(runner, "available", lambda nat=False: pytest.fail("checked the testbed first"))
     monkeypatch.setattr(sys, "argv", ["run.py", str(SCENARIOS / "smoke-3.json")])
     with pytest.raises(SystemExit, match=r"node/x\.py"):
         runner.main()
@@ -336,7 +336,7 @@ def test_the_runner_runs_a_named_floor_first_and_checks_the_swarm_against_it(run
     monkeypatch.setattr(runner, "call_admin", status)
     monkeypatch.setattr(runner, "run", run)
     monkeypatch.setattr(runner, "tree_state", lambda root: clean)
-    monkeypatch.setattr(runner, "available", lambda: None)
+    monkeypatch.setattr(runner, "available", lambda nat=False: None)
     monkeypatch.setattr(runner, "takes_data_seed", lambda executable: True)
     monkeypatch.setattr(runner, "POLL_SECONDS", 0.05)
     out = tmp_path / "out"

@@ -270,24 +270,26 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_swarm(args: argparse.Namespace) -> int:
-    import time
+    import signal
+    import threading
 
     from cgad.node.daemon.monitor import as_json, open_monitor, render, swarm_rows
     from cgad.protocol.config import NetworkOptions
 
     options = NetworkOptions(run_id=args.run_id, peers=args.peers, swarm_key=args.swarm_key)
     with open_monitor(options) as monitor:
+        # Ctrl-C (or SIGTERM) ends --watch between two tables: an interrupt in the middle of a
+        # DHT read or of libp2p's shutdown left the monitor hanging (hivemind also ignores SIGINT)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         while True:
             rows = swarm_rows(monitor)
             text = as_json(args.run_id, rows) if args.json else render(args.run_id, rows)
             if args.watch and sys.stdout.isatty():
                 print("\033[H\033[J", end="")  # redraw in place
             print(text, flush=True)
-            if not args.watch:
-                return 0
-            try:
-                time.sleep(args.watch)
-            except KeyboardInterrupt:
+            if not args.watch or stop.wait(args.watch):
                 return 0
 
 
