@@ -61,6 +61,9 @@ RETRY_SECONDS = 2.0  # between passes over a candidate's holders
 MIN_TRANSFER_RATE = 4_000.0
 MIN_RATE_GRACE = 15.0  # seconds
 MAX_CHANNELS = 32  # open gRPC channels to holders (a swarm of volunteers, not every record ever seen)
+# An announced gRPC endpoint that did not answer (a private address, a firewall) is left to libp2p
+# for this long: else every fetch from that holder would first wait out connect_timeout.
+UNANSWERED_FOR = 120.0  # seconds
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ class Fetcher:
         # by endpoint and certificate, least recently used first: records name them, so a peer
         # that restarts (or lies) brings a new one, and only MAX_CHANNELS stay open
         self._channels: OrderedDict[tuple[str, str | None], grpc.aio.Channel] = OrderedDict()
+        self._unanswered: OrderedDict[str, float] = OrderedDict()  # endpoint -> when it is tried again
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -222,7 +226,7 @@ class Fetcher:
         for path in paths or self.options.paths:
             # a private swarm's bytes cross gRPC only encrypted (libp2p always is)
             plaintext_only = self.swarm_key is not None and holder.tls is None
-            if path == "grpc" and (holder.grpc is None or plaintext_only):
+            if path == "grpc" and (holder.grpc is None or plaintext_only or self._unanswering(holder.grpc)):
                 continue
             fruitless = 0
             while fruitless < 2:
@@ -249,6 +253,14 @@ class Fetcher:
                 fruitless = 0 if assembler.received > received_before else fruitless + 1
         return None
 
+    def _unanswering(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` failed to answer within the last ``UNANSWERED_FOR`` seconds."""
+        until = self._unanswered.get(endpoint)
+        if until is not None and time.monotonic() >= until:
+            del self._unanswered[endpoint]
+            until = None
+        return until is not None
+
     async def _open_grpc(
         self, endpoint: str, certificate: str | None, method: str, request: Message
     ) -> AsyncIterator[bytes]:
@@ -266,7 +278,13 @@ class Fetcher:
                 _, oldest = self._channels.popitem(last=False)
                 await oldest.close()
         self._channels.move_to_end((endpoint, certificate))
-        await asyncio.wait_for(channel.channel_ready(), self.options.connect_timeout)
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self.options.connect_timeout)
+        except TimeoutError:
+            self._unanswered[endpoint] = time.monotonic() + UNANSWERED_FOR
+            while len(self._unanswered) > MAX_CHANNELS:
+                self._unanswered.popitem(last=False)
+            raise
         call = channel.unary_stream(method, request_serializer=type(request).SerializeToString)(request)
         try:
             async for message in call:

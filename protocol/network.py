@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -55,7 +54,14 @@ from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher
 from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
-from cgad.protocol.reachability import DialBackServer, Reachability, ask_dial_back, relays_in, tcp_ports
+from cgad.protocol.reachability import (
+    DialBackServer,
+    Reachability,
+    ask_dial_back,
+    relays_in,
+    same_port,
+    tcp_ports,
+)
 from cgad.protocol.receiving import Receiver
 from cgad.protocol.records import Holdings, Identity, Progress, run_validator, top_credits
 from cgad.protocol.scheduling import VersionClock, round_budget
@@ -358,20 +364,22 @@ class NetworkTransport(Transport):
                 self.reachability = Reachability(None, detail="an observer: not checked")
             elif not options.peers:  # the swarm's first node: the one others dial first
                 self.reachability = Reachability(None, detail="the first node: no peer to ask")
-            else:
-                self.p2p = await self._create_p2p(identity_path, None, listen)
+            else:  # started as reachable, and again in the mode it found where it is not
+                self.p2p = await self._create_p2p(identity_path, True, listen)
                 await self._dial_back.start(self.p2p)
                 ports = tcp_ports([str(a) for a in await self.p2p.get_visible_maddrs()])
                 self.reachability = await ask_dial_back(self.p2p, options.peers, ports)
-                if self.reachability.public is not None:  # again, in the mode it found
+                if self.reachability.public is not True:
                     await self.p2p.shutdown()
                     self.p2p = None
                     # on the port it had: peers that met the first daemon keep its address
-                    listen = _same_port(options.host_maddrs, ports)
+                    listen = same_port(options.host_maddrs, ports)
             if self.p2p is None:
                 self.p2p = await self._create_p2p(identity_path, self.reachability.public, listen)
                 await self._dial_back.start(self.p2p)
         self.client_mode = self.reachability.public is False
+        # nobody can dial it: a peer would wait connect_timeout for its gRPC before every fetch
+        self._server.announces_grpc = not self.client_mode
         logger.info("%s", self.reachability.line([]))
         if self.p2p.peer_id.to_base58() != self.peer_id:
             raise RuntimeError("libp2p identity and signing key disagree")
@@ -487,10 +495,3 @@ class NetworkTransport(Transport):
         """This peer's latest report, for the poller and the receiver to judge offers by (the
         trainer's thread replaces it whole, so each reading is one whole report)."""
         return self._progress
-
-
-def _same_port(host_maddrs: list[str], ports: list[int]) -> list[str]:
-    """``host_maddrs`` with a TCP port of 0 (any) pinned to the one port the first daemon got."""
-    if len(ports) != 1:
-        return host_maddrs
-    return [re.sub(r"/tcp/0(?=/|$)", f"/tcp/{ports[0]}", maddr) for maddr in host_maddrs]

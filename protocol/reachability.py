@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from google.protobuf.wrappers_pb2 import StringValue
 from hivemind.p2p import P2P, P2PContext, PeerID
 
-__all__ = ["DIAL_BACK", "DialBackServer", "Reachability", "ask_dial_back", "relays_in", "tcp_ports"]
+__all__ = [
+    "DIAL_BACK",
+    "DialBackServer",
+    "Reachability",
+    "ask_dial_back",
+    "relays_in",
+    "same_port",
+    "tcp_ports",
+]
 
 DIAL_BACK = "cgad.DialBack"  # the libp2p handler's name
 MAX_PORTS = 4  # ports one request may ask about
@@ -181,3 +189,10 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
         ]
         return Reachability(bool(reachable), reachable, seen, peer)
     return Reachability(None, detail="no peer answered the dial-back request (" + "; ".join(failures) + ")")
+
+
+def same_port(host_maddrs: list[str], ports: list[int]) -> list[str]:
+    """``host_maddrs`` with a TCP port of 0 (any) pinned to the one port the first daemon got."""
+    if len(ports) != 1:
+        return host_maddrs
+    return [re.sub(r"/tcp/0(?=/|$)", f"/tcp/{ports[0]}", maddr) for maddr in host_maddrs]

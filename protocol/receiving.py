@@ -118,7 +118,7 @@ class Receiver:
             ahead = sum(a.byte_length - a.received for a in list(self._fetcher.transfers.values()))
             candidate, passed = self._queue.pop(
                 versions,
-                link_rate=self._downlink.rate,
+                link_rate=self._downlink.current(time.monotonic(), idle=not self._in_flight),
                 seconds_per_version=self._version_clock.seconds_per_version,
                 bytes_ahead=ahead,
             )

@@ -88,15 +88,36 @@ def auto_codec(numel: int, budget: float | None) -> tuple[Codec, int]:
 class LinkMeter:
     """Bytes per second over the time at least one transfer was running: an exponential mean of
     windows of at least ``window`` seconds, each weighted by its length (``half_life`` seconds of
-    busy time halve an old window's weight). None until the first window closes."""
+    busy time halve an old window's weight). None until the first window closes.
 
-    def __init__(self, window: float = 1.0, half_life: float = 10.0) -> None:
+    A rate says what the link did while it was measured: one slow first fetch (a dial that took
+    seconds, a path since replaced) would otherwise judge every later offer too late to fetch, so
+    that nothing is fetched and the rate is never measured again. ``current`` forgets a rate no
+    transfer has refreshed in ``remeasure_after`` seconds while the link is idle: the next offer
+    is tried, and its window replaces the old rate (at most one such try per that many seconds on
+    a link that really is that slow)."""
+
+    def __init__(self, window: float = 1.0, half_life: float = 10.0, remeasure_after: float = 30.0) -> None:
         self.window = window
         self.half_life = half_life
+        self.remeasure_after = remeasure_after
         self.rate: float | None = None
+        self.measured_at: float | None = None  # when a busy window last closed
         self._busy = 0.0  # busy seconds in the open window
         self._bytes = 0  # bytes in the open window
         self._last: float | None = None
+
+    def current(self, now: float, idle: bool) -> float | None:
+        """The rate to judge a new fetch by: None (try it) on an idle link whose rate is older
+        than ``remeasure_after`` seconds.
+
+        Args:
+            now: the monotonic clock's time.
+            idle: no transfer is running.
+        """
+        if idle and self.measured_at is not None and now - self.measured_at > self.remeasure_after:
+            return None
+        return self.rate
 
     def update(self, now: float, new_bytes: int, busy: bool) -> None:
         """``new_bytes`` arrived since the last update; ``busy`` says whether a transfer ran in
@@ -108,7 +129,9 @@ class LinkMeter:
         if self._busy >= self.window:
             sample = self._bytes / self._busy
             keep = 0.5 ** (self._busy / self.half_life)
-            self.rate = sample if self.rate is None else keep * self.rate + (1 - keep) * sample
+            forgotten = self.measured_at is None or now - self.measured_at > self.remeasure_after
+            self.rate = sample if self.rate is None or forgotten else keep * self.rate + (1 - keep) * sample
+            self.measured_at = now
             self._busy, self._bytes = 0.0, 0
 
 

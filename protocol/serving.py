@@ -106,6 +106,7 @@ class FragmentServer:
         self._uplink_free = 0.0  # loop time by which what was sent is out at ``upload_limit``
         self._no_state: asyncio.Event | None = None  # set while no snapshot streams
         self.grpc_endpoint: str | None = None  # host:port others dial, once the server runs
+        self.announces_grpc = True  # False behind NAT: the endpoint is served but not announced
         # TLS on the gRPC path: always in a private swarm, else when asked
         tls = options.grpc_listen is not None and (options.grpc_tls or swarm_key is not None)
         self.certificate = ServerCertificate.create() if tls else None
@@ -154,8 +155,10 @@ class FragmentServer:
     def contact(self) -> tuple[str | None, str | None]:
         """Where to reach this peer over gRPC and the certificate it presents there (None, None:
         libp2p only; a None certificate: plaintext)."""
+        if not self.announces_grpc or self.grpc_endpoint is None:
+            return None, None
         pem = self.certificate.certificate_pem if self.certificate is not None else None
-        return self.grpc_endpoint, pem if self.grpc_endpoint is not None else None
+        return self.grpc_endpoint, pem
 
     async def stop(self) -> None:
         if self._grpc_server is not None:

@@ -90,3 +90,40 @@ def test_grpc_channels_to_holders_are_bounded(monkeypatch: pytest.MonkeyPatch) -
         return ports
 
     assert asyncio.run(main()) == ["4", "2", "5"]  # 1 and 3 closed; 2 kept by its second use
+
+
+def test_an_endpoint_that_did_not_answer_is_left_to_libp2p_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder announcing an address nobody can dial (behind NAT, a container's private address)
+    costs one ``connect_timeout``, not one per fetch: its gRPC path is skipped for
+    ``UNANSWERED_FOR`` seconds, and tried again after."""
+    import socket
+
+    from cgad.protocol.records import Holdings
+
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never speaks HTTP/2
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+    holder = Holdings(peer_id="QmHo1derABCDEFGH9", grpc=endpoint, offers=[])
+    fetcher = Fetcher(NetworkOptions(run_id="t", connect_timeout=0.5), TransportStats(), lambda r, d: None)
+
+    async def attempt() -> float:
+        assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
+        started = time.monotonic()
+        assert await fetcher.fetch_from(holder, assembler, paths=["grpc"]) is None
+        return time.monotonic() - started
+
+    async def main() -> list[float]:
+        waited = [await attempt(), await attempt()]
+        monkeypatch.setattr(fetching, "UNANSWERED_FOR", 0.0)  # its time is up: asked again
+        fetcher._unanswered[endpoint] = time.monotonic()
+        waited.append(await attempt())
+        await fetcher.close()
+        return waited
+
+    try:
+        first, second, later = asyncio.run(main())
+    finally:
+        silent.close()
+    assert first >= 0.45 and later >= 0.45  # dialed, and waited out the timeout
+    assert second < 0.1  # not dialed: left to the next path

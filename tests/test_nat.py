@@ -66,12 +66,6 @@ def test_an_offer_no_holder_delivered_is_fetched_again_from_a_new_holder():
 @pytest.mark.integration
 @pytest.mark.skipif(available(nat=True) is not None, reason=str(available(nat=True)))
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    reason="known, open (issue 29): the public node's libp2p fetches from the volunteers stall"
-    " after 90 kB (a relayed connection's data limit is suspected), so it applies none of theirs"
-    " and re-serves nothing; the volunteers apply the public node's fragments",
-    strict=False,
-)
 def test_two_volunteers_behind_nat_apply_each_others_fragments(tmp_path, monkeypatch):
     from run import load_scenario, run
 
@@ -87,5 +81,8 @@ def test_two_volunteers_behind_nat_apply_each_others_fragments(tmp_path, monkeyp
         reach = final[volunteer]["reach"]
         assert reach["public"] is False and reach["line"].startswith("behind NAT"), reach
         assert "reach     behind NAT" in result["log_tails"][volunteer] or reach  # the start-up line
-        assert final[volunteer]["applied_by_peer"].get(ids[other], 0) >= 2, final[volunteer]
-        assert final[0]["applied_by_peer"].get(ids[volunteer], 0) >= 2, final[0]
+        # in most rounds: each volunteer the other's fragment (re-served), the public node both
+        rounds = final[volunteer]["round"]
+        assert final[volunteer]["applied_by_peer"].get(ids[other], 0) > rounds / 2, final[volunteer]
+        assert final[0]["applied_by_peer"].get(ids[volunteer], 0) > rounds / 2, final[0]
+        assert final[volunteer]["reach"]["paths_by_peer"][ids[other]].get("re-served", 0) > 0

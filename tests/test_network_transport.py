@@ -118,11 +118,6 @@ def test_download_from_a_chosen_holder_over_a_chosen_path(netswarm: list[Network
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    reason="known, open (issue 29): in the full suite the libp2p-only peer's fetch from a joiner"
-    " fails at 0 bytes since joiners restart libp2p after the dial-back; alone it passes",
-    strict=False,
-)
 def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
     netswarm: list[NetworkTransport],
 ) -> None:

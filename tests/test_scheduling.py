@@ -110,6 +110,27 @@ def test_link_meter_counts_only_busy_time():
     assert 250_000 < meter.rate < 1_000_000
 
 
+def test_a_rate_measured_long_ago_does_not_keep_an_idle_link_from_trying_again():
+    meter = LinkMeter(window=1.0, half_life=10.0, remeasure_after=30.0)
+    meter.update(0.0, 0, busy=False)
+    meter.update(15.0, 90_000, busy=True)  # one slow first fetch: 6 kB/s
+    assert meter.current(15.0, idle=True) == pytest.approx(6_000)
+    assert meter.current(40.0, idle=True) == pytest.approx(6_000)  # recent: believed
+    # judged by it, every offer since was too late and nothing ran: the idle link tries again
+    assert meter.current(46.0, idle=True) is None
+    assert meter.current(46.0, idle=False) == pytest.approx(6_000)  # not while a fetch runs
+    meter.update(47.0, 0, busy=False)
+    meter.update(48.0, 1_000_000, busy=True)  # the try measured the link anew
+    assert meter.current(48.0, idle=True) > 100_000
+    # the queue's verdict follows: too late at the old rate, tried once the rate is forgotten
+    queue = FetchQueue(stale_after=3)
+    offer = _candidate(5)
+    queue.push(offer)
+    assert queue.pop([5, 5], link_rate=6_000.0, seconds_per_version=2.0, bytes_ahead=0)[0] is None
+    queue.push(offer)
+    assert queue.pop([5, 5], link_rate=None, seconds_per_version=2.0, bytes_ahead=0)[0] is offer
+
+
 def test_version_clock_from_progress_reports():
     clock = VersionClock(smoothing=0.5)
     clock.update(0.0, [0, 0])
