@@ -20,6 +20,8 @@ A scenario states its expectations as data (``"expect"`` in its JSON); each beco
   fragments that count);
 - ``applied_from_each``: each node up at the end applied at least this many fragments from every
   other node up at the end (behind NAT too: through relays or the peers that re-serve them);
+  ``applied_from_each_after_last_event``: the same, counting only what was applied after the
+  scenario's last event (a public node killed: the others still exchange, through the one left);
 - ``listed_within``: within this many seconds of the last node's start, node 0 (where a user's
   ``cgad-node swarm`` asks first) sees every other node live.
 
@@ -53,6 +55,7 @@ __all__ = [
 
 EXPECTATIONS = {
     "learns", "recovers", "peers_at_end", "joins", "rounds_with_fresh", "applied_from_each", "listed_within",
+    "applied_from_each_after_last_event",
 }  # fmt: skip
 SAME_HOUR_SECONDS = 3600.0
 
@@ -146,6 +149,23 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
         ok = len(ids) == len(up) and all(n >= expect["applied_from_each"] for n in counts.values())
         detail = ", ".join(f"{i}<-{j} {n}" for (i, j), n in sorted(counts.items()))
         verdicts.append(_verdict("applied_from_each", ok, f"applied (node<-from) {detail}"))
+    if "applied_from_each_after_last_event" in expect:
+        ids = {i: s["peer_id"] for i, s in up.items() if s.get("peer_id")}
+        before = {i: _status_after_last_event(result, i) for i in ids}
+        counts = {
+            (i, j): (up[i].get("applied_by_peer") or {}).get(ids[j], 0)
+            - ((before[i] or {}).get("applied_by_peer") or {}).get(ids[j], 0)
+            for i in ids
+            for j in ids
+            if i != j
+        }
+        ok = len(ids) == len(up) and all(
+            n >= expect["applied_from_each_after_last_event"] for n in counts.values()
+        )
+        detail = ", ".join(f"{i}<-{j} {n}" for (i, j), n in sorted(counts.items()))
+        verdicts.append(
+            _verdict("applied_from_each_after_last_event", ok, f"applied since (node<-from) {detail}")
+        )
     if "listed_within" in expect:
         others = scenario["nodes"] - 1
         seen = [
@@ -259,12 +279,18 @@ def _seconds_apart(a: str | None, b: str | None) -> float | None:
 def _applied_after_last_event(result: dict[str, Any], node: int) -> int:
     """The node's count of applied fragments at its first status after the scenario's last event
     (0 where there is none: a restarted process counts from 0)."""
+    status = _status_after_last_event(result, node)
+    return status["applied"] if status else 0
+
+
+def _status_after_last_event(result: dict[str, Any], node: int) -> dict[str, Any] | None:
+    """The node's first status sampled after the scenario's last event (None: none was)."""
     events = [s["t"] for s in result["samples"] if "event" in s]
     after = max(events, default=0.0)
     for sample in result["samples"]:
         if sample.get("node") == node and sample.get("status") and sample["t"] > after:
-            return sample["status"]["applied"]
-    return 0
+            return sample["status"]
+    return None
 
 
 def _share_of_steps_with_fresh(samples: list[dict[str, Any]], node: int) -> float:
