@@ -17,6 +17,10 @@ decoded tensor.
 Deliveries are dropped with a given probability; a peer that is down neither sends nor receives,
 and what was addressed to it meanwhile is lost. A DELTA is delivered at most once per
 (publisher, fragment, base version); for PARAMS only the newest per publisher is kept.
+
+With a ``fan_in``, a receiver takes at most that many publishers' fragments per (fragment, kind,
+base version), as a daemon's selector does: the first ones sent, the rest skipped unsent (counted
+``skipped["fan_in"]`` at the receiver), so a sender's uplink carries only what was taken.
 """
 
 from __future__ import annotations
@@ -124,9 +128,7 @@ class VirtualNetwork:
 
     def _send(self, sender: MemoryTransport, fragment: Fragment, size: int | None = None) -> None:
         """``size``: the fragment came encoded (``publish_encoded``) in that many bytes."""
-        receivers = self._receivers(sender)
-        if self.fan_in is not None and len(receivers) > self.fan_in:
-            receivers = self.rng.sample(receivers, self.fan_in)
+        receivers = [r for r in self._receivers(sender) if r._take_slot(fragment.key, self.fan_in)]
         if size is None:
             size = fragment.tensor.numel() * _FLOAT32_BYTES
             if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
@@ -141,6 +143,7 @@ class VirtualNetwork:
             sender.stats.bytes_sent += size
             if self.rng.random() < self.drop:
                 sender.stats.rejected["dropped_in_flight"] += 1
+                receiver._free_slot(fragment.key, self.fan_in)  # as a fetch that failed frees it
                 continue
             delivery = _Delivery(fragment, receiver.round + self.delay.draw(self.rng), ready_time, size)
             if self._held is not None:
@@ -165,6 +168,27 @@ class MemoryTransport(Transport):
         self.seconds_per_round: float | None = None  # virtual, over the last round
         self._round_began = 0.0  # when the round under way began (the driver may advance per step)
         self._delivered: set = set()
+        self._slots: dict[tuple[int, str, int], int] = {}  # (fragment, kind, base) -> publishers taken
+
+    def _take_slot(self, key: FragmentKey, fan_in: int | None) -> bool:
+        """Whether this peer takes a fragment of ``key``'s (fragment, kind, base version): one of
+        its ``fan_in`` slots there, if one is left (the fan-in cap; None: no cap)."""
+        if fan_in is None:
+            return True
+        slot = (key.fragment, str(key.kind), key.base_version)
+        if self._slots.get(slot, 0) >= fan_in:
+            self.stats.skipped["fan_in"] += 1
+            return False
+        self._slots[slot] = self._slots.get(slot, 0) + 1
+        if len(self._slots) > 4096:  # the oldest versions' counts are done with
+            for old in sorted(self._slots, key=lambda s: s[2])[:2048]:
+                del self._slots[old]
+        return True
+
+    def _free_slot(self, key: FragmentKey, fan_in: int | None) -> None:
+        slot = (key.fragment, str(key.kind), key.base_version)
+        if fan_in is not None and self._slots.get(slot, 0) > 0:
+            self._slots[slot] -= 1
 
     def advance(self, now: float, round_: int) -> None:
         """Move this peer's virtual clock and round counter (the driver calls this)."""

@@ -154,6 +154,42 @@ def test_dropped_and_churned_fragments_are_applied_at_most_once():
     assert sum(t.stats.rejected["dropped_in_flight"] for t in transports) > 0
 
 
+def test_a_receiver_takes_at_most_fan_in_publishers_per_version_and_only_those_are_sent():
+    """The daemon's fan-in cap on the virtual wire: per (fragment, kind, base version) a receiver
+    takes the first ``fan_in`` publishers' fragments; the rest are skipped unsent (no uplink bytes),
+    and a delivery lost in flight frees its slot, as a fetch that failed does."""
+    network = VirtualNetwork(fan_in=2)
+    peers = [network.join(f"p{i}") for i in range(6)]
+    receiver, senders = peers[0], peers[1:]
+    for sender in senders:
+        sender.publish(Fragment(FragmentKey("run", 0, 5, sender.peer_id), torch.ones(4), tokens=1))
+    got = receiver.receive(0)
+    assert [f.key.publisher for f in got] == ["p1", "p2"]
+    assert receiver.stats.skipped["fan_in"] == 3
+    # every peer's two slots fill with the first two others it hears: p1 and p2 are taken by all
+    # five others, p3 by p1 and p2 only; p4 and p5 by none, and their uplinks carried nothing
+    assert [s.stats.bytes_sent // 16 for s in senders] == [5, 5, 2, 0, 0]
+    # another base version has slots of its own
+    senders[3].publish(Fragment(FragmentKey("run", 0, 6, "p4"), torch.ones(4), tokens=1))
+    assert [f.key.publisher for f in receiver.receive(0)] == ["p4"]
+    # a lost delivery frees its slot for the next publisher
+    lossy = VirtualNetwork(fan_in=1, drop=0.999999, seed=0)
+    a, b, c = (lossy.join(n) for n in "abc")
+    a.publish(Fragment(FragmentKey("run", 0, 1, "a"), torch.ones(4), tokens=1))
+    lossy.drop = 0.0
+    b.publish(Fragment(FragmentKey("run", 0, 1, "b"), torch.ones(4), tokens=1))
+    assert [f.key.publisher for f in c.receive(0)] == ["b"]
+
+
+@pytest.mark.slow
+def test_the_simulator_caps_fan_in_as_a_daemon_does(corpus):
+    capped = run(corpus, workers=6, rounds=3, fan_in=2)
+    uncapped = run(corpus, workers=6, rounds=3, fan_in=None)
+    # per worker and round at most 2 peers' fragments against 5 without the cap
+    assert capped["applied"] <= 6 * 3 * 2 < uncapped["applied"]
+    assert capped["bytes_sent"] < uncapped["bytes_sent"]
+
+
 def test_a_republished_key_is_rejected_as_replay():
     network = VirtualNetwork()
     a, b = network.join("a"), network.join("b")

@@ -132,7 +132,13 @@ def simulate(
         delay=Delay.parse(c.delay),
         drop=c.drop,
         bandwidth=c.bandwidth,  # the members' senders encode: the wire carries their bytes
+        fan_in=c.fan_in,
         seed=c.seed * 7919 + 1,
+    )
+    # who publishes first at one instant takes the fan-in slots first: the order is drawn, as a
+    # daemon's selector draws among the offers it sees (only where the cap binds: results stay)
+    publish_order = (
+        random.Random(c.seed * 31 + 7) if c.fan_in is not None and c.workers - 1 > c.fan_in else None
     )
     eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
     base_model = build_model(c.model, vocab_size, seed=c.seed)
@@ -190,6 +196,8 @@ def simulate(
             _rejoin(wk, now)  # back from churn; its next step follows
             heapq.heappush(events, (wk.clock + step_seconds(wk), wk.index))
         network.hold()  # what is published at this instant lands once all due have published
+        if publish_order is not None:
+            publish_order.shuffle(due)
         for wk in due:  # the inner step that ends now, and the block's publish if it is over
             wk.clock = now
             wk.transport.advance(now, wk.member.round)
