@@ -135,14 +135,15 @@ def bound_dht(protocol: DHTProtocol, served: Counter[str] | None = None) -> None
 
 
 def count_served(protocol: DHTProtocol, served: Counter[str]) -> None:
-    """Count each ``rpc_find``, ``rpc_store`` and ``rpc_ping`` that ``protocol`` answers, by kind,
-    into ``served`` (before the handler runs: a request that fails still cost its parsing).
+    """Count each ``rpc_find`` and ``rpc_store`` that ``protocol`` answers into ``served``, by kind:
+    those that passed the allowlist and swarm-key checks, which wrap the handlers outside this
+    (pings are not counted: hivemind's find and store handlers call ``rpc_ping`` themselves).
 
     Args:
         protocol: the node's ``DHTProtocol``.
         served: the counter.
     """
-    for kind in ("find", "store", "ping"):
+    for kind in ("find", "store"):
         handler = getattr(protocol, f"rpc_{kind}")
 
         async def counted(request, context, handler=handler, kind=kind):  # type: ignore[no-untyped-def]

@@ -156,22 +156,36 @@ def test_dropped_and_churned_fragments_are_applied_at_most_once():
 
 def test_a_receiver_takes_at_most_fan_in_publishers_per_version_and_only_those_are_sent():
     """The daemon's fan-in cap on the virtual wire: per (fragment, kind, base version) a receiver
-    takes the first ``fan_in`` publishers' fragments; the rest are skipped unsent (no uplink bytes),
-    and a delivery lost in flight frees its slot, as a fetch that failed does."""
-    network = VirtualNetwork(fan_in=2)
-    peers = [network.join(f"p{i}") for i in range(6)]
-    receiver, senders = peers[0], peers[1:]
-    for sender in senders:
-        sender.publish(Fragment(FragmentKey("run", 0, 5, sender.peer_id), torch.ones(4), tokens=1))
-    got = receiver.receive(0)
-    assert [f.key.publisher for f in got] == ["p1", "p2"]
-    assert receiver.stats.skipped["fan_in"] == 3
-    # every peer's two slots fill with the first two others it hears: p1 and p2 are taken by all
-    # five others, p3 by p1 and p2 only; p4 and p5 by none, and their uplinks carried nothing
-    assert [s.stats.bytes_sent // 16 for s in senders] == [5, 5, 2, 0, 0]
-    # another base version has slots of its own
-    senders[3].publish(Fragment(FragmentKey("run", 0, 6, "p4"), torch.ones(4), tokens=1))
-    assert [f.key.publisher for f in receiver.receive(0)] == ["p4"]
+    takes at most ``fan_in`` publishers; of what one instant offers it, a draw of its own (the
+    publishers it heard from before first), so that each publisher reaches about ``fan_in`` peers;
+    what is not taken is never sent. A publisher sending again takes no second slot; a delivery
+    lost in flight frees its slot, as a fetch that failed does."""
+    network = VirtualNetwork(fan_in=2, seed=3)
+    peers = [network.join(f"p{i}") for i in range(8)]
+
+    def instant(base: int) -> list[list[str]]:
+        network.hold()
+        for p in peers:
+            p.publish(Fragment(FragmentKey("run", 0, base, p.peer_id), torch.ones(4), tokens=1))
+        network.flush()
+        return [sorted(f.key.publisher for f in p.receive(0)) for p in peers]
+
+    first = instant(5)
+    assert all(len(got) == 2 for got in first)  # 2 of the 7 others each
+    assert sum(p.stats.skipped["fan_in"] for p in peers) == 8 * 5
+    sent = [p.stats.bytes_sent // 16 for p in peers]  # 16 bytes per delivery
+    assert sum(sent) == 16 and max(sent) < 7  # drawn per receiver: not the same two for everyone
+    assert len({tuple(got) for got in first}) > 1
+    # the next version: each takes the publishers it heard from first
+    assert instant(6) == first
+    # sent one at a time (not one instant): the first with room left; a second send of a version
+    # takes no second slot
+    late = VirtualNetwork(fan_in=1)
+    a, b, c = (late.join(n) for n in "abc")
+    for sender in (a, b, a):
+        sender.publish(Fragment(FragmentKey("run", 0, 1, sender.peer_id), torch.ones(4), tokens=1))
+    assert [f.key.publisher for f in c.receive(0)] == ["a"]  # a's second send is a replay
+    assert c.stats.rejected["replay"] == 1 and c.stats.skipped["fan_in"] == 1
     # a lost delivery frees its slot for the next publisher
     lossy = VirtualNetwork(fan_in=1, drop=0.999999, seed=0)
     a, b, c = (lossy.join(n) for n in "abc")

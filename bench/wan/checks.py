@@ -152,9 +152,11 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
     if "applied_from_each_after_last_event" in expect:
         ids = {i: s["peer_id"] for i, s in up.items() if s.get("peer_id")}
         before = {i: _status_after_last_event(result, i) for i in ids}
-        counts = {
+        counts = {  # a node not sampled between the event and the end shows nothing since
             (i, j): (up[i].get("applied_by_peer") or {}).get(ids[j], 0)
-            - ((before[i] or {}).get("applied_by_peer") or {}).get(ids[j], 0)
+            - (before[i].get("applied_by_peer") or {}).get(ids[j], 0)
+            if before[i] is not None
+            else 0
             for i in ids
             for j in ids
             if i != j
@@ -209,11 +211,16 @@ def costs_per_round(
         result: a run's record.
         steady_after: seconds into the run where the count starts.
     """
+    # a node (re)started by an event counts from its first sample after that event's start
+    restarts: dict[str, float] = {}
+    for sample in result["samples"]:
+        if "restart" in sample.get("event", {}):
+            restarts[str(sample["event"]["restart"])] = sample["t"]
     first: dict[str, dict[str, Any]] = {}
     for sample in result["samples"]:
-        status = sample.get("status")
-        if status and sample["t"] >= steady_after and str(sample["node"]) not in first:
-            first[str(sample["node"])] = status
+        status, node = sample.get("status"), str(sample.get("node"))
+        if status and sample["t"] >= max(steady_after, restarts.get(node, 0.0)) and node not in first:
+            first[node] = status
     costs: dict[str, dict[str, float]] = {name: {} for name in COSTS}
     for index, status in result["final"].items():
         start = first.get(str(index))
@@ -222,7 +229,7 @@ def costs_per_round(
         rounds = status["round"] - start["round"]
         before = _cost_totals(start)
         for name, total in _cost_totals(status).items():
-            if total is not None and before[name] is not None:
+            if total is not None and before[name] is not None and total >= before[name]:
                 costs[name][str(index)] = (total - before[name]) / rounds
     return {name: per_node for name, per_node in costs.items() if per_node}
 
