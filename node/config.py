@@ -293,6 +293,10 @@ class SimOptions(_Part):
         " half a block later; 0: at once)",
     )
     churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
+    fan_in: Positive | None = Field(
+        4,
+        description="peers' fragments a worker takes per fragment and round at most, as a daemon's --fan-in",
+    )
     step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
     data_split: Literal["disjoint", "shared"] = Field(
         "disjoint",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from hivemind.dht.protocol import DHTProtocol
@@ -33,7 +34,7 @@ from hivemind.utils.timed_storage import DHTExpiration, TimedStorage
 
 __all__ = [
     "MAX_FIND_REPLY_BYTES", "MAX_KEY_BYTES", "MAX_KEY_RECORDS", "BoundedLocalStorage", "bound_dht",
-    "budget_find_replies", "trim_find_response",
+    "budget_find_replies", "count_served", "trim_find_response",
 ]  # fmt: skip
 
 MAX_KEY_RECORDS = 512  # subkeys under one key: a record per peer of a swarm of up to 512
@@ -109,13 +110,14 @@ class BoundedLocalStorage(DHTLocalStorage):
         return stored
 
 
-def bound_dht(protocol: DHTProtocol) -> None:
+def bound_dht(protocol: DHTProtocol, served: Counter[str] | None = None) -> None:
     """Replace ``protocol``'s storage and cache by bounded ones holding what they held (within the
     bounds), and budget its ``rpc_find`` replies. Call on the event-loop thread, right after the
     DHT node starts (no await between the copy and the swap: nothing is stored in between).
 
     Args:
         protocol: a running node's ``DHTProtocol`` (``DHTNode.protocol``).
+        served: where to count the requests it answers, by kind (``count_served``).
     """
     for name in ("storage", "cache"):
         old: DHTLocalStorage = getattr(protocol, name)
@@ -128,6 +130,27 @@ def bound_dht(protocol: DHTProtocol) -> None:
                 new.store(key, item.value, item.expiration_time)
         setattr(protocol, name, new)
     budget_find_replies(protocol)
+    if served is not None:
+        count_served(protocol, served)
+
+
+def count_served(protocol: DHTProtocol, served: Counter[str]) -> None:
+    """Count each ``rpc_find`` and ``rpc_store`` that ``protocol`` answers into ``served``, by kind:
+    those that passed the allowlist and swarm-key checks, which wrap the handlers outside this
+    (pings are not counted: hivemind's find and store handlers call ``rpc_ping`` themselves).
+
+    Args:
+        protocol: the node's ``DHTProtocol``.
+        served: the counter.
+    """
+    for kind in ("find", "store"):
+        handler = getattr(protocol, f"rpc_{kind}")
+
+        async def counted(request, context, handler=handler, kind=kind):  # type: ignore[no-untyped-def]
+            served[kind] += 1
+            return await handler(request, context)
+
+        setattr(protocol, f"rpc_{kind}", counted)
 
 
 def budget_find_replies(protocol: DHTProtocol, budget: int = MAX_FIND_REPLY_BYTES) -> None:

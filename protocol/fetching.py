@@ -90,7 +90,9 @@ class Fetcher:
         # by endpoint and certificate, least recently used first: records name them, so a peer
         # that restarts (or lies) brings a new one, and only MAX_CHANNELS stay open
         self._channels: OrderedDict[tuple[str, str | None], grpc.aio.Channel] = OrderedDict()
-        self._unanswered: OrderedDict[str, float] = OrderedDict()  # endpoint -> when it is tried again
+        # (endpoint, certificate) -> when it is tried again: keyed as channels are, so that a record
+        # naming another peer's endpoint with a wrong certificate does not get that peer skipped
+        self._unanswered: OrderedDict[tuple[str, str | None], float] = OrderedDict()
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -226,7 +228,9 @@ class Fetcher:
         for path in paths or self.options.paths:
             # a private swarm's bytes cross gRPC only encrypted (libp2p always is)
             plaintext_only = self.swarm_key is not None and holder.tls is None
-            if path == "grpc" and (holder.grpc is None or plaintext_only or self._unanswering(holder.grpc)):
+            if path == "grpc" and (
+                holder.grpc is None or plaintext_only or self._unanswering((holder.grpc, holder.tls))
+            ):
                 continue
             fruitless = 0
             while fruitless < 2:
@@ -253,8 +257,9 @@ class Fetcher:
                 fruitless = 0 if assembler.received > received_before else fruitless + 1
         return None
 
-    def _unanswering(self, endpoint: str) -> bool:
-        """Whether ``endpoint`` failed to answer within the last ``UNANSWERED_FOR`` seconds."""
+    def _unanswering(self, endpoint: tuple[str, str | None]) -> bool:
+        """Whether ``endpoint`` (with its certificate) failed to answer within the last
+        ``UNANSWERED_FOR`` seconds."""
         until = self._unanswered.get(endpoint)
         if until is not None and time.monotonic() >= until:
             del self._unanswered[endpoint]
@@ -281,7 +286,7 @@ class Fetcher:
         try:
             await asyncio.wait_for(channel.channel_ready(), self.options.connect_timeout)
         except TimeoutError:
-            self._unanswered[endpoint] = time.monotonic() + UNANSWERED_FOR
+            self._unanswered[endpoint, certificate] = time.monotonic() + UNANSWERED_FOR
             while len(self._unanswered) > MAX_CHANNELS:
                 self._unanswered.popitem(last=False)
             raise

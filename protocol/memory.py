@@ -17,6 +17,13 @@ decoded tensor.
 Deliveries are dropped with a given probability; a peer that is down neither sends nor receives,
 and what was addressed to it meanwhile is lost. A DELTA is delivered at most once per
 (publisher, fragment, base version); for PARAMS only the newest per publisher is kept.
+
+With a ``fan_in``, a receiver takes at most that many publishers' fragments per (fragment, kind,
+base version), as a daemon's selector does: of what one instant offers it, a draw of its own, the
+publishers it already heard from first; of later instants, the first sent while room is left.
+The rest are skipped unsent (counted ``skipped["fan_in"]`` at the receiver), so a sender's uplink
+carries only what was taken; a publisher sending the same version again takes no second slot,
+and a delivery lost in flight frees its slot for the next sender.
 """
 
 from __future__ import annotations
@@ -99,18 +106,39 @@ class VirtualNetwork:
         # sends of the instant under way, when a driver runs several peers at one virtual instant
         # (``hold``): they land together at ``flush``, so that no peer of the instant sees another's
         # before it has published its own
-        self._held: list[tuple[MemoryTransport, _Delivery]] | None = None
+        self._held: list[tuple[MemoryTransport, Fragment, int]] | None = None
+        self._slot_rng = random.Random(seed * 7 + 3)  # receivers' fan-in draws (not the delays')
 
     def hold(self) -> None:
         """Keep what is sent from now on until ``flush`` (one virtual instant)."""
         self._held = []
 
     def flush(self) -> None:
-        """Deliver what was sent since ``hold``, and deliver at once again from now on."""
+        """Send what was published since ``hold``, each receiver drawing its fan-in among it, and
+        send at once again from now on. Uplink time is charged here (``blocked_seconds``)."""
         held, self._held = self._held or [], None
-        for receiver, delivery in held:
-            if receiver.alive:
-                receiver.inbox.append(delivery)
+        for (sender, fragment, size), receivers in zip(held, self._draw(held), strict=True):
+            self._dispatch(sender, fragment, size, receivers)
+
+    def _draw(self, held: list[tuple[MemoryTransport, Fragment, int]]) -> list[list[MemoryTransport]]:
+        """Per held send, the receivers that take it: every live peer but its sender, each within
+        its fan-in per version, drawn per receiver where an instant offers more than its room."""
+        alive = [p for p in self.peers.values() if p.alive]
+        takers: list[set[str]] = [set() for _ in held]
+        for receiver in alive:
+            offers: dict[tuple[int, str, int], list[int]] = {}
+            for i, (sender, fragment, _) in enumerate(held):
+                if sender is not receiver:
+                    offers.setdefault(_slot(fragment.key), []).append(i)
+            for indices in offers.values():
+                if self.fan_in is not None and len(indices) > 1:
+                    self._slot_rng.shuffle(indices)
+                    indices.sort(key=lambda i: held[i][1].key.publisher not in receiver._heard_from)
+                for i in indices:
+                    if receiver._take_slot(held[i][1].key, self.fan_in):
+                        takers[i].add(receiver.peer_id)
+        # in the peers' order, as sends that are not held go: the delay draws follow it
+        return [[p for p in alive if p.peer_id in taken] for taken in takers]
 
     def _receivers(self, sender: MemoryTransport) -> list[MemoryTransport]:
         return [p for p in self.peers.values() if p is not sender and p.alive]
@@ -124,13 +152,20 @@ class VirtualNetwork:
 
     def _send(self, sender: MemoryTransport, fragment: Fragment, size: int | None = None) -> None:
         """``size``: the fragment came encoded (``publish_encoded``) in that many bytes."""
-        receivers = self._receivers(sender)
-        if self.fan_in is not None and len(receivers) > self.fan_in:
-            receivers = self.rng.sample(receivers, self.fan_in)
         if size is None:
             size = fragment.tensor.numel() * _FLOAT32_BYTES
             if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
                 fragment, size = sender._encoded(fragment, self.codec, self.sparse_keep)
+        if self._held is not None:
+            self._held.append((sender, fragment, size))
+            return
+        receivers = [r for r in self._receivers(sender) if r._take_slot(fragment.key, self.fan_in)]
+        self._dispatch(sender, fragment, size, receivers)
+
+    def _dispatch(
+        self, sender: MemoryTransport, fragment: Fragment, size: int, receivers: list[MemoryTransport]
+    ) -> None:
+        """Put ``fragment`` on the wire to ``receivers``: the sender's uplink time, losses, delays."""
         ready_time = sender.now
         if self.bandwidth is not None and receivers:
             start = max(sender.now, sender.uplink_free_at)
@@ -141,12 +176,16 @@ class VirtualNetwork:
             sender.stats.bytes_sent += size
             if self.rng.random() < self.drop:
                 sender.stats.rejected["dropped_in_flight"] += 1
+                receiver._free_slot(fragment.key, self.fan_in)  # as a fetch that failed frees it
                 continue
             delivery = _Delivery(fragment, receiver.round + self.delay.draw(self.rng), ready_time, size)
-            if self._held is not None:
-                self._held.append((receiver, delivery))
-            else:
-                receiver.inbox.append(delivery)
+            receiver._heard_from.add(fragment.key.publisher)
+            receiver.inbox.append(delivery)
+
+
+def _slot(key: FragmentKey) -> tuple[int, str, int]:
+    """What the fan-in cap counts publishers per: fragment, kind and base version."""
+    return key.fragment, str(key.kind), key.base_version
 
 
 class MemoryTransport(Transport):
@@ -165,6 +204,30 @@ class MemoryTransport(Transport):
         self.seconds_per_round: float | None = None  # virtual, over the last round
         self._round_began = 0.0  # when the round under way began (the driver may advance per step)
         self._delivered: set = set()
+        self._slots: dict[tuple[int, str, int], set[str]] = {}  # (fragment, kind, base) -> publishers taken
+        self._heard_from: set[str] = set()  # publishers whose fragments reached this peer
+
+    def _take_slot(self, key: FragmentKey, fan_in: int | None) -> bool:
+        """Whether this peer takes ``key``'s fragment: its publisher holds one of the ``fan_in``
+        slots of (fragment, kind, base version) already, or takes one that is left (None: no cap)."""
+        if fan_in is None:
+            return True
+        taken = self._slots.setdefault(_slot(key), set())
+        if key.publisher in taken:
+            return True
+        if len(taken) >= fan_in:
+            self.stats.skipped["fan_in"] += 1
+            return False
+        taken.add(key.publisher)
+        if len(self._slots) > 4096:  # versions long past: their counts are done with
+            newest = max(s[2] for s in self._slots)
+            for old in [s for s in self._slots if s[2] < newest - 256]:
+                del self._slots[old]
+        return True
+
+    def _free_slot(self, key: FragmentKey, fan_in: int | None) -> None:
+        if fan_in is not None:
+            self._slots.get(_slot(key), set()).discard(key.publisher)
 
     def advance(self, now: float, round_: int) -> None:
         """Move this peer's virtual clock and round counter (the driver calls this)."""

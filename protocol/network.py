@@ -378,8 +378,8 @@ class NetworkTransport(Transport):
                 self.p2p = await self._create_p2p(identity_path, self.reachability.public, listen)
                 await self._dial_back.start(self.p2p)
         self.client_mode = self.reachability.public is False
-        # nobody can dial it: a peer would wait connect_timeout for its gRPC before every fetch
-        self._server.announces_grpc = not self.client_mode
+        # nobody can dial it (unless told where it is forwarded): else each fetch waits out a dial
+        self._server.announces_grpc = not self.client_mode or options.grpc_announce_host is not None
         logger.info("%s", self.reachability.line([]))
         if self.p2p.peer_id.to_base58() != self.peer_id:
             raise RuntimeError("libp2p identity and signing key disagree")
@@ -400,7 +400,7 @@ class NetworkTransport(Transport):
                 f" the swarm is private, is this node's key its key? (it has {has})"
             ) from None
         # what one key may hold and one reply may carry: at once, before any await lets a store in
-        bound_dht(self.dht_node.protocol)
+        bound_dht(self.dht_node.protocol, self.stats.dht_served)
         await self._reregister_dht_handlers(self.dht_node.protocol)
         await self._server.start(self.p2p)
         self._poller.dht_node = self.dht_node

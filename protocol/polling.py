@@ -243,6 +243,7 @@ class Poller:
         interest = dict(self.interest)
         keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id), state_key(run_id)]
         found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"))
+        self.stats.dht_lookups += 1
         now = get_dht_time()
         self.state_candidates = self._parse_states(found.get(state_key(run_id)), now)
 

@@ -67,6 +67,10 @@ class TransportStats:
     # progress (the heartbeat); each goes to every replica of its key, so they are what polling
     # and re-announcing cost the swarm
     records_stored: Counter[str] = field(default_factory=Counter)
+    dht_lookups: int = 0  # this peer's looks at the DHT (one poll: its fragments', progress and state keys)
+    # the DHT requests this peer answered for others, by kind (find, store): where a swarm's
+    # records land, and so what a DHT server carries as the swarm grows
+    dht_served: Counter[str] = field(default_factory=lambda: Counter(find=0, store=0))
 
 
 class Transport(abc.ABC):

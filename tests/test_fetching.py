@@ -116,7 +116,7 @@ def test_an_endpoint_that_did_not_answer_is_left_to_libp2p_a_while(monkeypatch: 
     async def main() -> list[float]:
         waited = [await attempt(), await attempt()]
         monkeypatch.setattr(fetching, "UNANSWERED_FOR", 0.0)  # its time is up: asked again
-        fetcher._unanswered[endpoint] = time.monotonic()
+        fetcher._unanswered[endpoint, None] = time.monotonic()
         waited.append(await attempt())
         await fetcher.close()
         return waited

@@ -60,6 +60,12 @@ def test_every_codec_over_both_paths(netswarm: list[NetworkTransport]) -> None:
     assert p2.bytes_by_path["libp2p"] == total and p2.bytes_by_path["grpc"] == 0
     assert p0.receive(0) == []  # never one's own
     assert not p1.stats.rejected and not p2.stats.rejected
+    # what the DHT cost, counted: each peer's own looks (one per poll) and what it answered others
+    assert all(p.stats.dht_lookups >= p.polls > 0 for p in netswarm)
+    assert sum(p.stats.dht_served["find"] for p in netswarm) > 0
+    assert sum(p.stats.dht_served["store"] for p in netswarm) >= sum(
+        sum(p.stats.records_stored.values()) for p in netswarm
+    ) > 0  # every store lands on at least one other peer's replica here
 
 
 @pytest.mark.timeout(120)

@@ -98,7 +98,7 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path, monkeypatch, token_cache
             "--presets",
             "tiny",
             "--seconds",
-            "4",
+            "2",
             "--batch-size",
             "4",
             "--seq-len",

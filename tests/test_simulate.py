@@ -154,6 +154,56 @@ def test_dropped_and_churned_fragments_are_applied_at_most_once():
     assert sum(t.stats.rejected["dropped_in_flight"] for t in transports) > 0
 
 
+def test_a_receiver_takes_at_most_fan_in_publishers_per_version_and_only_those_are_sent():
+    """The daemon's fan-in cap on the virtual wire: per (fragment, kind, base version) a receiver
+    takes at most ``fan_in`` publishers; of what one instant offers it, a draw of its own (the
+    publishers it heard from before first), so that each publisher reaches about ``fan_in`` peers;
+    what is not taken is never sent. A publisher sending again takes no second slot; a delivery
+    lost in flight frees its slot, as a fetch that failed does."""
+    network = VirtualNetwork(fan_in=2, seed=3)
+    peers = [network.join(f"p{i}") for i in range(8)]
+
+    def instant(base: int) -> list[list[str]]:
+        network.hold()
+        for p in peers:
+            p.publish(Fragment(FragmentKey("run", 0, base, p.peer_id), torch.ones(4), tokens=1))
+        network.flush()
+        return [sorted(f.key.publisher for f in p.receive(0)) for p in peers]
+
+    first = instant(5)
+    assert all(len(got) == 2 for got in first)  # 2 of the 7 others each
+    assert sum(p.stats.skipped["fan_in"] for p in peers) == 8 * 5
+    sent = [p.stats.bytes_sent // 16 for p in peers]  # 16 bytes per delivery
+    assert sum(sent) == 16 and max(sent) < 7  # drawn per receiver: not the same two for everyone
+    assert len({tuple(got) for got in first}) > 1
+    # the next version: each takes the publishers it heard from first
+    assert instant(6) == first
+    # sent one at a time (not one instant): the first with room left; a second send of a version
+    # takes no second slot
+    late = VirtualNetwork(fan_in=1)
+    a, b, c = (late.join(n) for n in "abc")
+    for sender in (a, b, a):
+        sender.publish(Fragment(FragmentKey("run", 0, 1, sender.peer_id), torch.ones(4), tokens=1))
+    assert [f.key.publisher for f in c.receive(0)] == ["a"]  # a's second send is a replay
+    assert c.stats.rejected["replay"] == 1 and c.stats.skipped["fan_in"] == 1
+    # a lost delivery frees its slot for the next publisher
+    lossy = VirtualNetwork(fan_in=1, drop=0.999999, seed=0)
+    a, b, c = (lossy.join(n) for n in "abc")
+    a.publish(Fragment(FragmentKey("run", 0, 1, "a"), torch.ones(4), tokens=1))
+    lossy.drop = 0.0
+    b.publish(Fragment(FragmentKey("run", 0, 1, "b"), torch.ones(4), tokens=1))
+    assert [f.key.publisher for f in c.receive(0)] == ["b"]
+
+
+@pytest.mark.slow
+def test_the_simulator_caps_fan_in_as_a_daemon_does(corpus):
+    capped = run(corpus, workers=6, rounds=3, fan_in=2)
+    uncapped = run(corpus, workers=6, rounds=3, fan_in=None)
+    # per worker and round at most 2 peers' fragments against 5 without the cap
+    assert capped["applied"] <= 6 * 3 * 2 < uncapped["applied"]
+    assert capped["bytes_sent"] < uncapped["bytes_sent"]
+
+
 def test_a_republished_key_is_rejected_as_replay():
     network = VirtualNetwork()
     a, b = network.join("a"), network.join("b")

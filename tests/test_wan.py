@@ -403,3 +403,28 @@ def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, mon
     # and the record kept of it reads back whole
     path = runlog.write_run(tmp_path / f"smoke{runlog.SUFFIX}", json.loads(json.dumps(result)))
     assert runlog.same(runlog.read_run(path), json.loads(json.dumps(result)))
+
+
+def test_costs_per_round_count_the_steady_state_and_node_0_lists_the_swarm_in_time():
+    def status(round_: int, bytes_in: int, stored: int, lookups: int, served: int, peers: int) -> dict:
+        return {"round": round_, "bytes_in": bytes_in, "records_stored": {"holdings": stored, "progress": 1},
+                "dht_lookups": lookups, "dht_served": {"find": served, "store": 0}, "peers": peers,
+                "eval_history": [[0, 8.0]]}  # fmt: skip
+
+    samples = [
+        # a joiner's snapshot and the first dials come before the steady state: left out
+        {"t": 5.0, "node": 0, "status": status(2, 9_000_000, 5, 10, 40, 1)},
+        {"t": 35.0, "node": 0, "status": status(10, 10_000_000, 20, 30, 100, 2)},
+        {"t": 36.0, "node": 1, "status": status(11, 500, 20, 30, 0, 2)},
+    ]
+    final = {"0": status(30, 12_000_000, 60, 70, 300, 2), "1": status(11, 900, 20, 30, 0, 2), "2": None}
+    result = {"scenario": {"nodes": 3, "events": [], "expect": {"listed_within": 60}}, "samples": samples,
+              "final": final}  # fmt: skip
+    costs = checks.costs_per_round(result)
+    assert costs["bytes_in"] == {"0": 100_000.0}  # node 1 trained no round since: no cost per round
+    assert costs["records_stored"] == {"0": 2.0} and costs["dht_lookups"] == {"0": 2.0}
+    assert costs["dht_served"] == {"0": 10.0}
+    [listed] = [v for v in checks.check(result) if v["check"] == "listed_within"]
+    assert listed["ok"] and "after 35 s" in listed["detail"], listed
+    result["scenario"]["expect"]["listed_within"] = 30
+    assert not next(v for v in checks.check(result) if v["check"] == "listed_within")["ok"]

@@ -19,7 +19,15 @@ A scenario states its expectations as data (``"expect"`` in its JSON); each beco
   seen in the samples applied a peer fragment at age 0 or 1 (on a thin link the bytes go to
   fragments that count);
 - ``applied_from_each``: each node up at the end applied at least this many fragments from every
-  other node up at the end (behind NAT too: through relays or the peers that re-serve them).
+  other node up at the end (behind NAT too: through relays or the peers that re-serve them);
+  ``applied_from_each_after_last_event``: the same, counting only what was applied after the
+  scenario's last event (a public node killed: the others still exchange, through the one left);
+- ``listed_within``: within this many seconds of the last node's start, node 0 (where a user's
+  ``cgad-node swarm`` asks first) sees every other node live.
+
+Beside the verdicts, ``costs_per_round`` says what a round cost each node up at the end: bytes
+received, DHT records it stored, its looks at the DHT, and the DHT requests it answered for others
+(where a swarm's records land, the load a growing swarm puts on the DHT's servers).
 
 And where the scenario names its floor (``"floor"``: the same nodes, each training alone, run in
 the same invocation), ``check_floor`` makes one more verdict, ``below_floor``: the swarm's mean
@@ -35,9 +43,20 @@ import math
 from datetime import datetime
 from typing import Any
 
-__all__ = ["EXPECTATIONS", "SAME_HOUR_SECONDS", "check", "check_floor", "final_losses"]
+__all__ = [
+    "COSTS",
+    "EXPECTATIONS",
+    "SAME_HOUR_SECONDS",
+    "check",
+    "check_floor",
+    "costs_per_round",
+    "final_losses",
+]
 
-EXPECTATIONS = {"learns", "recovers", "peers_at_end", "joins", "rounds_with_fresh", "applied_from_each"}
+EXPECTATIONS = {
+    "learns", "recovers", "peers_at_end", "joins", "rounds_with_fresh", "applied_from_each", "listed_within",
+    "applied_from_each_after_last_event",
+}  # fmt: skip
 SAME_HOUR_SECONDS = 3600.0
 
 
@@ -130,7 +149,89 @@ def check(result: dict[str, Any]) -> list[dict[str, Any]]:
         ok = len(ids) == len(up) and all(n >= expect["applied_from_each"] for n in counts.values())
         detail = ", ".join(f"{i}<-{j} {n}" for (i, j), n in sorted(counts.items()))
         verdicts.append(_verdict("applied_from_each", ok, f"applied (node<-from) {detail}"))
+    if "applied_from_each_after_last_event" in expect:
+        ids = {i: s["peer_id"] for i, s in up.items() if s.get("peer_id")}
+        before = {i: _status_after_last_event(result, i) for i in ids}
+        counts = {  # a node not sampled between the event and the end shows nothing since
+            (i, j): (up[i].get("applied_by_peer") or {}).get(ids[j], 0)
+            - (before[i].get("applied_by_peer") or {}).get(ids[j], 0)
+            if before[i] is not None
+            else 0
+            for i in ids
+            for j in ids
+            if i != j
+        }
+        ok = len(ids) == len(up) and all(
+            n >= expect["applied_from_each_after_last_event"] for n in counts.values()
+        )
+        detail = ", ".join(f"{i}<-{j} {n}" for (i, j), n in sorted(counts.items()))
+        verdicts.append(
+            _verdict("applied_from_each_after_last_event", ok, f"applied since (node<-from) {detail}")
+        )
+    if "listed_within" in expect:
+        others = scenario["nodes"] - 1
+        seen = [
+            s["t"]
+            for s in result["samples"]
+            if s.get("node") == 0 and (s.get("status") or {}).get("peers", 0) >= others
+        ]
+        first = seen[0] if seen else None  # t counts from the moment every node had started
+        ok = first is not None and first <= expect["listed_within"]
+        detail = (
+            f"node 0 saw all {others} others live after {first:.0f} s"
+            if first is not None
+            else (f"node 0 never saw all {others} others live")
+        )
+        verdicts.append(_verdict("listed_within", ok, detail))
     return verdicts
+
+
+COSTS = ("bytes_in", "records_stored", "dht_lookups", "dht_served")
+STEADY_AFTER = 30.0  # seconds: what came before (a joiner's snapshot, the first dials) is left out
+
+
+def _cost_totals(status: dict[str, Any]) -> dict[str, float | None]:
+    return {
+        "bytes_in": status.get("bytes_in"),
+        "records_stored": sum((status.get("records_stored") or {}).values()),
+        "dht_lookups": status.get("dht_lookups"),
+        "dht_served": sum(status["dht_served"].values()) if "dht_served" in status else None,
+    }
+
+
+def costs_per_round(
+    result: dict[str, Any], steady_after: float = STEADY_AFTER
+) -> dict[str, dict[str, float]]:
+    """What one round cost each node up at the end, in the steady state: its totals' growth from
+    its first status sampled ``steady_after`` seconds or more into the run to its final status,
+    over the rounds between the two. A mapping cost (``COSTS``) -> {node index: per round}; counts
+    a run's record lacks (made before the DHT counts were reported) are left out.
+
+    Args:
+        result: a run's record.
+        steady_after: seconds into the run where the count starts.
+    """
+    # a node (re)started by an event counts from its first sample after that event's start
+    restarts: dict[str, float] = {}
+    for sample in result["samples"]:
+        if "restart" in sample.get("event", {}):
+            restarts[str(sample["event"]["restart"])] = sample["t"]
+    first: dict[str, dict[str, Any]] = {}
+    for sample in result["samples"]:
+        status, node = sample.get("status"), str(sample.get("node"))
+        if status and sample["t"] >= max(steady_after, restarts.get(node, 0.0)) and node not in first:
+            first[node] = status
+    costs: dict[str, dict[str, float]] = {name: {} for name in COSTS}
+    for index, status in result["final"].items():
+        start = first.get(str(index))
+        if not status or not start or status["round"] <= start["round"]:
+            continue
+        rounds = status["round"] - start["round"]
+        before = _cost_totals(start)
+        for name, total in _cost_totals(status).items():
+            if total is not None and before[name] is not None and total >= before[name]:
+                costs[name][str(index)] = (total - before[name]) / rounds
+    return {name: per_node for name, per_node in costs.items() if per_node}
 
 
 def final_losses(result: dict[str, Any]) -> dict[int, float]:
@@ -185,12 +286,18 @@ def _seconds_apart(a: str | None, b: str | None) -> float | None:
 def _applied_after_last_event(result: dict[str, Any], node: int) -> int:
     """The node's count of applied fragments at its first status after the scenario's last event
     (0 where there is none: a restarted process counts from 0)."""
+    status = _status_after_last_event(result, node)
+    return status["applied"] if status else 0
+
+
+def _status_after_last_event(result: dict[str, Any], node: int) -> dict[str, Any] | None:
+    """The node's first status sampled after the scenario's last event (None: none was)."""
     events = [s["t"] for s in result["samples"] if "event" in s]
     after = max(events, default=0.0)
     for sample in result["samples"]:
         if sample.get("node") == node and sample.get("status") and sample["t"] > after:
-            return sample["status"]["applied"]
-    return 0
+            return sample["status"]
+    return None
 
 
 def _share_of_steps_with_fresh(samples: list[dict[str, Any]], node: int) -> float:

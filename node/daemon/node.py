@@ -439,6 +439,8 @@ class Node(MemberHooks):
             "phase_nudges": dict(self.member.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "records_stored": dict(self.transport.stats.records_stored),
+            "dht_lookups": self.transport.stats.dht_lookups,
+            "dht_served": dict(self.transport.stats.dht_served),
             "downlink_bytes_per_second": self.transport.downlink_rate,
             # --codec auto: the bytes per round each fetching peer can get, and what was sent
             "send_budget_bytes": self.transport.round_budget(),

@@ -132,6 +132,7 @@ def simulate(
         delay=Delay.parse(c.delay),
         drop=c.drop,
         bandwidth=c.bandwidth,  # the members' senders encode: the wire carries their bytes
+        fan_in=c.fan_in,
         seed=c.seed * 7919 + 1,
     )
     eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
@@ -190,15 +191,17 @@ def simulate(
             _rejoin(wk, now)  # back from churn; its next step follows
             heapq.heappush(events, (wk.clock + step_seconds(wk), wk.index))
         network.hold()  # what is published at this instant lands once all due have published
+        blocked_before: dict[int, float] = {}
         for wk in due:  # the inner step that ends now, and the block's publish if it is over
             wk.clock = now
             wk.transport.advance(now, wk.member.round)
             wk.trainer.step()
             wk.compute_seconds += step_seconds(wk)
-            blocked_before = wk.transport.blocked_seconds
+            blocked_before[wk.index] = wk.transport.blocked_seconds
             wk.member.end_block_if_over(wk.trainer.steps)
-            wk.clock += wk.transport.blocked_seconds - blocked_before
-        network.flush()
+        network.flush()  # the receivers draw their fan-in: only then is each uplink's time known
+        for wk in due:
+            wk.clock += wk.transport.blocked_seconds - blocked_before[wk.index]
         if progress and due:
             progress(len(due))
         for wk in due:

@@ -1,0 +1,145 @@
+"""What a round costs a node as the swarm grows: the scale-4, scale-8 and scale-16 runs side by side.
+
+Each run (bench/wan/scenarios/scale-N.json: N tiny-model daemons on 10 Mbit links, every flag at
+its default, five minutes) is read back from bench/results/wan/; per node and round, in the steady
+state (``checks.costs_per_round``): bytes received, DHT records stored, the node's own looks at
+the DHT, and the DHT requests it answered for others. A swarm whose costs per node and round stay
+flat as N grows scales; ``flat`` compares each cost's mean over the nodes with the 4-node run's
+(within ``FLAT_WITHIN``), and the maximum over the nodes is kept beside it (a DHT server holding
+the swarm's keys answers for everyone). Also per run: how soon node 0 saw every other node live
+(``listed_within``), and the swarm's mean final held-out loss beside its floor's where it has one.
+
+Writes bench/results/wan/scale-n.json and scale-n.png.
+
+    .venv/bin/python bench/wan/run.py bench/wan/scenarios/scale-{4,8,16}.json   (as root: namespaces)
+    .venv/bin/python bench/wan/scale_n.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from checks import COSTS, costs_per_round, final_losses
+from runlog import find_run, read_run
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "wan"
+FLAT_WITHIN = 1.5  # a cost per node and round at most this many times the 4-node run's
+SIZES = (4, 8, 16)
+
+
+def summarize_run(result: dict[str, Any], floor: dict[str, Any] | None) -> dict[str, Any]:
+    """One run's line: its provenance, verdicts, costs per node and round, losses.
+
+    Args:
+        result: the run's record.
+        floor: its floor's record, or None.
+    """
+    costs = costs_per_round(result)
+    losses = list(final_losses(result).values())
+    floor_losses = list(final_losses(floor).values()) if floor else []
+    return {
+        "nodes": result["scenario"]["nodes"],
+        "commit": result["commit"],
+        "clean": result["clean"],
+        "started_at": result["started_at"],
+        "checks": {v["check"]: {"ok": v["ok"], "detail": v["detail"]} for v in result["checks"]},
+        "costs_per_node_and_round": {
+            name: {
+                "mean": statistics.fmean(per_node.values()),
+                "median": statistics.median(per_node.values()),
+                "max": max(per_node.values()),
+                "nodes": len(per_node),
+            }
+            for name, per_node in costs.items()
+        },
+        "final_loss_mean": statistics.fmean(losses) if losses else None,
+        "final_loss_range": [min(losses), max(losses)] if losses else None,
+        "floor_loss_mean": statistics.fmean(floor_losses) if floor_losses else None,
+    }
+
+
+def compare(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Each cost's mean per node and round at every N over the smallest N's, and whether it stays
+    within ``FLAT_WITHIN``.
+
+    Args:
+        runs: ``summarize_run`` lines by N.
+    """
+    base = runs[min(runs)]["costs_per_node_and_round"]
+    ratios: dict[str, dict[str, float]] = {}
+    for name in COSTS:
+        if name not in base or not base[name]["mean"]:
+            continue
+        ratios[name] = {
+            str(n): run["costs_per_node_and_round"][name]["mean"] / base[name]["mean"]
+            for n, run in sorted(runs.items())
+            if name in run["costs_per_node_and_round"]
+        }
+    flat = all(r <= FLAT_WITHIN for by_n in ratios.values() for r in by_n.values())
+    return {"ratio_of_mean_to_smallest": ratios, "flat_within": FLAT_WITHIN, "flat": flat}
+
+
+def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = {
+        "bytes_in": "bytes received",
+        "records_stored": "DHT records stored",
+        "dht_lookups": "own DHT lookups",
+        "dht_served": "DHT requests answered",
+    }
+    names = [n for n in COSTS if all(n in r["costs_per_node_and_round"] for r in runs.values())]
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4))
+    sizes = sorted(runs)
+    for ax, name in zip(axes if len(names) > 1 else [axes], names, strict=True):
+        for stat, style in (("mean", "o-"), ("max", "s--")):
+            ax.plot(
+                sizes, [runs[n]["costs_per_node_and_round"][name][stat] for n in sizes], style, label=stat
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{titles[name]}\nper node and round")
+        ax.set_xlabel("nodes")
+    axes[0].legend() if len(names) > 1 else None
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default=str(RESULTS))
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    args = parser.parse_args(argv)
+    directory = Path(args.results)
+    runs: dict[int, dict[str, Any]] = {}
+    for n in args.sizes:
+        result = read_run(find_run(directory, f"scale-{n}"))
+        floor_name = result["scenario"].get("floor")
+        floor = read_run(find_run(directory, floor_name)) if floor_name else None
+        runs[n] = summarize_run(result, floor)
+    summary = {"runs": {str(n): run for n, run in sorted(runs.items())}, **compare(runs)}
+    out = directory / "scale-n.json"
+    out.write_text(json.dumps(summary, indent=1) + "\n")
+    plot(runs, directory / "scale-n.png")
+    for n, run in sorted(runs.items()):
+        costs = run["costs_per_node_and_round"]
+        line = ", ".join(f"{name} {c['mean']:.1f} (max {c['max']:.1f})" for name, c in costs.items())
+        print(f"{n:3d} nodes: {line}; {run['checks'].get('listed_within', {}).get('detail')}")
+    print(f"flat within {FLAT_WITHIN}x: {summary['flat']}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
