@@ -416,6 +416,7 @@ def test_costs_per_round_count_the_steady_state_and_node_0_lists_the_swarm_in_ti
         {"t": 5.0, "node": 0, "status": status(2, 9_000_000, 5, 10, 40, 1)},
         {"t": 35.0, "node": 0, "status": status(10, 10_000_000, 20, 30, 100, 2)},
         {"t": 36.0, "node": 1, "status": status(11, 500, 20, 30, 0, 2)},
+        {"t": 95.0, "node": 0, "status": status(30, 12_000_000, 60, 70, 300, 2)},
     ]
     final = {"0": status(30, 12_000_000, 60, 70, 300, 2), "1": status(11, 900, 20, 30, 0, 2), "2": None}
     result = {"scenario": {"nodes": 3, "events": [], "expect": {"listed_within": 60}}, "samples": samples,
@@ -424,6 +425,8 @@ def test_costs_per_round_count_the_steady_state_and_node_0_lists_the_swarm_in_ti
     assert costs["bytes_in"] == {"0": 100_000.0}  # node 1 trained no round since: no cost per round
     assert costs["records_stored"] == {"0": 2.0} and costs["dht_lookups"] == {"0": 2.0}
     assert costs["dht_served"] == {"0": 10.0}
+    per_second = checks.costs_per_round(result, per="second")  # 60 s between the two samples
+    assert per_second["bytes_in"]["0"] == pytest.approx(2_000_000 / 60)
     [listed] = [v for v in checks.check(result) if v["check"] == "listed_within"]
     assert listed["ok"] and "after 35 s" in listed["detail"], listed
     result["scenario"]["expect"]["listed_within"] = 30

@@ -200,37 +200,46 @@ def _cost_totals(status: dict[str, Any]) -> dict[str, float | None]:
 
 
 def costs_per_round(
-    result: dict[str, Any], steady_after: float = STEADY_AFTER
+    result: dict[str, Any], steady_after: float = STEADY_AFTER, per: str = "round"
 ) -> dict[str, dict[str, float]]:
-    """What one round cost each node up at the end, in the steady state: its totals' growth from
-    its first status sampled ``steady_after`` seconds or more into the run to its final status,
-    over the rounds between the two. A mapping cost (``COSTS``) -> {node index: per round}; counts
-    a run's record lacks (made before the DHT counts were reported) are left out.
+    """What each node up at the end spent in the steady state: its totals' growth from its first
+    status sampled ``steady_after`` seconds or more into the run to its last sampled status, over
+    the rounds (``per="round"``) or the seconds (``per="second"``) between the two. A mapping cost
+    (``COSTS``) -> {node index: per round or second}; counts a run's record lacks (made before the
+    DHT counts were reported) are left out. On one machine a node's rounds lengthen as more nodes
+    share its cores, and what is sent per round with them (``--codec auto`` fills a round's share of
+    the link): per second is what a node's link and DHT see whatever its CPU.
 
     Args:
         result: a run's record.
         steady_after: seconds into the run where the count starts.
+        per: "round" or "second".
     """
     # a node (re)started by an event counts from its first sample after that event's start
     restarts: dict[str, float] = {}
     for sample in result["samples"]:
         if "restart" in sample.get("event", {}):
             restarts[str(sample["event"]["restart"])] = sample["t"]
-    first: dict[str, dict[str, Any]] = {}
+    first: dict[str, tuple[float, dict[str, Any]]] = {}
+    last: dict[str, tuple[float, dict[str, Any]]] = {}
     for sample in result["samples"]:
         status, node = sample.get("status"), str(sample.get("node"))
-        if status and sample["t"] >= max(steady_after, restarts.get(node, 0.0)) and node not in first:
-            first[node] = status
+        if status and sample["t"] >= max(steady_after, restarts.get(node, 0.0)):
+            first.setdefault(node, (sample["t"], status))
+            last[node] = (sample["t"], status)
     costs: dict[str, dict[str, float]] = {name: {} for name in COSTS}
-    for index, status in result["final"].items():
-        start = first.get(str(index))
-        if not status or not start or status["round"] <= start["round"]:
+    for index, final in result["final"].items():
+        index = str(index)
+        if not final or index not in first:
             continue
-        rounds = status["round"] - start["round"]
+        (t0, start), (t1, end) = first[index], last[index]
+        span = end["round"] - start["round"] if per == "round" else t1 - t0
+        if span <= 0:
+            continue
         before = _cost_totals(start)
-        for name, total in _cost_totals(status).items():
+        for name, total in _cost_totals(end).items():
             if total is not None and before[name] is not None and total >= before[name]:
-                costs[name][str(index)] = (total - before[name]) / rounds
+                costs[name][index] = (total - before[name]) / span
     return {name: per_node for name, per_node in costs.items() if per_node}
 
 
