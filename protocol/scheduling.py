@@ -97,7 +97,7 @@ class LinkMeter:
     is tried, and its window replaces the old rate (at most one such try per that many seconds on
     a link that really is that slow)."""
 
-    def __init__(self, window: float = 1.0, half_life: float = 10.0, remeasure_after: float = 30.0) -> None:
+    def __init__(self, window: float = 1.0, half_life: float = 10.0, remeasure_after: float = 10.0) -> None:
         self.window = window
         self.half_life = half_life
         self.remeasure_after = remeasure_after
