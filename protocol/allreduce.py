@@ -24,7 +24,7 @@ from dataclasses import replace
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import Float16Compression
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 from cgad.protocol.codec import Codec, decode
 from cgad.protocol.config import check_multiaddr
@@ -137,8 +137,9 @@ class AllReduceExchange(Transport):
 
 
 class GroupAverager:
-    """The mean of one flat tensor over a group of peers (hivemind's all-reduce, fp16 on the
-    wire): factored mixing's blocking step averages φ with it. ``average`` blocks until a group of
+    """The mean of one flat tensor over a group of peers (hivemind's all-reduce, fp32 on the wire:
+    φ itself is averaged, and fp16's rounding would move every weight by up to 1/2048 of itself at
+    each step): factored mixing's blocking step averages φ with it. ``average`` blocks until a group of
     up to ``group_size`` peers (at least two) formed within ``matchmaking_time`` seconds and
     averaged, or ``timeout`` seconds passed; with no group the caller goes on alone. ``start``
     joins the averager's DHT, as ``AllReduceExchange.start``."""
@@ -161,8 +162,9 @@ class GroupAverager:
         # whoever matched within the window averages (at least two): a member never waits on
         # one that is slow or gone for longer than the window
         self.dht, self.averager = _start_averager(
-            initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, 2, self._matchmaking_time
-        )
+            initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, 2,
+            self._matchmaking_time, NoCompression(),
+        )  # fmt: skip
 
     def maddrs(self) -> list[str]:
         """Where the averager's DHT can be reached: what this node states in ``Describe``."""
@@ -205,8 +207,10 @@ def _start_averager(
     group_size: int,
     min_group_size: int,
     matchmaking_time: float,
+    compression: CompressionBase | None = None,
 ) -> tuple[hivemind.DHT, DecentralizedAverager]:
-    """A hivemind DHT of the averager's own and an fp16 averager of one flat tensor on it."""
+    """A hivemind DHT of the averager's own and an averager of one flat tensor on it (fp16 on the
+    wire unless ``compression`` says otherwise)."""
     dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=True)
     averager = DecentralizedAverager(
         [torch.zeros(numel)],
@@ -216,7 +220,7 @@ def _start_averager(
         min_group_size=min_group_size,
         min_matchmaking_time=matchmaking_time,
         request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
-        compression=Float16Compression(),
+        compression=compression or Float16Compression(),
         start=True,
     )
     return dht, averager
