@@ -69,3 +69,26 @@ def test_a_swarm_with_another_consensus_schedule_is_refused() -> None:
     with pytest.raises(IncompatibleSwarm, match="blocking consensus step"):
         check_compatible(ours, {"run_id": "r"}, "peer")  # stated by a node without the step: 0
     check_compatible({"run_id": "r", "consensus_every": 0}, {"run_id": "r"}, "peer")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_two_daemons_take_the_blocking_step_beside_the_exchange(daemons) -> None:
+    from _daemons import FRESH_LOSS, NodeProcess  # tests/ is on sys.path under pytest
+
+    workdir, started = daemons
+    mode = ["--consensus-every", "1", "--consensus-group", "2", "--consensus-timeout", "20"]
+    first = NodeProcess("first", workdir, [], mode)
+    started.append(first)
+    second = NodeProcess("second", workdir, first.maddrs(), mode)
+    started.append(second)
+
+    def averaged_twice(status: dict) -> bool:
+        return (status["consensus"] or {}).get("group_sizes", {}).get("2", 0) >= 2
+
+    statuses = [
+        node.wait(averaged_twice, "two blocking steps in a group", timeout=400) for node in (first, second)
+    ]
+    for status in statuses:
+        assert status["consensus"]["every"] == 1 and status["applied"] > 0  # the exchange goes on beside
+        assert status["eval_loss"] < FRESH_LOSS - 0.5, status["eval_history"]
