@@ -108,6 +108,7 @@ def _finder(**overrides) -> GroupFinder:
 
 
 def test_a_group_forms_when_every_present_member_offered_and_averages_their_phi():
+    """The all-reduce is over when every copy between the members has landed: b's, offered last."""
     finder = _finder()
     a, b = finder.group_of(0, 3)
     assert finder.group_of(b, 3) == [a, b]  # one partition for everyone
@@ -115,7 +116,7 @@ def test_a_group_forms_when_every_present_member_offered_and_averages_their_phi(
     assert finder.wake_time(a, present={0, 1, 2, 3}) == 11.0  # its deadline, while b has not offered
     finder.offer(b, 3, now=4.0, phi=torch.full((2,), 2.0))
     assert finder.wake_time(a, present={0, 1, 2, 3}) == 4.0  # no delay: b's φ lands as it is offered
-    group = finder.resolve(a, 4.0)
+    group = finder.resolve(a, 4.0, present={0, 1, 2, 3})
     assert group is not None and group.members == 2 and torch.equal(group.mean, torch.ones(2))
     assert finder.wait_seconds[a] == 3.0
 
@@ -126,17 +127,17 @@ def test_a_member_whose_group_does_not_form_in_time_goes_on_alone_at_its_deadlin
     finder.offer(a, 1, now=0.0, phi=torch.zeros(2))
     finder.offer(b, 1, now=0.0, phi=torch.ones(2))
     assert finder.wake_time(a, present={0, 1, 2, 3}) == 10.0
-    assert finder.resolve(a, 10.0) is None
+    assert finder.resolve(a, 10.0, present={0, 1, 2, 3}) is None
     lost = _finder(drop=0.999)
     c, d = lost.group_of(0, 1)
     lost.offer(c, 1, now=0.0, phi=torch.zeros(2))
     lost.offer(d, 1, now=0.0, phi=torch.ones(2))
-    assert lost.wake_time(c, present={0, 1, 2, 3}) == 10.0 and lost.resolve(c, 10.0) is None
+    assert lost.wake_time(c, present={0, 1, 2, 3}) == 10.0 and lost.resolve(c, 10.0, present={0, 1, 2, 3}) is None
     away = _finder()
     e, _ = away.group_of(0, 2)
     away.offer(e, 2, now=0.0, phi=torch.zeros(2))
     assert away.wake_time(e, present={e}) == 0.0  # nobody else present: no wait
-    assert away.resolve(e, 0.0) is None
+    assert away.resolve(e, 0.0, present={e}) is None
 
 
 @pytest.mark.parametrize(

@@ -2,14 +2,14 @@
 
 At the end of every K-th round a member offers its φ to its group and waits, idle. The groups of
 a round are a random partition of the workers into groups of ``group_size`` (drawn from the run's
-seed and the round, the same for every member, as a shared matchmaking key would be). Each member
-of a group sends its φ to each other over the same virtual network that delays the deltas: the
-copy from j reaches m after j offered it plus a delay drawn from the network's ``Delay`` (in rounds,
-each round ``round_seconds`` of virtual time: a blocking wait lets no round pass), or never when
-the network drops it. A member has its group once it holds the φ of every group member that is
-present (one away or finished is not waited for) and takes their mean, its own included. At its
-deadline, ``timeout`` after its own offer, it takes the mean of those it holds, or goes on alone
-when it holds none: it never waits for ever.
+seed and the round, the same for every member, as a shared matchmaking key would be). The group's
+all-reduce runs over the same virtual network that delays the deltas: the copy of j's φ reaches m
+after j offered it plus a delay drawn from the network's ``Delay`` (in rounds, each round
+``round_seconds`` of virtual time: a blocking wait lets no round pass), or never when the network
+drops it. The all-reduce is over once every present member (one away or finished is not waited
+for) has offered and every copy between them has landed; then each member takes the group's mean
+φ, at the same instant, as a collective ends. A member whose deadline, ``timeout`` after its own
+offer, comes first goes on alone then: it never waits for ever.
 """
 
 from __future__ import annotations
@@ -91,32 +91,42 @@ class GroupFinder:
         round_, deadline = self._waiting[worker]
         return min(self._complete_at(worker, round_, present), deadline)
 
-    def resolve(self, worker: int, now: float) -> GroupMean | None:
-        """``worker``'s wait is over at ``now``: the mean of its own φ and those that landed, or
-        None when none did."""
-        round_, _ = self._waiting.pop(worker)
-        offered_at, own = self._offers[(round_, worker)]
+    def resolve(self, worker: int, now: float, present: Collection[int]) -> GroupMean | None:
+        """``worker``'s wait is over at ``now``: the group's mean φ if its all-reduce is over,
+        else None (its deadline came first, or nobody else is there).
+
+        Args:
+            worker: a waiting worker.
+            now: the virtual time.
+            present: the workers taking part now.
+        """
+        round_, _ = self._waiting[worker]
+        done = self._complete_at(worker, round_, present) <= now
+        del self._waiting[worker]
+        offered_at, _ = self._offers[(round_, worker)]
         self.wait_seconds[worker] += now - offered_at
-        landed = [
-            self._offers[(round_, j)][1]
-            for j in self.group_of(worker, round_)
-            if j != worker and (round_, j) in self._offers and self._lands(round_, j, worker) <= now
-        ]
-        if not landed:
+        members = [j for j in self.group_of(worker, round_) if (round_, j) in self._offers]
+        if not done or len(members) < 2:
             return None
-        return GroupMean(torch.stack([own, *landed]).mean(dim=0), len(landed) + 1)
+        return GroupMean(
+            torch.stack([self._offers[(round_, j)][1] for j in members]).mean(dim=0), len(members)
+        )
 
     def _complete_at(self, worker: int, round_: int, present: Collection[int]) -> float:
-        """When the φ of every present group member will have landed at ``worker`` (inf while
-        one has not offered yet; ``now``-independent: a copy's delay is drawn once)."""
-        complete = self._offers[(round_, worker)][0]
+        """When the all-reduce of ``worker``'s group is over: every present member has offered
+        and every copy between those that offered has landed (inf while one present member has
+        not offered yet; a copy's delay is drawn once)."""
+        members = []
         for j in self.group_of(worker, round_):
-            if j == worker:
-                continue
             if (round_, j) in self._offers:
-                complete = max(complete, self._lands(round_, j, worker))
+                members.append(j)
             elif j in present:
                 return math.inf  # not there yet: it may still come before the deadline
+        complete = self._offers[(round_, worker)][0]
+        for sender in members:
+            for receiver in members:
+                if sender != receiver:
+                    complete = max(complete, self._lands(round_, sender, receiver))
         return complete
 
     def _lands(self, round_: int, sender: int, receiver: int) -> float:

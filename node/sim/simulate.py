@@ -219,7 +219,8 @@ def simulate(
             if event != wk.event:
                 continue  # rescheduled since
             if groups is not None and groups.waiting(wk.index):
-                wk.member.join_group(groups.resolve(wk.index, now))  # idle until now: not computing
+                present = {o.index for o in workers if o.present}  # idle until now: not computing
+                wk.member.join_group(groups.resolve(wk.index, now, present))
                 wk.clock, wk.wake_at = now, None
                 schedule(wk, now + step_seconds(wk))
                 continue
