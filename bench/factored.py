@@ -1,15 +1,15 @@
 """Factored mixing's trade-off: the blocking consensus step every K rounds against utilisation,
 agreement and loss, in the simulator.
 
-Every run is the default member (``cga`` with late gossip, the non-blocking exchange) at the
-sweep model's scale (bench/sweep_model.json, a 1024-token BPE of the bundled corpus, H = 10,
-batch 4 × 64, inner lr 1e-3, as bench/long_sweep.py), 16 members with random delays of 0-4 rounds
-(the long sweep's random:4), and ``--consensus-every K`` for each K (0: never, today's default),
-in groups of 4 (the default) with a 60 s timeout (an inner step is one virtual second, a round
-ten). The blocking step runs over the same virtual network as the deltas: each member's φ reaches
-each other member of its group after a delay drawn from the same 0-4 rounds, and the group's
-all-reduce is over when every copy has landed; its members wait, idle, until then or their
-timeout (node/sim/groups.py).
+Every run is the default member (``cga`` with late gossip, the non-blocking exchange) at the sweep
+model's scale (bench/sweep_model.json, a 1024-token BPE of the bundled corpus, batch 4 × 64, inner
+lr 1e-3, as bench/long_sweep.py, but H = 5 so that it fits two shared cores), 16 members with random
+delays of 0-4 rounds (the long sweep's random:4), and ``--consensus-every K`` for each K (0: never,
+today's default), in groups of 4 with a 30 s timeout (the defaults; an inner step is one virtual
+second, a round five). The blocking step runs over the same virtual network as the deltas: each
+member's φ reaches each other member of its group after a delay drawn from the same 0-4 rounds, and
+the group's all-reduce is over when every copy has landed; its members wait, idle, until then or
+their timeout (node/sim/groups.py).
 
 Per run: utilisation (the share of the members' present time spent computing), the consensus
 distance (mean over members of ‖φ_i − φ̄‖ / ‖φ̄‖, measured each round once the round's
@@ -22,7 +22,7 @@ Runs go to bench/results/factored.runs.jsonl as they finish (the sweep resumes w
 bench/results/factored.json holds the table, every run, the commit and whether the tree was
 clean; bench/results/factored.png draws the trade-off.
 
-    .venv/bin/python bench/factored.py [--ks 0,1,2,4,8,16] [--seeds 0,1] [--rounds 40] [--jobs 2]
+    .venv/bin/python bench/factored.py [--ks 0,1,2,4,8,16] [--seeds 0,1] [--rounds 20] [--jobs 2]
     .venv/bin/python bench/factored.py --report
 """
 
@@ -46,11 +46,11 @@ RESULTS = ROOT / "bench" / "results"
 LOG = RESULTS / "factored.runs.jsonl"
 MODEL = ROOT / "bench" / "sweep_model.json"
 VOCAB = 1024
-# the blocking step's timeout covers the slowest copy (4 rounds of 10 s) and the members' skew: at
-# the default 30 s nearly every all-reduce of a group of 4 (12 copies) would time out
+# H = 5 keeps 16 members x 20 rounds within what two shared cores finish in minutes; the blocking
+# step's default 30 s timeout then covers the slowest copy (4 rounds of 5 s) and the members' skew
 BASE: dict[str, Any] = dict(
-    inner_steps=10, batch_size=4, seq_len=64, eval_batches=2, inner_lr=1e-3, delay="random:4",
-    consensus_group=4, consensus_timeout=60.0,
+    inner_steps=5, batch_size=4, seq_len=64, eval_batches=2, inner_lr=1e-3, delay="random:4",
+    consensus_group=4, consensus_timeout=30.0,
 )  # fmt: skip
 
 
@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--ks", default="0,1,2,4,8,16", help="K values (0: no blocking step)")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     parser.add_argument("--report", action="store_true", help="only write the report from the log")
     args = parser.parse_args()
