@@ -169,6 +169,7 @@ def write_report(workers: int, rounds: int) -> dict[str, Any]:
     records = list(load_log().values())
     table = summarize(records, workers, rounds)
     runs = [r for r in records if r["workers"] == workers and len(r["losses"]) == rounds]
+    lengths = {len(r["losses"]) for r in records}
     result = {
         "config": {**BASE, "workers": workers, "rounds": rounds, "model": MODEL.name, "vocab": VOCAB,
                    "optimizer": "cga", "mixing": "late"},
@@ -176,12 +177,19 @@ def write_report(workers: int, rounds: int) -> dict[str, Any]:
         "clean": all(r["clean"] for r in runs),
         "table": table,
         "records": runs,
+        # runs of the log at other settings (another commit's BASE, named by its commit): their own tables
+        "other_runs": {f"{n} rounds": _other(records, workers, n) for n in sorted(lengths - {rounds})},
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "factored.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, RESULTS / "factored.png")
     print_table(table)
     return result
+
+
+def _other(records: list[dict], workers: int, rounds: int) -> dict[str, Any]:
+    commits = sorted({r["commit"] for r in records if len(r["losses"]) == rounds})
+    return {"commits": commits, "table": summarize(records, workers, rounds)}
 
 
 def print_table(table: dict[str, dict[str, Any]]) -> None:
