@@ -132,7 +132,8 @@ def test_a_member_whose_group_does_not_form_in_time_goes_on_alone_at_its_deadlin
     c, d = lost.group_of(0, 1)
     lost.offer(c, 1, now=0.0, phi=torch.zeros(2))
     lost.offer(d, 1, now=0.0, phi=torch.ones(2))
-    assert lost.wake_time(c, present={0, 1, 2, 3}) == 10.0 and lost.resolve(c, 10.0, present={0, 1, 2, 3}) is None
+    assert lost.wake_time(c, present={0, 1, 2, 3}) == 10.0
+    assert lost.resolve(c, 10.0, present={0, 1, 2, 3}) is None
     away = _finder()
     e, _ = away.group_of(0, 2)
     away.offer(e, 2, now=0.0, phi=torch.zeros(2))
