@@ -148,6 +148,17 @@ class OuterOptions(_Part):
     mixing_rate: float = Field(
         0.5, gt=0, le=1, description="gossip: the share of the drift from the partner's φ removed per mix"
     )
+    consensus_every: NonNegative = Field(
+        0,
+        description="K: every K rounds, a blocking step that sets φ to the mean of a group's φ, beside the"
+        " non-blocking exchange (factored mixing); 0: never",
+    )
+    consensus_group: int = Field(4, ge=2, description="consensus: members averaged together")
+    consensus_timeout: PositiveFloat = Field(
+        30.0,
+        description="consensus: seconds a member waits for its group (matchmaking and exchange) before it"
+        " goes on without it (the simulator's virtual seconds: an inner step takes --step-time)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +177,8 @@ class OuterOptions(_Part):
                 f"--mixing late follows cga's running freshness; with --optimizer {self.optimizer} "
                 "use --mixing gossip"
             )
+        if self.consensus_every and self.optimizer == "local":
+            raise ValueError("--consensus-every averages φ with peers; --optimizer local trains alone")
         return self
 
 
@@ -245,7 +258,7 @@ class NodeOptions(_Part):
     )
     dashboard_floor: str | None = Field(
         None,
-        description="a JSON file of a node training alone, {\"points\": [[round, seconds, held-out loss],"
+        description='a JSON file of a node training alone, {"points": [[round, seconds, held-out loss],'
         " ...]}, drawn beside this node's loss (read as it changes; `demo` writes one)",
     )
 
@@ -366,8 +379,10 @@ class JoinConfig(_Schedule, TrainingOptions, OuterOptions, NetworkOptions, NodeO
         if self.sync == "allreduce":
             if self.fragments != 1:
                 raise ValueError("--sync allreduce averages the whole model each block: set --fragments 1")
-            if self.mixing != "none" or self.optimizer == "noloco":
-                raise ValueError("--sync allreduce averages pseudo-gradients: no --mixing, no noloco")
+            if self.mixing != "none" or self.optimizer == "noloco" or self.consensus_every:
+                raise ValueError(
+                    "--sync allreduce averages pseudo-gradients: no --mixing, no noloco, no --consensus-every"
+                )
         block = self.inner_steps // self.fragments
         if self.apply_delay != "auto" and self.apply_delay >= block:
             raise ValueError(f"--apply-delay ({self.apply_delay}) must be under a block ({block} steps)")

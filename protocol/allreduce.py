@@ -24,13 +24,13 @@ from dataclasses import replace
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import Float16Compression
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 from cgad.protocol.codec import Codec, decode
 from cgad.protocol.config import check_multiaddr
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
 
-__all__ = ["GROUP_PUBLISHER", "AllReduceExchange", "averager_bootstrap", "listen_anywhere"]
+__all__ = ["GROUP_PUBLISHER", "AllReduceExchange", "GroupAverager", "averager_bootstrap", "listen_anywhere"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,20 +74,12 @@ class AllReduceExchange(Transport):
         self.groups: Counter[int] = Counter()  # sizes of the groups each publish averaged in; 1: none
 
     def start(self, initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> None:
-        self.dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=True)
-        self.averager = DecentralizedAverager(
-            [torch.zeros(self._numel)],
-            dht=self.dht,
-            prefix=self._prefix,
-            target_group_size=self._group_size,
-            # the whole group or none: smaller groups that form first stay out of phase with each
-            # other for good (measured on 10 Mbit: four nodes averaged in two fixed pairs)
-            min_group_size=self._group_size,
-            min_matchmaking_time=self._matchmaking_time,
-            request_timeout=min(3.0, self._matchmaking_time / 2),  # below the window: hivemind's advice
-            compression=Float16Compression(),
-            start=True,
-        )
+        # the whole group or none: smaller groups that form first stay out of phase with each
+        # other for good (measured on 10 Mbit: four nodes averaged in two fixed pairs)
+        self.dht, self.averager = _start_averager(
+            initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, self._group_size,
+            self._matchmaking_time,
+        )  # fmt: skip
 
     def maddrs(self) -> list[str]:
         """Where the averager's DHT can be reached: what this node states in ``Describe``."""
@@ -142,6 +134,96 @@ class AllReduceExchange(Transport):
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+class GroupAverager:
+    """The mean of one flat tensor over a group of peers (hivemind's all-reduce, fp32 on the wire:
+    φ itself is averaged, and fp16's rounding would move every weight by up to 1/2048 of itself at
+    each step): factored mixing's blocking step averages φ with it. ``average`` blocks until a group of
+    up to ``group_size`` peers (at least two) formed within ``matchmaking_time`` seconds and
+    averaged, or ``timeout`` seconds passed; with no group the caller goes on alone. ``start``
+    joins the averager's DHT, as ``AllReduceExchange.start``."""
+
+    def __init__(
+        self, numel: int, *, prefix: str, group_size: int, matchmaking_time: float, timeout: float
+    ) -> None:
+        if group_size < 2:
+            raise ValueError(f"a group of {group_size}: at least 2")
+        self._numel = numel
+        self._prefix = prefix
+        self._group_size = group_size
+        self._matchmaking_time = matchmaking_time
+        self._timeout = timeout
+        self.dht: hivemind.DHT | None = None
+        self.averager: DecentralizedAverager | None = None
+        self.groups: Counter[int] = Counter()  # sizes of the groups each step averaged in; 1: none
+
+    def start(self, initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> None:
+        # whoever matched within the window averages (at least two): a member never waits on
+        # one that is slow or gone for longer than the window
+        self.dht, self.averager = _start_averager(
+            initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, 2,
+            self._matchmaking_time, NoCompression(),
+        )  # fmt: skip
+
+    def maddrs(self) -> list[str]:
+        """Where the averager's DHT can be reached: what this node states in ``Describe``."""
+        return [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
+
+    def average(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The group's mean of ``tensor`` and how many peers it is over (this one included), or
+        None when no group formed in time or its mean is not finite (blocking)."""
+        if self.averager is None:
+            raise RuntimeError("GroupAverager.average before start")
+        with self.averager.get_tensors() as tensors:
+            tensors[0].copy_(tensor.detach().float().flatten())
+        try:
+            gathered = self.averager.step(timeout=self._timeout)
+        except Exception as exc:  # hivemind raises whatever a failed group provokes
+            logger.warning("group average failed: %r; going on without it", exc)
+            gathered = None
+        members = len(gathered) if gathered else 1
+        self.groups[members] += 1
+        if members < 2:
+            return None
+        with self.averager.get_tensors() as tensors:
+            mean = tensors[0].clone()
+        return (mean, members) if torch.isfinite(mean).all() else None
+
+    def close(self) -> None:
+        if self.averager is not None:
+            self.averager.shutdown()
+            self.averager = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+def _start_averager(
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    numel: int,
+    prefix: str,
+    group_size: int,
+    min_group_size: int,
+    matchmaking_time: float,
+    compression: CompressionBase | None = None,
+) -> tuple[hivemind.DHT, DecentralizedAverager]:
+    """A hivemind DHT of the averager's own and an averager of one flat tensor on it (fp16 on the
+    wire unless ``compression`` says otherwise)."""
+    dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=True)
+    averager = DecentralizedAverager(
+        [torch.zeros(numel)],
+        dht=dht,
+        prefix=prefix,
+        target_group_size=group_size,
+        min_group_size=min_group_size,
+        min_matchmaking_time=matchmaking_time,
+        request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
+        compression=compression or Float16Compression(),
+        start=True,
+    )
+    return dht, averager
 
 
 def averager_bootstrap(description: dict[str, object]) -> list[str]:

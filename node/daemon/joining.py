@@ -61,9 +61,10 @@ SWARM_IDENTITY = (
     ("optimizer", "outer optimizer"),
     ("fragments", "number of fragments"),
     ("sync", "exchange (--sync)"),
+    ("consensus_every", "blocking consensus step (--consensus-every)"),
 )
 # what a description or checkpoint from before a part of the identity existed meant by leaving it out
-IDENTITY_DEFAULTS = {"sync": "exchange"}
+IDENTITY_DEFAULTS = {"sync": "exchange", "consensus_every": 0}
 
 
 def settled(newer_on_offer: bool, adoptions: int, behind: int, moved_while_downloading: int) -> bool:

@@ -29,6 +29,7 @@ import torch
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.admin import AdminServer
 from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint, save_checkpoint
+from cgad.node.daemon.consensus import consensus_averager, join_group, start_averaging
 from cgad.node.daemon.dashboard import DashboardServer, floor_points
 from cgad.node.daemon.joining import StateSync, check_compatible
 from cgad.node.daemon.metrics import Metrics
@@ -44,7 +45,7 @@ from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model, model_fingerprint
 from cgad.node.training.tokenizer import load_tokenizer
 from cgad.node.training.trainer import InnerTrainer, evaluate
-from cgad.protocol.allreduce import AllReduceExchange, averager_bootstrap, listen_anywhere
+from cgad.protocol.allreduce import AllReduceExchange
 from cgad.protocol.files import atomic_write
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION, Identity, run_prefix
@@ -81,6 +82,7 @@ class Node(MemberHooks):
             "optimizer": method(c.optimizer).family,
             "fragments": c.fragments,
             "sync": c.sync,
+            "consensus_every": c.consensus_every,  # a member with no group would wait out every step
             "protocol": PROTOCOL_VERSION,  # checked by a joiner before the rest (Describe)
         }
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
@@ -133,6 +135,7 @@ class Node(MemberHooks):
                 if c.sync == "allreduce"
                 else None
             )
+            self.groups = consensus_averager(c, sum(numels))  # --consensus-every: φ with a group
             self.loop = OuterLoop(
                 params,
                 c,
@@ -246,23 +249,13 @@ class Node(MemberHooks):
             self.resumed = True
             logger.info("resumed from %s at round %d", c.checkpoint_dir, self.member.round)
         described = self.state_sync.check_bootstrap_peers() if c.peers else []
-        if self.exchange is not None:
-            self._start_allreduce(described)
+        averaging = self.exchange or self.groups
+        if averaging is not None:  # state where this node's averager listens when asked who it is
+            maddrs = start_averaging(averaging, described, c)
+            self.transport.describe_as(json.dumps({**self.swarm, "averager": maddrs}))
         if c.peers:
             # a fresh node starts from the swarm's model; a resumed one catches up if it lags
             self.sync_from_swarm(required=state is None)
-
-    def _start_allreduce(self, described: list[dict[str, Any]]) -> None:
-        """Join the averager's DHT through the addresses the peers at --peers state, and state
-        this node's own when asked who it is."""
-        assert self.exchange is not None
-        bootstrap = [addr for description in described for addr in averager_bootstrap(description)]
-        if self.config.peers and not bootstrap:
-            raise ConnectionError(
-                "--sync allreduce: no peer at --peers stated where its all-reduce averager listens"
-            )
-        self.exchange.start(bootstrap, listen_anywhere(self.config.host_maddrs))
-        self.transport.describe_as(json.dumps({**self.swarm, "averager": self.exchange.maddrs()}))
 
     def sync_from_swarm(self, required: bool) -> bool:
         """Adopt a peer's snapshot ahead of this node (``Member.adopt``); True when one was."""
@@ -310,6 +303,10 @@ class Node(MemberHooks):
 
     def applied(self, fragment: int) -> None:
         self._report_progress()
+
+    def group_due(self, round_: int) -> None:
+        if self.groups is not None:  # the trainer waits (a stall): what utilisation pays for agreement
+            join_group(self.member, self.groups)
 
     def stepped(self, fragment: int, deliveries: list, round_ended: bool) -> None:
         if self.loop.versions != self._reported:  # a re-sync moved them since ``applied``
@@ -371,8 +368,9 @@ class Node(MemberHooks):
         if self.dashboard:
             self.dashboard.stop()
         self.admin.stop()
-        if self.exchange is not None:
-            self.exchange.close()
+        for averaging in (self.exchange, self.groups):
+            if averaging is not None:
+                averaging.close()
         self.snapshots.close()
         self.transport.close()
         if self.metrics:
@@ -452,6 +450,7 @@ class Node(MemberHooks):
             "outer_momentum": self.loop.method.momentum_now(self.loop.optimizer),
             "resyncs": self.member.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
+            "consensus": self.member.consensus.summary() if self.groups is not None else None,
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),

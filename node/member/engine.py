@@ -16,7 +16,9 @@ engine owns everything the round decides:
   the loop replays peers' deltas of versions it missed;
 - **the re-sync rule**: at the end of a round, a member more than the cutoff behind the swarm
   (``swarm.behind``) adopts a peer's state again;
-- **the round count** and ``max_rounds``.
+- **the round count** and ``max_rounds``;
+- **the blocking consensus step** every K rounds (``consensus.py``): the member awaits its group
+  (``awaiting_group``, ``MemberHooks.group_due``) and takes the group's mean φ (``join_group``).
 
 What differs between a daemon and the simulator comes in from outside: the ``SwarmView`` (the
 network's progress records and inbox, or the virtual network's), and ``MemberHooks`` (how a
@@ -32,6 +34,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from torch import Tensor
+
+from cgad.node.member.consensus import ConsensusStep, GroupMean, flat_phi
 from cgad.node.member.ledger import Delivery
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
@@ -62,6 +67,12 @@ class MemberHooks:
     def stepped(self, fragment: int, deliveries: list[Delivery], round_ended: bool) -> None:
         """An outer step was taken on ``fragment`` (and the round's bookkeeping done)."""
 
+    def group_due(self, round_: int) -> None:
+        """Round ``round_`` ends in the blocking consensus step (``Member.awaiting_group``): a
+        driver that may block (a daemon) runs its group's exchange here and hands the result to
+        ``Member.join_group``; one on a virtual clock (the simulator) does so when its group is
+        found, the member idle meanwhile."""
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -82,6 +93,7 @@ class Schedule:
         align_phase: whether blocks are nudged into phase with the peers' (``phase_nudge``); the
             simulator's delays in whole rounds are lateness, not phase, and nudging against them
             would only lengthen every block.
+        consensus_every: K, rounds between blocking consensus steps (``consensus.py``); 0: never.
     """
 
     fragments: int
@@ -93,6 +105,7 @@ class Schedule:
     max_rounds: int = 0
     align_after_adopting: bool = True
     align_phase: bool = True
+    consensus_every: int = 0
 
     @property
     def block(self) -> int:
@@ -114,6 +127,7 @@ class Schedule:
             "cutoff": config.cutoff,
             "tokens_per_step": config.batch_size * config.seq_len,
             "max_rounds": getattr(config, "max_rounds", 0) or getattr(config, "rounds", 0),
+            "consensus_every": getattr(config, "consensus_every", 0),
         }
         return cls(**{**fields, **overrides})
 
@@ -148,6 +162,7 @@ class Member:
         self._unshared = 0  # blocks still to be kept from peers after adopting a state
         self._adopted_block = False  # the block under way began with an adopted state
         self._adopted_from: str | None = None  # whose state, until the first outer step after
+        self.consensus = ConsensusStep(schedule.consensus_every)  # factored mixing's blocking step
 
     # -- driving it ------------------------------------------------------------------------
 
@@ -234,6 +249,25 @@ class Member:
             self.end_block(steps, leaving=True)
             self._take_step(steps)
 
+    # -- the blocking consensus step -------------------------------------------------------
+
+    @property
+    def awaiting_group(self) -> int | None:
+        """The round whose consensus step awaits its group (the member trains no further until
+        ``join_group``), or None."""
+        return self.consensus.pending
+
+    def group_phi(self) -> Tensor:
+        """What this member offers its group: its whole φ, flat (a copy)."""
+        with self.lock:
+            return flat_phi(self.loop)
+
+    def join_group(self, group: GroupMean | None) -> bool:
+        """The group's exchange is over: φ becomes the group's mean, or stays with no group
+        (None). Whether φ moved."""
+        with self.lock:
+            return self.consensus.close(self.loop, group)
+
     # -- adopting a state -------------------------------------------------------------------
 
     def adopt(self, required: bool) -> str | None:
@@ -319,6 +353,9 @@ class Member:
             self.hooks.round_ended(self.round)
             if not self.done:
                 self.sync_if_behind()
+                if self.consensus.due(self.round):
+                    self.consensus.open(self.round)
+                    self.hooks.group_due(self.round)
         self.hooks.stepped(fragment, deliveries, round_ended)
         return deliveries
 

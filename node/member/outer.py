@@ -451,13 +451,15 @@ class OuterLoop:
         self.settle()  # a send under way reads versions
         self.versions = [max(a, int(b)) for a, b in zip(self.versions, versions, strict=True)]
 
+    def forget_published_phi(self) -> None:
+        """φ moved outside an outer step (to a group's mean): drift measured at older versions is gone."""
+        self._phi_published.clear()
+
     def mean_age(self) -> float:
         c = self.counters
         return c.age_sum / c.age_count if c.age_count else 0.0
 
-    def state_dict(
-        self, codec: str = "fp32", reference: Phi0 | None = None
-    ) -> dict[str, Any]:
+    def state_dict(self, codec: str = "fp32", reference: Phi0 | None = None) -> dict[str, Any]:
         """φ, versions and the outer optimizer's state, φ in ``codec`` (``SNAPSHOT_CODECS``:
         fp32 for a checkpoint; for a snapshot that joining peers wait for, int8 blocks of
         φ − φ₀ with ``reference`` = φ₀, an error of at most half a step of 1/127 of each

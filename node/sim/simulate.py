@@ -34,6 +34,7 @@ from cgad.node.member.ledger import Delivery
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Phi0
 from cgad.node.member.swarm import snapshot_ceiling
+from cgad.node.sim.groups import GroupFinder
 from cgad.node.training.data import BatchIterator, TokenDataset
 from cgad.node.training.model import build_model
 from cgad.node.training.trainer import InnerTrainer, evaluate
@@ -57,6 +58,8 @@ class _Worker:
     losses: list[float] = field(default_factory=list)  # held-out loss after each round
     away_since: float | None = None  # virtual time it left, while away (churn)
     hostile: bool = False  # forges what it publishes (--attackers); never judged, never adopted
+    event: int = 0  # its latest event in the heap: an earlier one still there is stale
+    wake_at: float | None = None  # while it awaits its consensus group: when the wait ends
 
     @property
     def present(self) -> bool:
@@ -174,8 +177,36 @@ def simulate(
     def step_seconds(wk: _Worker) -> float:
         return c.step_time * wk.speed
 
-    events = [(step_seconds(wk), wk.index) for wk in workers]
-    heapq.heapify(events)
+    events: list[tuple[float, int, int]] = []
+
+    def schedule(wk: _Worker, at: float) -> None:
+        wk.event += 1  # one live event per worker: what was scheduled before is stale now
+        heapq.heappush(events, (at, wk.index, wk.event))
+
+    for wk in workers:
+        schedule(wk, step_seconds(wk))
+    # factored mixing's blocking step: groups found on the virtual clock, over the same delays
+    groups = (
+        GroupFinder(
+            c.workers, c.consensus_group, c.consensus_timeout, Delay.parse(c.delay), c.drop,
+            round_seconds=c.inner_steps * c.step_time, seed=c.seed * 104_729 + 3,
+        )
+        if c.consensus_every
+        else None
+    )  # fmt: skip
+
+    def rewake(now: float) -> None:
+        """(Re)schedule each waiting worker's end of wait: offers and departures move it."""
+        if groups is None:
+            return
+        present = {o.index for o in workers if o.present}
+        for o in workers:
+            if groups.waiting(o.index):
+                wake = max(now, groups.wake_time(o.index, present))
+                if wake != o.wake_at:
+                    o.wake_at = wake
+                    schedule(o, wake)
+
     delivered: list[Delivery] = []
     momenta: list[float] = []  # the momentum each honest outer step went on with (cga's follows freshness)
     swarm = _SwarmView(copy.deepcopy(base_model), eval_batches)
@@ -184,12 +215,21 @@ def simulate(
         now = events[0][0]
         due: list[_Worker] = []
         while events and events[0][0] == now:
-            wk = workers[heapq.heappop(events)[1]]
+            _, index, event = heapq.heappop(events)
+            wk = workers[index]
+            if event != wk.event:
+                continue  # rescheduled since
+            if groups is not None and groups.waiting(wk.index):
+                present = {o.index for o in workers if o.present}  # idle until now: not computing
+                wk.member.join_group(groups.resolve(wk.index, now, present))
+                wk.clock, wk.wake_at = now, None
+                schedule(wk, now + step_seconds(wk))
+                continue
             if wk.away_since is None:
                 due.append(wk)
                 continue
             _rejoin(wk, now)  # back from churn; its next step follows
-            heapq.heappush(events, (wk.clock + step_seconds(wk), wk.index))
+            schedule(wk, wk.clock + step_seconds(wk))
         network.hold()  # what is published at this instant lands once all due have published
         blocked_before: dict[int, float] = {}
         for wk in due:  # the inner step that ends now, and the block's publish if it is over
@@ -216,16 +256,26 @@ def simulate(
             if wk.member.done:
                 wk.transport.set_alive(False)  # it leaves: peers stop waiting for it
                 continue
+            if groups is not None and wk.member.awaiting_group is not None:
+                groups.offer(wk.index, wk.member.awaiting_group, wk.clock, wk.member.group_phi())
+                continue  # idle until its group is found or its deadline (``rewake``)
             if wk.member.round > round_before and c.churn and rng.random() < c.churn:
                 # away for 1-4 rounds: neither sending nor receiving; back via a rejoin event
                 wk.transport.set_alive(False)
                 wk.away_since = wk.clock
                 back = wk.clock + rng.randint(1, 4) * c.inner_steps * c.step_time
-                heapq.heappush(events, (back, wk.index))
+                schedule(wk, back)
                 continue
-            heapq.heappush(events, (wk.clock + step_seconds(wk), wk.index))
-        while len(swarm.consensus) < min(len(wk.losses) for wk in honest):
-            swarm.snapshot(honest)  # the slowest honest worker has finished another round
+            schedule(wk, wk.clock + step_seconds(wk))
+        rewake(now)
+        if groups is not None and due:
+            groups.forget_before(min((o.member.round for o in workers if o.present), default=0))
+        # the slowest honest worker has finished another round, and no honest worker awaits that
+        # round's consensus group any more: the round's synchronisation, both steps, is over
+        while len(swarm.consensus) < min(len(wk.losses) for wk in honest) and not any(
+            wk.member.awaiting_group == len(swarm.consensus) + 1 for wk in honest
+        ):
+            swarm.snapshot(honest, now)
             if on_round:
                 on_round(len(swarm.consensus), swarm.mean_phi_losses[-1])
 
@@ -255,6 +305,9 @@ def simulate(
         "consensus": swarm.consensus,
         "mean_phi_losses": swarm.mean_phi_losses,
         "final_mean_phi_loss": swarm.mean_phi_losses[-1],
+        "round_seconds": swarm.seconds,  # the virtual time of each of those measurements
+        # the blocking consensus step (--consensus-every): what it did, and the time it kept workers idle
+        "consensus_step": _consensus_record(workers, groups),
         "diverged": not math.isfinite(final_loss) or final_loss > initial_loss,
         "bytes_sent": sum(s.bytes_sent for s in stats),
         "virtual_seconds": virtual_seconds,
@@ -285,9 +338,11 @@ class _SwarmView:
         self.eval_batches = eval_batches
         self.consensus: list[float] = []
         self.mean_phi_losses: list[float] = []
+        self.seconds: list[float] = []
 
     @torch.no_grad()
-    def snapshot(self, workers: list[_Worker]) -> None:
+    def snapshot(self, workers: list[_Worker], now: float) -> None:
+        self.seconds.append(now)
         phis = [torch.cat([p.detach().flatten() for p in wk.loop.phi]) for wk in workers]
         mean = torch.stack(phis).mean(dim=0)
         norm = float(torch.linalg.vector_norm(mean)) or 1.0
@@ -308,6 +363,20 @@ def _rejoin(wk: _Worker, now: float) -> None:
     wk.clock = now
     wk.transport.set_alive(True)
     wk.member.sync_if_behind()
+
+
+def _consensus_record(workers: list[_Worker], groups: GroupFinder | None) -> dict | None:
+    if groups is None:
+        return None
+    steps = [wk.member.consensus for wk in workers]
+    sizes = sum((s.group_sizes for s in steps), Counter())
+    return {
+        "every": steps[0].every,
+        "averaged": sum(s.averaged for s in steps),
+        "alone": sum(s.alone for s in steps),
+        "group_sizes": {str(n): k for n, k in sorted(sizes.items())},
+        "wait_seconds": sum(groups.wait_seconds),
+    }
 
 
 def _mean(values: list[float]) -> float:

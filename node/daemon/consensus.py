@@ -1,0 +1,65 @@
+"""A daemon's side of factored mixing's blocking step, and the averager DHT both all-reduces use.
+
+Every K rounds (``--consensus-every``) the member engine asks for its group (``group_due``); the
+daemon then averages its whole φ with a group of up to ``--consensus-group`` peers through
+hivemind's all-reduce (``protocol.allreduce.GroupAverager``), blocking the trainer, and hands the
+mean to the engine. Matchmaking gets a third of ``--consensus-timeout``, the whole step all of
+it; with no group by then the member goes on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from cgad.node.config import JoinConfig
+from cgad.node.member.consensus import GroupMean
+from cgad.node.member.engine import Member
+from cgad.protocol.allreduce import AllReduceExchange, GroupAverager, averager_bootstrap, listen_anywhere
+from cgad.protocol.records import run_prefix
+
+__all__ = ["consensus_averager", "join_group", "start_averaging"]
+
+logger = logging.getLogger(__name__)
+
+
+def consensus_averager(config: JoinConfig, numel: int) -> GroupAverager | None:
+    """The averager of the blocking step, or None when it is off.
+
+    Args:
+        config: the node's configuration (``consensus_*``).
+        numel: the values of the whole φ.
+    """
+    if not config.consensus_every:
+        return None
+    return GroupAverager(
+        numel,
+        prefix=f"{run_prefix(config.run_id)}_consensus",
+        group_size=config.consensus_group,
+        matchmaking_time=config.consensus_timeout / 3,
+        timeout=config.consensus_timeout,
+    )
+
+
+def join_group(member: Member, averager: GroupAverager) -> None:
+    """The blocking step of the round ``member`` awaits: its φ averaged with the group's, or left
+    as it is when no group formed in time."""
+    averaged = averager.average(member.group_phi())
+    group = GroupMean(*averaged) if averaged is not None else None
+    if group is None:
+        logger.info("round %s: no consensus group formed in time; going on alone", member.awaiting_group)
+    member.join_group(group)
+
+
+def start_averaging(
+    averaging: AllReduceExchange | GroupAverager, described: list[dict[str, Any]], config: JoinConfig
+) -> Sequence[str]:
+    """Join the averager's DHT through the addresses the peers at --peers state (their claim);
+    the addresses this node states in turn when asked who it is."""
+    bootstrap = [addr for description in described for addr in averager_bootstrap(description)]
+    if config.peers and not bootstrap:
+        raise ConnectionError("no peer at --peers stated where its averager listens (--sync allreduce or"
+                              " --consensus-every: every member of a swarm runs the same)")  # fmt: skip
+    averaging.start(bootstrap, listen_anywhere(config.host_maddrs))
+    return averaging.maddrs()

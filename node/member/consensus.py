@@ -1,0 +1,109 @@
+"""Factored mixing's blocking step: every K rounds, a member's φ becomes the mean of its group's.
+
+The non-blocking exchange (pseudo-gradients every round, and gossip) never waits for a peer, so
+members drift apart where deliveries come late or not at all. The blocking step tightens
+agreement: at the end of every K-th round (``--consensus-every K``) the member stops training,
+finds a group of up to ``--consensus-group`` peers, and sets φ to the group's mean φ (the Factored
+Gossip seed's blocking mix; torchft's ``LocalSGD`` averages parameters the same way, every
+``sync_every`` steps). A member whose group does not form within ``--consensus-timeout`` seconds
+goes on without it: the step never blocks for ever. The time spent waiting is time not training:
+K is the knob between utilisation (large K, or 0: never) and agreement (small K).
+
+The step's state is explicit (``ConsensusStep``): when it is due, the round that awaits its
+group, and what the steps so far did. Who the group is and how its φ travel is the driver's: a
+daemon averages over the network (hivemind's all-reduce, ``protocol/allreduce.py``), the
+simulator finds the group on its virtual clock (``node/sim/groups.py``); either hands the group's
+mean to ``Member.join_group``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cgad.node.member.outer import OuterLoop
+
+__all__ = ["ConsensusStep", "GroupMean", "flat_phi", "move_phi"]
+
+
+@dataclass(frozen=True)
+class GroupMean:
+    """What a group's exchange gave a member.
+
+    Args:
+        mean: the group's mean φ, flat, in the order of ``OuterLoop.phi``.
+        members: how many members' φ it is the mean of, this member's included.
+    """
+
+    mean: Tensor
+    members: int
+
+
+@dataclass
+class ConsensusStep:
+    """The blocking step's schedule and record.
+
+    Args:
+        every: K, rounds between steps; 0: never.
+    """
+
+    every: int = 0
+    pending: int | None = None  # the round whose step awaits its group (the member is blocked)
+    averaged: int = 0  # steps taken with a group
+    alone: int = 0  # steps whose group did not form in time: the member went on without it
+    group_sizes: Counter[int] = field(default_factory=Counter)  # members per averaged step
+
+    def due(self, round_: int) -> bool:
+        """Whether round ``round_``, just ended, ends in the blocking step."""
+        return self.every > 0 and round_ > 0 and round_ % self.every == 0
+
+    def open(self, round_: int) -> None:
+        """Round ``round_`` awaits its group."""
+        self.pending = round_
+
+    def close(self, loop: OuterLoop, group: GroupMean | None) -> bool:
+        """The group's exchange is over: move φ (and θ with it) to the group's mean, or, with no
+        group (None, or a group of one), leave them alone. Whether φ moved.
+
+        Args:
+            loop: the member's outer loop.
+            group: what the exchange gave, or None when no group formed in time.
+        """
+        self.pending = None
+        if group is None or group.members < 2:
+            self.alone += 1
+            return False
+        move_phi(loop, group.mean)
+        self.averaged += 1
+        self.group_sizes[group.members] += 1
+        return True
+
+    def summary(self) -> dict[str, object]:
+        """The record a status document or a simulation reports."""
+        sizes = {str(n): count for n, count in sorted(self.group_sizes.items())}
+        return {"every": self.every, "averaged": self.averaged, "alone": self.alone, "group_sizes": sizes}
+
+
+def flat_phi(loop: OuterLoop) -> Tensor:
+    """The member's whole φ as one flat fp32 tensor (a copy): what it offers its group."""
+    return torch.cat([p.detach().flatten() for p in loop.phi])
+
+
+@torch.no_grad()
+def move_phi(loop: OuterLoop, mean: Tensor) -> None:
+    """φ ← ``mean``; θ moves by the same amount, so the inner steps carried past the last outer
+    step stay on it. The φ kept to measure gossip drift at a common version belong to the
+    trajectory before the move (the drift they measure is closed): they are forgotten."""
+    if mean.numel() != sum(p.numel() for p in loop.phi):
+        raise ValueError(f"a group mean of {mean.numel()} values for {len(loop.phi)} tensors of φ")
+    offset = 0
+    for phi, theta in zip(loop.phi, loop.theta, strict=True):
+        target = mean[offset : offset + phi.numel()].view_as(phi).to(phi.dtype)
+        offset += phi.numel()
+        shift = target - phi
+        phi.add_(shift)
+        theta.add_(shift.to(theta.device, theta.dtype))
+    loop.forget_published_phi()

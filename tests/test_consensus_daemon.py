@@ -1,0 +1,94 @@
+"""Factored mixing's blocking step in a daemon: real hivemind averagers on 127.0.0.1 average a
+group's φ, a member with no group goes on without it, and the daemon's step moves φ to the mean."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cgad.node.daemon.consensus import join_group
+from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
+from cgad.protocol.allreduce import GroupAverager
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _averager(group: int, wait: float, timeout: float) -> GroupAverager:
+    return GroupAverager(1000, prefix="t", group_size=group, matchmaking_time=wait, timeout=timeout)
+
+
+class _Member:
+    """What ``join_group`` asks of the engine: the φ offered and the group's result."""
+
+    def __init__(self, phi: torch.Tensor) -> None:
+        self.phi, self.awaiting_group, self.joined = phi, 3, []
+
+    def group_phi(self) -> torch.Tensor:
+        return self.phi.clone()
+
+    def join_group(self, group) -> bool:
+        self.joined.append(group)
+        return group is not None
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_group_averages_its_phi_and_a_member_alone_goes_on_without_it() -> None:
+    averagers = [_averager(group=2, wait=2.0, timeout=20) for _ in range(2)]
+    try:
+        averagers[0].start([], LOOPBACK)
+        averagers[1].start(averagers[0].maddrs(), LOOPBACK)
+        members = [_Member(torch.randn(1000, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+        threads = [
+            threading.Thread(target=join_group, args=(m, a)) for m, a in zip(members, averagers, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        mean = (members[0].phi + members[1].phi) / 2
+        for member, averager in zip(members, averagers, strict=True):
+            (group,) = member.joined
+            assert group is not None and group.members == 2 and averager.groups == {2: 1}
+            assert torch.allclose(group.mean, mean, atol=1e-6)  # fp32 on the wire
+        lone = _averager(group=2, wait=1.0, timeout=3)
+        averagers.append(lone)
+        lone.start(averagers[0].maddrs(), LOOPBACK)
+        alone = _Member(torch.ones(1000))
+        join_group(alone, lone)  # nobody else averages now: no group within the timeout
+        assert alone.joined == [None] and lone.groups == {1: 1}
+    finally:
+        for averager in averagers:
+            averager.close()
+
+
+def test_a_swarm_with_another_consensus_schedule_is_refused() -> None:
+    ours = {"run_id": "r", "consensus_every": 4}
+    with pytest.raises(IncompatibleSwarm, match="blocking consensus step"):
+        check_compatible(ours, {"run_id": "r"}, "peer")  # stated by a node without the step: 0
+    check_compatible({"run_id": "r", "consensus_every": 0}, {"run_id": "r"}, "peer")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_two_daemons_take_the_blocking_step_beside_the_exchange(daemons) -> None:
+    from _daemons import FRESH_LOSS, NodeProcess  # tests/ is on sys.path under pytest
+
+    workdir, started = daemons
+    mode = ["--consensus-every", "1", "--consensus-group", "2", "--consensus-timeout", "20"]
+    first = NodeProcess("first", workdir, [], mode)
+    started.append(first)
+    second = NodeProcess("second", workdir, first.maddrs(), mode)
+    started.append(second)
+
+    def averaged_twice(status: dict) -> bool:
+        return (status["consensus"] or {}).get("group_sizes", {}).get("2", 0) >= 2
+
+    statuses = [
+        node.wait(averaged_twice, "two blocking steps in a group", timeout=400) for node in (first, second)
+    ]
+    for status in statuses:
+        assert status["consensus"]["every"] == 1 and status["applied"] > 0  # the exchange goes on beside
+        assert status["eval_loss"] < FRESH_LOSS - 0.5, status["eval_history"]
