@@ -58,12 +58,15 @@ def _rounds(codec: str, rounds: int = 3) -> OuterLoop:
     return me
 
 
-def test_between_outer_steps_no_yardstick_is_held() -> None:
+def test_between_outer_steps_no_yardstick_is_held_and_the_residual_is_bfloat16() -> None:
     """Was 12 bytes per parameter under 4bit: the yardstick (4), the residual (4), the own Δ as
-    sent, decoded (4). The yardstick is rebuilt at the step from the others."""
+    sent, decoded (4). The yardstick is rebuilt at the step from the others; the residual is
+    held in bfloat16 (2)."""
     for codec in ("4bit", "sparse"):
-        held = _held_bytes(_rounds(codec)) / NUMEL
-        assert held <= 8.1, (codec, held)
+        loop = _rounds(codec)
+        assert loop.sender._unsent[0].residual.dtype == torch.bfloat16
+        held = _held_bytes(loop) / NUMEL
+        assert held <= 6.1, (codec, held)
 
 
 def test_the_yardstick_is_the_own_delta_and_what_it_owed() -> None:

@@ -25,8 +25,9 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from cgad.protocol.codec import ROUNDING, Codec, ErrorFeedback, decode, encode
+from cgad.protocol.codec import ROUNDING, Codec, decode, encode
 from cgad.protocol.config import SPARSE_KEPT, wire_codec
+from cgad.protocol.feedback import ErrorFeedback
 from cgad.protocol.scheduling import auto_codec
 
 __all__ = ["Sender", "Yardstick"]
