@@ -10,9 +10,10 @@ bytes, never a policy.
 The own Δ a peer's delta is judged against (``robust.AroundOwn``: a ``Yardstick``) is what this
 member would send (Δ plus what is still owed), picked as sparsely as each delivery is: a sparse
 delta sits about the whole norm of a dense one away by its support alone. It is rebuilt when a
-step first judges a delivery, from what is held anyway: the own Δ as it went out (for a sent
-one, that plus the residual is the whole target) and the residual; a step with no peer's delta
-builds none, and no copy of it outlives the step.
+step first judges a delivery, from what is held anyway: the own Δ as it went out, kept encoded
+(the very bytes the transport's store serves), decoded then (for a sent Δ, that plus the
+residual is the whole target), and the residual; a step with no peer's delta builds none, and
+no decoded copy outlives the step.
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ class _How(enum.Enum):
 @dataclass(frozen=True)
 class _Sent:
     kept: int | None  # values per block as it went out (None: dense)
-    tensor: Tensor  # the own Δ as receivers decode it
+    # the own Δ as it went out: its bytes (shared with the store that serves them), or the
+    # tensor itself when sent whole
+    data: bytes | Tensor
     how: _How
+
+    def decoded(self) -> Tensor:
+        return self.data if isinstance(self.data, Tensor) else decode(self.data)
 
 
 class Yardstick:
@@ -55,26 +61,29 @@ class Yardstick:
     dropped with the step.
 
     Args:
-        target: builds the dense target.
-        sent_kept: values per block of the own Δ as it went out (None: dense).
-        sent: the own Δ as it went out (None: not encoded: the target itself).
+        target: builds the dense target from the own Δ as it went out (decoded once, shared with
+            ``reference``).
+        sent: the own Δ as it went out (None: never sent: the target is this round's Δ).
     """
 
-    def __init__(self, target: Callable[[], Tensor], sent_kept: int | None, sent: Tensor | None) -> None:
+    def __init__(self, target: Callable[[Tensor | None], Tensor], sent: _Sent | None) -> None:
         self._build = target
-        self._sent_kept = sent_kept
-        self._sent = sent
+        self._sent_record = sent
         self._picked: dict[int | None, Tensor] = {}
 
     @cached_property
+    def _sent(self) -> Tensor | None:
+        return None if self._sent_record is None else self._sent_record.decoded()
+
+    @cached_property
     def target(self) -> Tensor:
-        return self._build()
+        return self._build(self._sent)
 
     def reference(self, kept: int | None) -> Tensor:
         """The yardstick as a delivery that keeps ``kept`` values per block (None: dense) carries
         it: the own Δ as sent when it was sent so, else the target picked the same way."""
-        if kept == self._sent_kept and self._sent is not None:
-            return self._sent
+        if self._sent_record is not None and kept == self._sent_record.kept:
+            return self._sent  # type: ignore[return-value]
         if kept is None:
             return self.target
         if kept not in self._picked:
@@ -141,10 +150,10 @@ class Sender:
         feedback = self._unsent.setdefault(fragment, ErrorFeedback(Codec.SPARSE))
         if not self._feeds_back(codec):
             data = encode(delta, codec, kept)
-            self._sent[fragment] = _Sent(sparse_kept, decode(data), _How.PLAIN)
+            self._sent[fragment] = _Sent(sparse_kept, data, _How.PLAIN)
             return data, codec, kept
-        data, picked = feedback.send(delta, codec, kept)
-        self._sent[fragment] = _Sent(sparse_kept, picked, _How.FED_BACK)
+        data, _ = feedback.send(delta, codec, kept)
+        self._sent[fragment] = _Sent(sparse_kept, data, _How.FED_BACK)
         return data, codec, kept
 
     def sent_whole(self, fragment: int, delta: Tensor) -> None:
@@ -162,9 +171,10 @@ class Sender:
         feedback = self._unsent.get(fragment)
         carries = feedback is not None and self._feeds_back(codec)
         target = feedback.target(delta) if carries else delta
-        picked = decode(encode(target, codec, kept))
         self._sent[fragment] = _Sent(
-            kept if codec is Codec.SPARSE else None, picked, _How.WITHHELD if carries else _How.PLAIN
+            kept if codec is Codec.SPARSE else None,
+            encode(target, codec, kept),
+            _How.WITHHELD if carries else _How.PLAIN,
         )
 
     def yardstick(self, fragment: int, own: Tensor | None) -> Yardstick | None:
@@ -173,18 +183,18 @@ class Sender:
         diverged), the latest own Δ as it went out; None when there never was one."""
         sent = self._sent.get(fragment)
         if sent is None:
-            return None if own is None else Yardstick(lambda: own, None, None)
+            return None if own is None else Yardstick(lambda _: own, None)
         feedback = self._unsent.get(fragment)
+        residual = feedback.residual if feedback is not None else None
         if sent.how is _How.FED_BACK:
-            residual = feedback.residual if feedback is not None else None
-            target = (lambda: sent.tensor) if residual is None else (lambda: sent.tensor + residual)
+            target = (lambda as_sent: as_sent) if residual is None else (lambda as_sent: as_sent + residual)
         elif own is None:  # an earlier round's, as it went out
-            target = lambda: sent.tensor  # noqa: E731
+            target = lambda as_sent: as_sent  # noqa: E731
         elif sent.how is _How.WITHHELD and feedback is not None:
-            target = lambda: feedback.target(own)  # noqa: E731
+            target = lambda _: feedback.target(own)  # noqa: E731
         else:
-            target = lambda: own  # noqa: E731
-        return Yardstick(target, sent.kept, sent.tensor)
+            target = lambda _: own  # noqa: E731
+        return Yardstick(target, sent)
 
     def forget(self) -> None:
         """Drop what the old trajectory left unsent (the member adopted another state)."""
