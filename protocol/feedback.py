@@ -23,6 +23,7 @@ __all__ = ["RESIDUAL_DTYPE", "ErrorFeedback", "to_bfloat16_stochastic"]
 
 RESIDUAL_DTYPE = torch.bfloat16
 _LOW_BITS = 1 << 16  # the float32 bits that bfloat16 drops
+_ROUNDING_SLICE = 1 << 20
 
 
 def to_bfloat16_stochastic(tensor: Tensor, generator: torch.Generator) -> Tensor:
@@ -30,16 +31,21 @@ def to_bfloat16_stochastic(tensor: Tensor, generator: torch.Generator) -> Tensor
     probability that makes the rounding unbiased: uniform noise added to the 16 bits bfloat16
     drops, which are then cut (a value whose rounding carries into its exponent moves on to the
     next binade, as it should; one that would carry into Inf stays at the largest finite value).
+    A slice at a time (``_ROUNDING_SLICE`` values): the noise is no model-sized buffer.
 
     Args:
         tensor: a finite float32 tensor.
         generator: where the draws come from.
     """
-    bits = tensor.detach().contiguous().view(torch.int32)
-    noise = torch.randint(0, _LOW_BITS, bits.shape, dtype=torch.int32, generator=generator)
-    rounded = noise.add_(bits).bitwise_and_(-_LOW_BITS).view(torch.float32)
+    flat = tensor.detach().reshape(-1).contiguous()
+    out = torch.empty(flat.shape, dtype=RESIDUAL_DTYPE)
     largest = torch.finfo(RESIDUAL_DTYPE).max
-    return rounded.clamp_(-largest, largest).to(RESIDUAL_DTYPE)
+    for start in range(0, flat.numel(), _ROUNDING_SLICE):
+        bits = flat[start : start + _ROUNDING_SLICE].view(torch.int32)
+        noise = torch.randint(0, _LOW_BITS, bits.shape, dtype=torch.int32, generator=generator)
+        rounded = noise.add_(bits).bitwise_and_(-_LOW_BITS).view(torch.float32)
+        out[start : start + _ROUNDING_SLICE] = rounded.clamp_(-largest, largest)
+    return out.view(tensor.shape)
 
 
 class ErrorFeedback:

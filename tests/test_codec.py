@@ -431,7 +431,8 @@ def test_the_residual_is_rounded_to_bfloat16_without_bias_and_repeatably() -> No
     """Each value goes to one of its two bfloat16 neighbours, up with the probability of its
     distance from the lower one: over many draws the mean is the value; the draws are the
     feedback's own, so two runs send the same bytes."""
-    value = torch.full((200_000,), 1.0 + 2.0**-9)  # a quarter of the way from 1 to the next bfloat16
+    # a quarter of the way from 1 to the next bfloat16; over two rounding slices and part of one
+    value = torch.full((2 * (1 << 20) + 1000,), 1.0 + 2.0**-9)
     rounded = to_bfloat16_stochastic(value, torch.Generator().manual_seed(3)).float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
     assert abs(float(rounded.mean()) - (1.0 + 2.0**-9)) < 2e-5  # to nearest: always 1.0

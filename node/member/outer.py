@@ -143,7 +143,9 @@ class OuterLoop:
         optimizer after adopting a state."""
         idx = self.fragments[f]
         with torch.no_grad():
-            own = torch.cat([(self.phi[i] - _host(self.theta[i])).flatten() for i in idx])
+            own = torch.empty(self.numel(f))  # written in place: no per-tensor copies to join
+            for view, i in zip(self.unflatten(f, own), idx, strict=True):
+                torch.sub(self.phi[i], _host(self.theta[i]), out=view)
             if not torch.isfinite(own).all():
                 # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
                 # With several fragments the other fragments' θ is NaN too (one forward pass made
