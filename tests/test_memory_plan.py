@@ -109,3 +109,36 @@ def test_a_step_without_peers_builds_no_yardstick() -> None:
     loop.publish(0, tokens=10)
     loop.apply(0)
     assert len(built) == 1 and "target" not in vars(built[0])  # asked for, never built
+
+
+def test_the_progress_carried_over_a_late_step_is_held_in_theta_as_a_copy_would_hold_it() -> None:
+    """apply(carry=True) with float32 θ: θ ← φ' + (θ − θ at publish) bit for bit as with a
+    float32 copy of the progress (what the step held before, 4 bytes per parameter); a θ of
+    another dtype still gets the copy; a step that fails leaves θ at φ plus the progress."""
+    from cgad.node.member.carry import hold_progress, restart_theta
+
+    torch.manual_seed(5)
+    phi, own = [torch.randn(1000)], [torch.randn(1000) * 1e-3]
+    for dtype in (torch.float32, torch.bfloat16):
+        theta = [(phi[0] - own[0] + torch.randn(1000) * 1e-4).to(dtype)]
+        as_copy = theta[0].float() - phi[0] + own[0]
+        progress = hold_progress(theta, phi, own)
+        assert (progress is None) == (dtype == torch.float32)
+        stepped = [phi[0] + torch.randn(1000) * 1e-2]
+        restart_theta(theta, stepped, progress, carried=True)
+        assert torch.equal(theta[0], (stepped[0] + as_copy).to(dtype))
+    network = VirtualNetwork()
+    loop = OuterLoop([torch.zeros(8)], OuterOptions(optimizer="sgd", outer_lr=1.0), network.join("me"), "run")
+    loop.theta[0].add_(1.0)
+    loop.publish(0, tokens=10)
+    loop.theta[0].add_(0.5)  # inner steps after publishing
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("the step failed")
+
+    loop._take_steps = failing  # type: ignore[method-assign]
+    try:
+        loop.apply(0, carry=True)
+    except RuntimeError:
+        pass
+    assert torch.equal(loop.theta[0], torch.full((8,), 0.5))  # φ (unchanged) + the progress

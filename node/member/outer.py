@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from cgad.node.config import OuterOptions
+from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, method, unflatten
 from cgad.node.member.mixing import gossip_pull
@@ -145,7 +146,7 @@ class OuterLoop:
         with torch.no_grad():
             own = torch.empty(self.numel(f))  # written in place: no per-tensor copies to join
             for view, i in zip(self.unflatten(f, own), idx, strict=True):
-                torch.sub(self.phi[i], _host(self.theta[i]), out=view)
+                torch.sub(self.phi[i], self.theta[i].detach().to("cpu", torch.float32), out=view)
             if not torch.isfinite(own).all():
                 # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
                 # With several fragments the other fragments' θ is NaN too (one forward pass made
@@ -227,15 +228,6 @@ class OuterLoop:
         own = self._turn.pop(f)
         withheld = self._withheld.pop(f, None)
         yardstick = self.sender.yardstick(f, own.tensor if own is not None else withheld)
-        # θ_f − θ_f at publish = θ_f − (φ_f − Δ_own): the progress to carry over the step
-        progress = (
-            [
-                _host(self.theta[i]) - self.phi[i] + d
-                for i, d in zip(self.fragments[f], self.unflatten(f, own.tensor), strict=True)
-            ]
-            if carry and own is not None
-            else None
-        )
         base = self.versions[f]
         incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
         fresh: list[Fragment] = []  # checked once here; held ones were checked when they came
@@ -276,6 +268,24 @@ class OuterLoop:
         self.counters.held_ahead += sum(frag.key.base_version >= version for frag in fresh)
         if held:
             self._ahead[f] = held
+        theta = [self.theta[i] for i in self.fragments[f]]
+        carried = carry and own is not None  # the inner steps since publish(f) go on after the step
+        phi = self.fragment_phi(f)
+        progress = hold_progress(theta, phi, self.unflatten(f, own.tensor)) if carried else None
+        try:
+            deliveries = self._take_steps(f, incoming, own, yardstick, peer_params, replay)
+        except BaseException:
+            if carried:  # θ_f holds the bare progress: never leave it so
+                restart_theta(theta, phi, progress, carried)
+            raise
+        restart_theta(theta, phi, progress, carried)
+        return deliveries
+
+    def _take_steps(
+        self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None, yardstick: Yardstick | None,
+        peer_params: list[Fragment], replay: list[list[tuple[Fragment, int]]],
+    ) -> list[Delivery]:  # fmt: skip
+        """Fragment f's outer step, its mixing, then a step per version to replay."""
         with torch.no_grad():
             taken, deliveries = self._take(f, incoming, own, yardstick)
             if taken:
@@ -290,8 +300,6 @@ class OuterLoop:
                 deliveries += caught_up
                 self.versions[f] += 1
                 self.counters.replayed += 1
-            for n, i in enumerate(self.fragments[f]):
-                self.theta[i].copy_(self.phi[i] if progress is None else self.phi[i] + progress[n])
         return deliveries
 
     def _step(
@@ -490,8 +498,3 @@ class OuterLoop:
         # what the old trajectory left unsent, and the φ it published, belong to that trajectory
         self.sender.forget()
         self._phi_published.clear()
-
-
-def _host(tensor: Tensor) -> Tensor:
-    """``tensor`` in float32 in host memory (itself when it is so already)."""
-    return tensor.detach().to(device="cpu", dtype=torch.float32)
