@@ -42,13 +42,17 @@ HOST_BUFFERS = {
     "outer momentum (the method's optimizer state, fp32)": (4.0, 4.0),
     "phi0 for int8 snapshots (Phi0, int8 blocks)": (1.02, 1.02),
     "own delta until the outer step (OuterLoop._turn)": (4.0, 4.0),
-    "yardstick for clipping (OuterLoop._yardstick)": (4.0, 0.0),
-    "error feedback residual (Sender, ErrorFeedback)": (4.0, 2.0),
-    "own delta as sent, decoded (Sender._sent)": (4.0, 0.0),
+    "yardstick for clipping (sender.Yardstick: built at a step that judges, from what is held)": (0.0, 0.0),
+    "error feedback residual (protocol/feedback.py, bfloat16)": (2.0, 2.0),
+    "own delta as sent (Sender._sent: the store's encoded bytes)": (0.0, 0.0),
     "peers' deltas decoded, up to fan-in (the inbox)": (4.0 * FAN_IN, 0.0),
     "peers' deltas encoded, up to fan-in (planned: decoded one at a time)": (0.0, 0.5625 * FAN_IN),
     "own encoded deltas kept to serve (store, keep_versions 2, 4bit)": (2 * 0.5625, 2 * 0.5625),
-    "peers' deltas kept to serve onward (store, keep_reserved 8, 4bit)": (8 * 0.5625, 2 * 0.5625),
+    # at most keep_reserved 8 per fragment, and each publisher's 2 newest versions: 8 at a full fan-in
+    "peers' deltas kept to serve onward (store, 2 versions x fan-in, 4bit)": (
+        2 * FAN_IN * 0.5625,
+        2 * FAN_IN * 0.5625,
+    ),
     "snapshots kept to serve (two own, int8)": (2 * 1.016, 2 * 1.016),
 }
 

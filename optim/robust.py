@@ -22,11 +22,12 @@ over 8 workers and 150 rounds 4-15% of honest deltas fell below 0, and refusing 
 in loss (docs/RESULTS.md); the floor is the caller's to set (-1 takes every direction). What
 an attacker can still send is a Δ at most r from Δ_0 and not against it: noise of bounded size.
 
-The reference is the same for every delivery of a round: ``AroundOwn`` takes its float64 copy and
-norm once, then one float64 pass over each delivery (its dot product with the reference and its
-own norm) gives both the cosine and the distance ‖Δ_i − Δ_0‖² = ‖Δ_i‖² − 2⟨Δ_i, Δ_0⟩ + ‖Δ_0‖²
-(in float64 the cancellation is harmless where it matters: near the clip radius the distance is
-of the order of the norms).
+The reference is the same for every delivery of a round: ``AroundOwn`` takes its norm once, then
+one float64 pass over each delivery (its dot product with the reference and its own norm) gives
+both the cosine and the distance ‖Δ_i − Δ_0‖² = ‖Δ_i‖² − 2⟨Δ_i, Δ_0⟩ + ‖Δ_0‖² (in float64 the
+cancellation is harmless where it matters: near the clip radius the distance is of the order of
+the norms). The passes go through ``FLOAT64_CHUNK`` values at a time: whole float64 copies of the
+reference and of each delivery were 16 bytes per parameter of host memory at the outer step.
 """
 
 from __future__ import annotations
@@ -36,7 +37,21 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["AroundOwn"]
+__all__ = ["FLOAT64_CHUNK", "AroundOwn"]
+
+FLOAT64_CHUNK = 1 << 20  # values per float64 pass: 8 MB of copies, whatever the fragment's size
+
+
+def _dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float]:
+    """⟨delivery, reference⟩ (0 without one) and ⟨delivery, delivery⟩ in float64, a chunk at a
+    time (both flat)."""
+    dot = norm_sq = 0.0
+    for start in range(0, delivery.numel(), FLOAT64_CHUNK):
+        d = delivery[start : start + FLOAT64_CHUNK].double()
+        if reference is not None:
+            dot += float(torch.dot(d, reference[start : start + FLOAT64_CHUNK].double()))
+        norm_sq += float(torch.dot(d, d))
+    return dot, norm_sq
 
 
 class AroundOwn:
@@ -52,8 +67,8 @@ class AroundOwn:
             raise ValueError(f"scale must be finite and >= 0, got {scale}")
         self.reference = reference
         # in float64: a finite fp32 tensor of 1e20s has a norm that overflows fp32
-        self._reference64 = reference.detach().reshape(-1).double()
-        self._norm_sq = float(torch.dot(self._reference64, self._reference64))
+        self._flat = reference.detach().reshape(-1)
+        _, self._norm_sq = _dots(self._flat, None)
         if not math.isfinite(self._norm_sq):
             raise ValueError("AroundOwn needs a finite reference")
         self.bound = radius * (math.sqrt(self._norm_sq) if scale is None else scale)
@@ -64,8 +79,7 @@ class AroundOwn:
         whether it had to be."""
         if delivery.shape != self.reference.shape:
             raise ValueError(f"shapes differ: {tuple(self.reference.shape)} and {tuple(delivery.shape)}")
-        d = delivery.detach().reshape(-1).double()
-        dot, norm_sq = float(torch.dot(d, self._reference64)), float(torch.dot(d, d))
+        dot, norm_sq = _dots(delivery.detach().reshape(-1), self._flat)
         if not (math.isfinite(dot) and math.isfinite(norm_sq)):
             raise ValueError("AroundOwn needs finite deliveries")
         norms = math.sqrt(norm_sq * self._norm_sq)
@@ -73,4 +87,6 @@ class AroundOwn:
         distance = math.sqrt(max(norm_sq - 2.0 * dot + self._norm_sq, 0.0))
         if distance <= self.bound:
             return cosine, delivery, False
-        return cosine, self.reference + (delivery - self.reference) * (self.bound / distance), True
+        # reference + (delivery − reference) · bound / distance, in one new tensor
+        held = delivery.to(self.reference.dtype)
+        return cosine, torch.lerp(self.reference, held, self.bound / distance), True

@@ -49,8 +49,8 @@ from cgad.protocol.config import SPARSE_KEPT, SPARSE_MAX_KEPT
 from cgad.protocol.errors import FragmentError
 
 __all__ = [
-    "MAX_NUMEL", "SCRATCH_BYTES", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "Codec", "ErrorFeedback", "decode",
-    "encode", "encode_delta", "encoded_size", "kept_in", "sparse_kept",
+    "MAX_NUMEL", "ROUNDING", "SCRATCH_BYTES", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "Codec", "decode", "encode",
+    "encoded_size", "kept_in", "sparse_kept",
 ]  # fmt: skip
 
 
@@ -435,65 +435,3 @@ def _sparse_blocks(data: bytes | memoryview, offset: int, nblocks: int, kept: in
     positions = torch.from_numpy(indices.astype(np.int64))
     blocks.scatter_(1, positions, torch.from_numpy(values.astype(np.float32)).view(nblocks, kept))
     return blocks
-
-
-class ErrorFeedback:
-    """Carries a lossy codec's rounding error into the next round (error feedback).
-
-    ``encode(t)`` encodes ``t + residual`` and keeps ``(t + residual) - decode(bytes)`` as the new
-    residual, so what the codec drops in one round is sent in a later one instead of being lost.
-    The residual is only what has not gone out yet, whatever the codec: ``send`` may switch codec
-    and ``kept`` from one round to the next (``--codec auto``) and nothing is lost or sent twice.
-    """
-
-    def __init__(self, codec: Codec | str, kept: int = SPARSE_KEPT) -> None:
-        self.codec = Codec(codec)
-        self.kept = kept  # sparse: values sent per block
-        self.residual: Tensor | None = None
-
-    def encode(self, tensor: Tensor) -> bytes:
-        return self.send(tensor)[0]
-
-    def send(
-        self, tensor: Tensor, codec: Codec | None = None, kept: int | None = None
-    ) -> tuple[bytes, Tensor]:
-        """``encode``'s bytes and what receivers decode from them (computed here anyway); this
-        round in ``codec`` keeping ``kept`` when given, else in the feedback's own."""
-        corrected = self.target(tensor)
-        data = encode(corrected, codec or self.codec, self.kept if kept is None else kept)
-        sent = decode(data)
-        self.residual = corrected - sent
-        return data, sent
-
-    def target(self, tensor: Tensor) -> Tensor:
-        """What a send of ``tensor`` now would approximate: the tensor plus what is still owed."""
-        corrected = tensor.detach().to(torch.float32)
-        if self.residual is None:
-            return corrected
-        if self.residual.shape != corrected.shape:
-            raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {corrected.shape}")
-        return corrected + self.residual
-
-    def reset(self) -> None:
-        self.residual = None
-
-
-def encode_delta(
-    tensor: Tensor,
-    codec: Codec,
-    residuals: dict[int, ErrorFeedback] | None,
-    fragment: int,
-    kept: int = SPARSE_KEPT,
-) -> bytes:
-    """A pseudo-gradient of ``fragment`` as its publisher sends it: through the fragment's
-    ``ErrorFeedback`` in ``residuals`` when the codec rounds (int8, 4bit, 2bit), else encoded as
-    it is (``sparse`` keeping ``kept`` per block: under ``--codec sparse`` and ``auto`` the outer
-    loop encodes and keeps the residual itself, ``OuterLoop(codec=)``); ``residuals``
-    None turns error feedback off. The daemon's publisher and the simulator's virtual wire both
-    encode this way."""
-    if residuals is None or codec not in ROUNDING:
-        return encode(tensor, codec, kept)
-    feedback = residuals.get(fragment)
-    if feedback is None or feedback.codec is not codec or feedback.kept != kept:
-        feedback = residuals[fragment] = ErrorFeedback(codec, kept)
-    return feedback.encode(tensor)

@@ -24,6 +24,11 @@ _KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS, Kind.STATE: pb.STAT
 # resumed (on 2 Mbit a joiner lost 3.1 of 7.7 MB twice that way, then gave up)
 STATE_RESUME = 120.0
 STATE_EXTRA = 2
+# Of a peer's fragments this peer re-serves, the newest versions kept per publisher, fragment and
+# kind: a fragment is fetched onward within a round or two of its version (a volunteer behind NAT
+# reaches the others only through those that re-serve it), and older ones of the same publisher
+# were host memory held for nothing (with two volunteers, 8 slots held 4 versions of each)
+RESERVED_VERSIONS = 2
 
 
 @dataclass
@@ -53,12 +58,20 @@ def fragment_header(key: FragmentKey, offer: Offer) -> pb.FragmentHeader:
 
 class FragmentStore:
     """Encoded fragments by content hash, bounded per fragment: the newest ``keep_own`` own
-    versions per fragment and kind, and the newest ``keep_reserved`` others'. Of state
-    snapshots (the size of the model), the two newest own ones and one other."""
+    versions per fragment and kind, and of others' the newest ``keep_reserved``, at most
+    ``reserved_versions`` versions of each publisher and kind among them. Of state snapshots (the
+    size of the model), the two newest own ones and one other.
 
-    def __init__(self, keep_own: int, keep_reserved: int) -> None:
+    Args:
+        keep_own: own versions kept per fragment and kind.
+        keep_reserved: others' fragments kept per fragment, of any publisher and kind.
+        reserved_versions: of those, the newest versions kept per publisher and kind.
+    """
+
+    def __init__(self, keep_own: int, keep_reserved: int, reserved_versions: int = RESERVED_VERSIONS) -> None:
         self.keep_own = keep_own
         self.keep_reserved = keep_reserved
+        self.reserved_versions = reserved_versions
         self._by_hash: dict[bytes, StoredFragment] = {}
         self._state_read: dict[bytes, float] = {}  # a snapshot's last read (monotonic seconds)
         self._lock = threading.Lock()
@@ -105,6 +118,9 @@ class FragmentStore:
                 keep = self.keep_reserved
             group.sort(key=lambda e: e.header.base_version)
             surplus = group[: max(0, len(group) - keep)]
+            if not state and not entry.own:
+                dropped = {id(e) for e in surplus}
+                surplus += self._older_versions([e for e in group if id(e) not in dropped])
             if state:
                 now = time.monotonic()
                 read = [
@@ -117,6 +133,18 @@ class FragmentStore:
             for old in surplus:
                 del self._by_hash[old.header.content_hash]
                 self._state_read.pop(old.header.content_hash, None)
+
+    def _older_versions(self, entries: list[StoredFragment]) -> list[StoredFragment]:
+        """Of others' ``entries`` (sorted by base version), those beyond each publisher's and
+        kind's newest ``reserved_versions``."""
+        kept: dict[tuple[str, int], int] = {}
+        older = []
+        for e in reversed(entries):
+            source = (e.offer.publisher, e.header.kind)
+            kept[source] = kept.get(source, 0) + 1
+            if kept[source] > self.reserved_versions:
+                older.append(e)
+        return older
 
     def discard(self, digest: bytes) -> None:
         with self._lock:

@@ -1,6 +1,6 @@
 """Centered clipping around the own pseudo-gradient (``AroundOwn``: one float64 pass per delivery,
-checked against a direct float64 computation), and in the outer loop: a scaled delivery moves φ
-no further than an honest one could, and a reversed one is refused."""
+a chunk at a time, checked against a direct float64 computation), and in the outer loop: a
+scaled delivery moves φ no further than an honest one could, and a reversed one is refused."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from cgad.node.config import OuterOptions
 from cgad.node.member.outer import OuterLoop
 from cgad.optim import AroundOwn
+from cgad.optim.robust import FLOAT64_CHUNK
 from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
@@ -52,6 +53,25 @@ def test_a_scaled_delivery_lands_on_the_radius(scale):
     distance = float((clipped.double() - own.double()).norm())
     assert distance == pytest.approx(2.0 * float(own.double().norm()), rel=1e-5)
     torch.testing.assert_close(clipped, _reference_clip(own, honest * scale, 2.0), rtol=1e-5, atol=1e-6)
+
+
+def test_judging_goes_through_float64_a_chunk_at_a_time_with_the_same_result():
+    """Over several ``FLOAT64_CHUNK``s and a partial one: the cosine and the clip of a direct
+    float64 computation, and no float64 copy of the reference held (16 bytes per parameter of
+    copies at the outer step before)."""
+    torch.manual_seed(3)
+    numel = 2 * FLOAT64_CHUNK + 12345
+    own, honest = torch.randn(numel), torch.randn(numel)
+    judge = AroundOwn(own, 2.0)
+    held = [v for v in vars(judge).values() if isinstance(v, torch.Tensor)]
+    assert held and all(v.dtype == torch.float32 and v.data_ptr() == own.data_ptr() for v in held)
+    along = own + 0.1 * honest
+    expected = float(torch.dot(along.double(), own.double()) / (along.double().norm() * own.double().norm()))
+    got, same, was = judge.judge(along)
+    assert got == pytest.approx(expected, rel=1e-12) and same is along and not was
+    _, clipped, was = judge.judge(honest * 1e6)
+    assert was
+    torch.testing.assert_close(clipped, _reference_clip(own, honest * 1e6, 2.0), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_are_refused():

@@ -223,7 +223,7 @@ def test_a_lossy_codec_on_the_virtual_wire_sends_fewer_bytes_and_feeds_its_error
     sent = [torch.randn(4096, generator=torch.Generator().manual_seed(r)) for r in range(8)]
     received = []
     for version, delta in enumerate(sent):
-        data, codec, _, _ = sender.send(0, delta)
+        data, codec, _ = sender.send(0, delta)
         a.publish_encoded(FragmentKey("run", 0, version, "a"), data, codec=codec, numel=4096, tokens=1)
         (got,) = b.receive(0)
         received.append(got.tensor)

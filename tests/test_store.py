@@ -14,17 +14,26 @@ from cgad.protocol import serving
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.records import MAX_OFFERS, Offer
 from cgad.protocol.serving import FragmentServer
-from cgad.protocol.store import STATE_EXTRA, STATE_RESUME, FragmentStore, StoredFragment, fragment_header
+from cgad.protocol.store import (
+    RESERVED_VERSIONS,
+    STATE_EXTRA,
+    STATE_RESUME,
+    FragmentStore,
+    StoredFragment,
+    fragment_header,
+)
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, TransportStats
 from cgad.protocol.wire import content_hash
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _entry(fragment: int, base: int, own: bool, kind: Kind = Kind.DELTA) -> StoredFragment:
+def _entry(
+    fragment: int, base: int, own: bool, kind: Kind = Kind.DELTA, publisher: str = "QmFakePeer"
+) -> StoredFragment:
     data = os.urandom(64)
     offer = Offer(
-        publisher="QmFakePeer",
+        publisher=publisher,
         base_version=base,
         kind=str(kind),
         tokens=0,
@@ -57,7 +66,8 @@ def test_store_keeps_the_newest_versions_per_fragment() -> None:
     held = {
         e.offer.content_hash for e in [*own, params, *others, elsewhere] if store.get(e.offer.content_hash)
     }
-    expected = [own[3], own[4], params, others[2], others[3], others[4], elsewhere]
+    # of one publisher's, its newest RESERVED_VERSIONS (2), within the 3 that keep_reserved allows
+    expected = [own[3], own[4], params, others[3], others[4], elsewhere]
     assert held == {e.offer.content_hash for e in expected}
     # announced: own versions first, newest first
     assert [o.base_version for o in store.offers(0)[:3]] == [4, 3, 0]
@@ -83,6 +93,28 @@ def test_keep_reserved_counts_per_fragment_of_any_kind_and_spares_own() -> None:
     for entry in [*reserved, *elsewhere]:
         store.put(entry)
     assert _held(store, [own, *reserved, *elsewhere]) == [own, reserved[3], reserved[4], *elsewhere]
+
+
+def test_each_publishers_newest_two_versions_are_re_served_within_keep_reserved() -> None:
+    """Two volunteers behind NAT, one a few versions behind the other: each keeps its two newest
+    versions (the lagging one is not pushed out by the other's newer ones), where 8 slots held 4
+    of each; and keep_reserved still bounds the whole fragment."""
+    store = FragmentStore(keep_own=2, keep_reserved=8)
+    assert store.reserved_versions == RESERVED_VERSIONS == 2
+    ahead = [_entry(0, base, own=False, publisher="QmAhead") for base in range(4, 10)]
+    behind = [_entry(0, base, own=False, publisher="QmBehind") for base in range(0, 6)]
+    for pair in zip(ahead, behind, strict=True):
+        for entry in pair:
+            store.put(entry)
+    assert _held(store, [*ahead, *behind]) == [ahead[-2], ahead[-1], behind[-2], behind[-1]]
+    crowd = FragmentStore(keep_own=2, keep_reserved=8)
+    many = [_entry(0, base, own=False, publisher=f"QmPeer{p + 1}") for base in range(3) for p in range(5)]
+    for entry in many:
+        crowd.put(entry)
+    # 5 publishers x their 2 newest = 10 > 8: the oldest go (base 1 of three publishers)
+    held = _held(crowd, many)
+    assert len(held) == 8 and all(e.header.base_version >= 1 for e in held)
+    assert sum(e.header.base_version == 2 for e in held) == 5
 
 
 def test_offers_are_own_first_newest_first_and_capped() -> None:

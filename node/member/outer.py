@@ -39,11 +39,12 @@ import torch
 from torch import Tensor
 
 from cgad.node.config import OuterOptions
+from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, method, unflatten
 from cgad.node.member.mixing import gossip_pull
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
-from cgad.node.member.sender import Sender
+from cgad.node.member.sender import Sender, Yardstick
 from cgad.optim import AroundOwn
 from cgad.protocol.codec import Codec, encoded_size
 from cgad.protocol.config import SPARSE_KEPT, wire_codec
@@ -96,11 +97,14 @@ class OuterLoop:
         self.history: deque[Delivery] = deque(maxlen=HISTORY)
         self.rng = random.Random(seed)
         # this turn's own pseudo-gradient per fragment, published and not yet applied; None when
-        # the local block diverged and was discarded
+        # the local block diverged or was discarded
         self._turn: dict[int, Fragment | None] = {}
-        # the latest finite Δ this node computed per fragment, shared or not: the yardstick
-        # peers' deltas are clipped around (robust.AroundOwn)
-        self._yardstick: dict[int, Fragment] = {}
+        # a discarded block's Δ until its outer step: no peer gets it and the step does not take
+        # it, but it is this node's own work, which peers' deltas are judged against
+        self._withheld: dict[int, Tensor] = {}
+        # the tokens of the latest finite block per fragment, shared or not: a peer's claim is
+        # capped at TOKEN_CAP times them (the Δ itself, judged against, is the sender's: Yardstick)
+        self._own_tokens: dict[int, int] = {}
         # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
         self._ahead: dict[int, list[Fragment]] = {}
         # φ_f as published at each recent version (gossip measures drift against peers' φ there)
@@ -140,7 +144,9 @@ class OuterLoop:
         optimizer after adopting a state."""
         idx = self.fragments[f]
         with torch.no_grad():
-            own = torch.cat([(self.phi[i] - _host(self.theta[i])).flatten() for i in idx])
+            own = torch.empty(self.numel(f))  # written in place: no per-tensor copies to join
+            for view, i in zip(self.unflatten(f, own), idx, strict=True):
+                torch.sub(self.phi[i], self.theta[i].detach().to("cpu", torch.float32), out=view)
             if not torch.isfinite(own).all():
                 # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
                 # With several fragments the other fragments' θ is NaN too (one forward pass made
@@ -153,6 +159,7 @@ class OuterLoop:
                 self._turn[f] = None
                 return
         key = FragmentKey(self.run_id, f, self.versions[f], self.transport.peer_id)
+        self._own_tokens[f] = tokens
         if share and self.method.shares:
             self._turn[f] = Fragment(key, own, tokens)
             if self._encoder is None:
@@ -160,11 +167,11 @@ class OuterLoop:
             else:  # encoding and hashing overlap the inner steps until the outer step waits for them
                 self._sending[f] = self._encoder.submit(self._send, f, key, own, tokens)
             return
-        # a discarded block (judged by, never sent, so it leaves the residual alone) is still
-        # this node's own work: a yardstick no peer can move
-        target = self.sender.withhold(f, own) if self.sender.encodes and self.method.shares else own
-        self._yardstick[f] = Fragment(key, target, tokens)
         if self.method.shares:
+            # a discarded block (judged by, never sent, so it leaves the residual alone) is still
+            # this node's own work: a yardstick no peer can move
+            self.sender.withhold(f, own)
+            self._withheld[f] = own
             self.counters.discarded += 1
             self._turn[f] = None
         else:
@@ -174,17 +181,16 @@ class OuterLoop:
         """Hand Δ_f to the transport, in the codec the sender picks (and φ_f too when mixing is
         due). The own step still takes the whole Δ_f (waiting for what a lossy round leaves out
         would delay the own progress by rounds); peers get Δ_f and what earlier rounds left out,
-        and are judged against that (the yardstick). Runs on the encoder thread when there is
+        and are judged against that (``sender.Yardstick``). Runs on the encoder thread when there is
         one: it reads φ_f, which only f's outer step changes, and that waits for it (``settle``)."""
         if self.sender.encodes:
-            data, codec, kept, target = self.sender.send(f, own)
+            data, codec, kept = self.sender.send(f, own)
             self.counters.sent_as[f"sparse:{kept}" if codec is Codec.SPARSE else str(codec)] += 1
-            self._yardstick[f] = Fragment(key, target, tokens)
             self.transport.publish_encoded(key, data, codec=codec, numel=own.numel(), tokens=tokens)
             sent_bytes = len(data)
         else:
-            self._yardstick[f] = Fragment(key, own, tokens)
-            self.transport.publish(self._yardstick[f])
+            self.sender.sent_whole(f, own)
+            self.transport.publish(Fragment(key, own, tokens))
             sent_bytes = encoded_size(own.numel(), "fp32")
         self.counters.published += 1
         mixing_due = self._mixing_due(f) and self._room_for_params(f, sent_bytes)
@@ -220,15 +226,8 @@ class OuterLoop:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
         self.settle(f)
         own = self._turn.pop(f)
-        # θ_f − θ_f at publish = θ_f − (φ_f − Δ_own): the progress to carry over the step
-        progress = (
-            [
-                _host(self.theta[i]) - self.phi[i] + d
-                for i, d in zip(self.fragments[f], self.unflatten(f, own.tensor), strict=True)
-            ]
-            if carry and own is not None
-            else None
-        )
+        withheld = self._withheld.pop(f, None)
+        yardstick = self.sender.yardstick(f, own.tensor if own is not None else withheld)
         base = self.versions[f]
         incoming: list[tuple[Fragment, int]] = [] if own is None else [(own, 0)]
         fresh: list[Fragment] = []  # checked once here; held ones were checked when they came
@@ -269,25 +268,43 @@ class OuterLoop:
         self.counters.held_ahead += sum(frag.key.base_version >= version for frag in fresh)
         if held:
             self._ahead[f] = held
+        theta = [self.theta[i] for i in self.fragments[f]]
+        carried = carry and own is not None  # the inner steps since publish(f) go on after the step
+        phi = self.fragment_phi(f)
+        progress = hold_progress(theta, phi, self.unflatten(f, own.tensor)) if carried else None
+        try:
+            deliveries = self._take_steps(f, incoming, own, yardstick, peer_params, replay)
+        except BaseException:
+            if carried:  # θ_f holds the bare progress: never leave it so
+                restart_theta(theta, phi, progress, carried)
+            raise
+        restart_theta(theta, phi, progress, carried)
+        return deliveries
+
+    def _take_steps(
+        self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None, yardstick: Yardstick | None,
+        peer_params: list[Fragment], replay: list[list[tuple[Fragment, int]]],
+    ) -> list[Delivery]:  # fmt: skip
+        """Fragment f's outer step, its mixing, then a step per version to replay."""
         with torch.no_grad():
-            taken, deliveries = self._take(f, incoming, own)
+            taken, deliveries = self._take(f, incoming, own, yardstick)
             if taken:
-                self._step(f, taken, peer_params)
+                self._step(f, taken, peer_params, yardstick)
             if self._mixes_now(f):
-                self._gossip(f, peer_params)
+                self._gossip(f, peer_params, yardstick)
             self.versions[f] += 1
             for batch in replay:
-                taken, caught_up = self._take(f, batch, None)
+                taken, caught_up = self._take(f, batch, None, yardstick)
                 if taken:
-                    self._step(f, taken, [])
+                    self._step(f, taken, [], yardstick)
                 deliveries += caught_up
                 self.versions[f] += 1
                 self.counters.replayed += 1
-            for n, i in enumerate(self.fragments[f]):
-                self.theta[i].copy_(self.phi[i] if progress is None else self.phi[i] + progress[n])
         return deliveries
 
-    def _step(self, f: int, taken: list[Contribution], peer_params: list[Fragment]) -> None:
+    def _step(
+        self, f: int, taken: list[Contribution], peer_params: list[Fragment], yardstick: Yardstick | None
+    ) -> None:
         """The method's step on fragment f (``methods.StepInput``: the deliveries, the peers' φ,
         the live peers; nothing of the loop itself)."""
         for p in self.phi:  # only fragment f's φ carries a pseudo-gradient into the optimizer
@@ -304,21 +321,21 @@ class OuterLoop:
             fragments=len(self.fragments),
             taken=taken,
             peer_phi=newest,
-            hold_phi=lambda theirs: self.held_params(f, self.flat_phi(f), theirs),
+            hold_phi=lambda theirs: self.held_params(self.flat_phi(f), theirs, yardstick),
             live_peers=len(self.transport.live_peers()),
             rng=self.rng,
         )
         self.method.step(self.optimizer, step)
 
     def _take(
-        self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None
+        self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None, yardstick: Yardstick | None
     ) -> tuple[list[Contribution], list[Delivery]]:
         """The deliveries the step takes, each with its age scale; those scaled to 0 are dropped
         as stale. A peer's token count is its own claim: it weighs at most ``TOKEN_CAP`` times this
         peer's own block. Counted, and kept in ``history``."""
         taken, deliveries = [], []
-        yardstick = self._yardstick.get(f)
-        cap = TOKEN_CAP * max(yardstick.tokens, 1) if yardstick is not None else None
+        own_tokens = self._own_tokens.get(f)
+        cap = TOKEN_CAP * max(own_tokens, 1) if yardstick is not None and own_tokens is not None else None
         # peers' deltas are judged against this node's own latest Δ of the fragment (this
         # round's, or the discarded block's, or an earlier one's when this block diverged), never
         # against anything the peers sent: with one honest peer and one attacker, any statistic
@@ -339,7 +356,7 @@ class OuterLoop:
             delta = frag.tensor
             if judges is not None and not is_own:
                 if frag.kept not in judges:
-                    judges[frag.kept] = AroundOwn(self._reference(f, frag.kept), self.options.clip_radius)
+                    judges[frag.kept] = AroundOwn(yardstick.reference(frag.kept), self.options.clip_radius)
                 cosine, delta, clipped = judges[frag.kept].judge(delta)
                 if cosine < self.options.min_cosine:
                     self.counters.rejected["opposed"] += 1
@@ -361,9 +378,6 @@ class OuterLoop:
         self.history.extend(deliveries)
         return taken, deliveries
 
-    def _reference(self, f: int, kept: int | None) -> Tensor:
-        return self.sender.reference(f, self._yardstick[f].tensor, kept)
-
     # -- φ by fragment ------------------------------------------------------------
 
     def fragment_phi(self, f: int) -> list[Tensor]:
@@ -379,18 +393,22 @@ class OuterLoop:
     def numel(self, f: int) -> int:
         return sum(self.phi[i].numel() for i in self.fragments[f])
 
-    def held_params(self, f: int, anchor: Tensor, theirs: Tensor) -> Tensor:
+    def held_params(self, anchor: Tensor, theirs: Tensor, yardstick: Yardstick | None) -> Tensor:
         """A peer's φ_f as this node mixes it in: within ``clip_radius`` × ‖own latest Δ_f‖ of
         ``anchor`` (this node's φ_f where the two are compared), the same bound its deltas get,
         so a far-off φ pulls no further than an honest round's drift; ``anchor`` itself when
-        there is no own Δ to measure by. As sent under ``--aggregation mean``."""
+        there is no own Δ to measure by. As sent under ``--aggregation mean``.
+
+        Args:
+            anchor: this node's φ_f where the two are compared.
+            theirs: the peer's φ_f.
+            yardstick: the own Δ_f of the step (``Sender.yardstick``; None: there is none).
+        """
         if self.options.aggregation != "clip":
             return theirs
-        yardstick = self._yardstick.get(f)
         if yardstick is None:
             return anchor
-        scale = float(torch.linalg.vector_norm(yardstick.tensor, dtype=torch.float64))
-        _, held, clipped = AroundOwn(anchor, self.options.clip_radius, scale).judge(theirs)
+        _, held, clipped = AroundOwn(anchor, self.options.clip_radius, yardstick.norm()).judge(theirs)
         self.counters.clipped_params += clipped
         return held
 
@@ -428,13 +446,13 @@ class OuterLoop:
         """1 − fragment f's running freshness: how late the peers' deltas have been coming."""
         return 1.0 - self.method.freshness(self.optimizer, f)
 
-    def _gossip(self, f: int, params: list[Fragment]) -> None:
+    def _gossip(self, f: int, params: list[Fragment], yardstick: Yardstick | None) -> None:
         """Pull fragment f's φ toward one random peer's (``mixing.gossip_pull``); with
         ``--mixing late`` scaled by the lateness 1 − r as well."""
         o = self.options
         rate = o.mixing_rate * (self._lateness(f) if o.mixing == "late" else 1.0)
         mine = self._phi_published.setdefault(f, {})
-        hold = lambda anchor, theirs: self.held_params(f, anchor, theirs)  # noqa: E731
+        hold = lambda anchor, theirs: self.held_params(anchor, theirs, yardstick)  # noqa: E731
         if gossip_pull(
             self.fragment_phi(f), mine, params, version=self.versions[f], rate=rate,
             alpha=o.alpha, cutoff=o.cutoff, rng=self.rng, hold=hold,
@@ -484,8 +502,3 @@ class OuterLoop:
         # what the old trajectory left unsent, and the φ it published, belong to that trajectory
         self.sender.forget()
         self._phi_published.clear()
-
-
-def _host(tensor: Tensor) -> Tensor:
-    """``tensor`` in float32 in host memory (itself when it is so already)."""
-    return tensor.detach().to(device="cpu", dtype=torch.float32)
