@@ -38,6 +38,7 @@ from cgad.node.daemon.snapshots import SnapshotPublisher
 from cgad.node.daemon.stall import StallMeter
 from cgad.node.daemon.status import cpu_seconds_by_thread, status_line
 from cgad.node.member.engine import Member, MemberHooks, Schedule
+from cgad.node.member.ledger import layout_numels
 from cgad.node.member.methods import method
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Phi0
@@ -106,7 +107,7 @@ class Node(MemberHooks):
         )
         self.eval_batches = self.dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
         params = list(self.model.parameters())
-        numels = OuterLoop.layout_numels(params, c.fragments)
+        numels = layout_numels(params, c.fragments)
         # the transport and the outer loop read their own parts of the one configuration
         # a snapshot holds φ and at most two more model-sized tensors of outer state, in fp32, and a
         # little metadata: a record announcing more is refused before any byte moves

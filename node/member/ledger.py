@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Counters", "Delivery", "strided_fragments"]
 
@@ -26,6 +27,16 @@ def strided_fragments(num_params: int, count: int) -> list[list[int]]:
     if count > num_params:
         raise ValueError(f"{count} fragments for only {num_params} parameter tensors")
     return [list(range(f, num_params, count)) for f in range(count)]
+
+
+def layout_numels(params: list[Any], fragments: int) -> list[int]:
+    """How many values each fragment holds, for a transport that validates what it fetches.
+
+    Args:
+        params: the model's parameter tensors, in order.
+        fragments: F.
+    """
+    return [sum(params[i].numel() for i in idx) for idx in strided_fragments(len(params), fragments)]
 
 
 @dataclass

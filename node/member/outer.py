@@ -123,11 +123,6 @@ class OuterLoop:
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
-    @staticmethod
-    def layout_numels(params: list[Tensor], fragments: int) -> list[int]:
-        """How many values each fragment holds, for a transport that validates what it fetches."""
-        return [sum(params[i].numel() for i in idx) for idx in strided_fragments(len(params), fragments)]
-
     # -- the step ---------------------------------------------------------------------------
 
     def sync(self, f: int, tokens: int) -> list[Delivery]:
