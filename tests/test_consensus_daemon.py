@@ -83,8 +83,8 @@ def test_two_daemons_take_the_blocking_step_beside_the_exchange(daemons) -> None
     second = NodeProcess("second", workdir, first.maddrs(), mode)
     started.append(second)
 
-    def averaged_twice(status: dict) -> bool:
-        return (status["consensus"] or {}).get("group_sizes", {}).get("2", 0) >= 2
+    def averaged_twice(status: dict) -> bool:  # and the exchange went on beside: a peer's delta applied
+        return (status["consensus"] or {}).get("group_sizes", {}).get("2", 0) >= 2 and status["applied"] > 0
 
     statuses = [
         node.wait(averaged_twice, "two blocking steps in a group", timeout=400) for node in (first, second)
