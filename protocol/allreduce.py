@@ -91,21 +91,14 @@ class AllReduceExchange(Transport):
         if self.averager is None:
             raise RuntimeError("AllReduceExchange.publish before start")
         own = fragment.tensor.detach().float()
-        with self.averager.get_tensors() as tensors:
-            tensors[0].copy_(own)
-        try:
-            gathered = self.averager.step(timeout=self._timeout)
-        except Exception as exc:  # hivemind raises whatever a failed group provokes
-            logger.warning("all-reduce failed: %r; this round steps on the own update alone", exc)
-            gathered = None
-        members = len(gathered) if gathered else 1
+        mean, members = _average_once(
+            self.averager, own, self._timeout, "this round steps on the own update alone"
+        )
         self.groups[members] += 1
         self.stats.published += 1
-        if members < 2:
+        if mean is None:
             self.stats.skipped["no_group"] += 1
             return
-        with self.averager.get_tensors() as tensors:
-            mean = tensors[0].clone()
         if not torch.isfinite(mean).all():
             self.stats.rejected["non_finite"] += 1
             return
@@ -175,20 +168,11 @@ class GroupAverager:
         None when no group formed in time or its mean is not finite (blocking)."""
         if self.averager is None:
             raise RuntimeError("GroupAverager.average before start")
-        with self.averager.get_tensors() as tensors:
-            tensors[0].copy_(tensor.detach().float().flatten())
-        try:
-            gathered = self.averager.step(timeout=self._timeout)
-        except Exception as exc:  # hivemind raises whatever a failed group provokes
-            logger.warning("group average failed: %r; going on without it", exc)
-            gathered = None
-        members = len(gathered) if gathered else 1
+        mean, members = _average_once(
+            self.averager, tensor.detach().float().flatten(), self._timeout, "going on without it"
+        )
         self.groups[members] += 1
-        if members < 2:
-            return None
-        with self.averager.get_tensors() as tensors:
-            mean = tensors[0].clone()
-        return (mean, members) if torch.isfinite(mean).all() else None
+        return (mean, members) if mean is not None and torch.isfinite(mean).all() else None
 
     def close(self) -> None:
         if self.averager is not None:
@@ -197,6 +181,26 @@ class GroupAverager:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def _average_once(
+    averager: DecentralizedAverager, tensor: torch.Tensor, timeout: float, otherwise: str
+) -> tuple[torch.Tensor | None, int]:
+    """One all-reduce of ``tensor`` (flat, float32) with whatever group forms: the group's mean (a
+    copy) and its size, or None and 1 when no group of two or more averaged (``otherwise`` says
+    what the caller does then, in the warning of a failed step)."""
+    with averager.get_tensors() as tensors:
+        tensors[0].copy_(tensor)
+    try:
+        gathered = averager.step(timeout=timeout)
+    except Exception as exc:  # hivemind raises whatever a failed group provokes
+        logger.warning("all-reduce failed: %r; %s", exc, otherwise)
+        gathered = None
+    members = len(gathered) if gathered else 1
+    if members < 2:
+        return None, 1
+    with averager.get_tensors() as tensors:
+        return tensors[0].clone(), members
 
 
 def _start_averager(

@@ -80,7 +80,6 @@ def test_two_volunteers_behind_nat_apply_each_others_fragments(tmp_path, monkeyp
     for volunteer, other in ((1, 2), (2, 1)):
         reach = final[volunteer]["reach"]
         assert reach["public"] is False and reach["line"].startswith("behind NAT"), reach
-        assert "reach     behind NAT" in result["log_tails"][volunteer] or reach  # the start-up line
         # in most rounds: each volunteer the other's fragment (re-served), the public node both
         rounds = final[volunteer]["round"]
         assert final[volunteer]["applied_by_peer"].get(ids[other], 0) > rounds / 2, final[volunteer]
