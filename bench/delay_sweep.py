@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cgad.node.config import SimConfig
 from cgad.node.front.progress import progress_bar
-from cgad.node.front.report import delay_sort_key, plot_records, summarize
+from cgad.node.front.report import delay_sort_key, load_runs, plot_records, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -85,13 +85,7 @@ def _run(c: SimConfig) -> dict:
 
 
 def load_log() -> dict[str, dict]:
-    done = {}
-    if LOG.exists():
-        for line in LOG.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[record["key"]] = record
-    return done
+    return load_runs(LOG)
 
 
 def run_all(configs: list[SimConfig], jobs: int, desc: str) -> dict[str, dict]:

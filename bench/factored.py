@@ -42,6 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench" / "wan"))
 from provenance import tree_state  # noqa: E402
 
+from cgad.node.front.report import load_runs  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 LOG = RESULTS / "factored.runs.jsonl"
 MODEL = ROOT / "bench" / "sweep_model.json"
@@ -86,13 +88,7 @@ def _run(workers: int, rounds: int, every: int, seed: int) -> dict:
 
 
 def load_log() -> dict[str, dict]:
-    done: dict[str, dict] = {}
-    if LOG.exists():
-        for line in LOG.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[record["key"]] = record
-    return done
+    return load_runs(LOG)
 
 
 def run_all(jobs: list[tuple[int, int, int, int]], parallel: int) -> None:

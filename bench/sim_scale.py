@@ -28,6 +28,7 @@ from typing import Any
 
 from cgad.node.config import SimConfig
 from cgad.node.front.progress import progress_bar
+from cgad.node.front.report import load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -103,13 +104,7 @@ def _run(workers: int, seed: int, variant: str) -> dict[str, Any]:
 
 
 def load_log() -> dict[str, dict[str, Any]]:
-    done: dict[str, dict[str, Any]] = {}
-    if LOG.exists():
-        for line in LOG.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[record["key"]] = record
-    return done
+    return load_runs(LOG)
 
 
 def plan(sizes: list[int], seeds: list[int]) -> list[tuple[int, int, str]]:

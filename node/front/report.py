@@ -19,12 +19,31 @@ __all__ = [
     "by_time",
     "delay_sort_key",
     "gain_in_words",
+    "load_runs",
     "plot_demo",
     "plot_long_sweep",
     "plot_records",
     "summarize",
     "thin",
 ]
+
+
+def load_runs(path: Path) -> dict[str, dict]:
+    """A sweep's JSON-lines log of finished runs, by each record's ``key`` (a later record of a key
+    replaces an earlier one); empty where there is no log yet.
+
+    Args:
+        path: the log.
+    """
+    import json
+
+    done: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["key"]] = record
+    return done
 
 
 def delay_sort_key(delay: str) -> tuple[int, int]:
