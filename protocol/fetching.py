@@ -28,6 +28,7 @@ import grpc
 import torch
 from google.protobuf.message import Message
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, SwarmKey
@@ -64,6 +65,9 @@ MAX_CHANNELS = 32  # open gRPC channels to holders (a swarm of volunteers, not e
 # An announced gRPC endpoint that did not answer (a private address, a firewall) is left to libp2p
 # for this long: else every fetch from that holder would first wait out connect_timeout.
 UNANSWERED_FOR = 120.0  # seconds
+# A holder whose libp2p stream would not open is dialed at the addresses its record names, at most
+# this often: the addresses are its claim, and each dial is a connection attempt somewhere.
+DIAL_AGAIN = 30.0  # seconds
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,7 @@ class Fetcher:
         # (endpoint, certificate) -> when it is tried again: keyed as channels are, so that a record
         # naming another peer's endpoint with a wrong certificate does not get that peer skipped
         self._unanswered: OrderedDict[tuple[str, str | None], float] = OrderedDict()
+        self._dialed: OrderedDict[str, float] = OrderedDict()  # peer id -> when its addresses were dialed
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -232,7 +237,7 @@ class Fetcher:
                 holder.grpc is None or plaintext_only or self._unanswering((holder.grpc, holder.tls))
             ):
                 continue
-            fruitless = 0
+            fruitless, dialed = 0, False
             while fruitless < 2:
                 received_before = assembler.received
                 try:
@@ -251,11 +256,37 @@ class Fetcher:
                     break
                 except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
                     logger.debug("holder %s over %s failed: %r", holder.peer_id, path, error)
+                    if path == "libp2p" and not dialed and await self._dial(holder):
+                        dialed = True  # its daemon's routing did not know the holder: once more
+                        continue
                     break
                 finally:
                     self.bytes_by_path[path] += assembler.received - received_before
                 fruitless = 0 if assembler.received > received_before else fruitless + 1
         return None
+
+    async def _dial(self, holder: Holdings) -> bool:
+        """Connect libp2p to ``holder`` at the addresses in its record (a peer met through the DHT
+        records alone may be unknown to this daemon's routing, "routing: not found"); whether
+        it connected. At most once per ``DIAL_AGAIN`` seconds per holder."""
+        if not holder.maddrs or self.p2p is None:
+            return False
+        now = time.monotonic()
+        if self._dialed.get(holder.peer_id, -math.inf) > now - DIAL_AGAIN:
+            return False
+        self._dialed[holder.peer_id] = now
+        self._dialed.move_to_end(holder.peer_id)
+        while len(self._dialed) > MAX_CHANNELS:
+            self._dialed.popitem(last=False)
+        try:
+            addresses = [Multiaddr(a) for a in holder.maddrs]
+            # hivemind's P2P has no connect of its own; its daemon client does (p2pd's CONNECT)
+            connect = self.p2p._client.connect(PeerID.from_base58(holder.peer_id), addresses)
+            await asyncio.wait_for(connect, self.options.connect_timeout * 5)
+        except Exception as error:  # a malformed address, a refused dial, a timeout
+            logger.debug("dialing %s at %s failed: %r", holder.peer_id, holder.maddrs, error)
+            return False
+        return True
 
     def _unanswering(self, endpoint: tuple[str, str | None]) -> bool:
         """Whether ``endpoint`` (with its certificate) failed to answer within the last

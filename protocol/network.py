@@ -55,6 +55,7 @@ from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
 from cgad.protocol.reachability import (
+    AnnouncedAddresses,
     DialBackServer,
     Reachability,
     ask_dial_back,
@@ -153,8 +154,8 @@ class NetworkTransport(Transport):
         self.loop = self._runner.loop
         self._publisher = Publisher(
             self.options, identity, self.store, self.stats, self._runner, self._codec_worker,
-            grpc_contact=self._server.contact, on_own=self._own_stored,
-            on_progress=self._progress_stored, progress=self._progress,
+            grpc_contact=self._server.contact, addresses=AnnouncedAddresses(lambda: self.p2p),
+            on_own=self._own_stored, on_progress=self._progress_stored, progress=self._progress,
         )  # fmt: skip
         self._receiver = Receiver(
             self.options, stats=self.stats, store=self.store, inbox=self._inbox, fetcher=self._fetcher,

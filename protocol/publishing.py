@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 
 import torch
@@ -51,6 +51,7 @@ class Publisher:
         runner: EventLoopThread,
         codec_worker: Executor,
         grpc_contact: Callable[[], tuple[str | None, str | None]],
+        addresses: Callable[[], Awaitable[list[str]]],
         on_own: Callable[[StoredFragment], None],
         on_progress: Callable[[Progress], None],
         progress: Progress,
@@ -65,6 +66,7 @@ class Publisher:
         self._runner = runner
         self._codec_worker = codec_worker
         self._grpc_contact = grpc_contact  # the gRPC endpoint and its TLS certificate, once serving
+        self._addresses = addresses  # its libp2p multiaddrs (reachability.AnnouncedAddresses)
         self._on_own = on_own
         self._on_progress = on_progress
         # loop-side: when each record last went out (fragment index, None: snapshots, or
@@ -172,7 +174,13 @@ class Publisher:
         self._stored_at[fragment] = asyncio.get_running_loop().time()
         self.stats.records_stored["holdings" if fragment is not None else "state"] += 1
         endpoint, certificate = self._grpc_contact()
-        holdings = Holdings(peer_id=self.peer_id, grpc=endpoint, tls=certificate, offers=offers)
+        holdings = Holdings(
+            peer_id=self.peer_id,
+            grpc=endpoint,
+            tls=certificate,
+            offers=offers,
+            maddrs=await self._addresses(),
+        )
         run_id = self.options.run_id
         stored = await self.dht_node.store(
             state_key(run_id) if fragment is None else fragment_key(run_id, fragment),

@@ -14,21 +14,31 @@ peer's own connections come from (never an address the request names), at most `
 ports, one request per peer per ``MIN_INTERVAL`` seconds, ``MAX_CONCURRENT`` at a time, and the
 request's size is checked before it is parsed. The answer is as untrusted: only well-formed
 addresses at the ports asked about are taken.
+
+A node's records name the libp2p addresses it is reached at (``AnnouncedAddresses``): a fetcher
+dials a holder by peer id, and its daemon's routing may not know that peer yet (met through the
+DHT records alone, or a node that just restarted its daemon).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from google.protobuf.wrappers_pb2 import StringValue
 from hivemind.p2p import P2P, P2PContext, PeerID
 
+from cgad.protocol.records import MAX_ADDRESSES
+
 __all__ = [
     "DIAL_BACK",
+    "AnnouncedAddresses",
     "DialBackServer",
     "Reachability",
     "ask_dial_back",
@@ -45,6 +55,7 @@ MIN_INTERVAL = 10.0  # seconds between two requests of one peer that are served
 MAX_CONCURRENT = 4  # requests served at once
 DIAL_TIMEOUT = 2.0  # seconds a dial back may take
 ASK_TIMEOUT = 8.0  # seconds the asking peer waits for an answer
+ADDRESSES_REFRESH = 30.0  # seconds between two reads of this node's own addresses from its daemon
 _IP4_TCP = re.compile(r"^/ip4/(\d{1,3}(?:\.\d{1,3}){3})/tcp/(\d{1,5})$")
 
 
@@ -189,6 +200,31 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
         ]
         return Reachability(bool(reachable), reachable, seen, peer)
     return Reachability(None, detail="no peer answered the dial-back request (" + "; ".join(failures) + ")")
+
+
+class AnnouncedAddresses:
+    """This node's libp2p multiaddrs as its holdings records carry them: without its own
+    ``/p2p/`` id, direct ones before relayed ones, at most ``MAX_ADDRESSES``; read from its daemon
+    at most every ``ADDRESSES_REFRESH`` seconds (a node behind NAT gains relay addresses after it
+    starts). ``p2p`` gives the running daemon, or None before it runs."""
+
+    def __init__(self, p2p: Callable[[], P2P | None]) -> None:
+        self._p2p = p2p
+        self._addresses: list[str] = []
+        self._read_at = -math.inf
+
+    async def __call__(self) -> list[str]:
+        p2p, now = self._p2p(), time.monotonic()
+        if p2p is None or now - self._read_at < ADDRESSES_REFRESH:
+            return self._addresses
+        self._read_at = now
+        with contextlib.suppress(Exception):  # p2pd busy or closing: the last addresses stay
+            own = f"/p2p/{p2p.peer_id.to_base58()}"
+            maddrs = [str(a) for a in await asyncio.wait_for(p2p.get_visible_maddrs(latest=True), 5)]
+            bare = [a.removesuffix(own) for a in maddrs if len(a) - len(own) <= 200]
+            ordered = sorted(bare, key=lambda a: ("p2p-circuit" in a, "/ip6/" in a))
+            self._addresses = [a for a in ordered if re.fullmatch(r"(/[A-Za-z0-9.:_-]+)+", a)][:MAX_ADDRESSES]
+        return self._addresses
 
 
 def same_port(host_maddrs: list[str], ports: list[int]) -> list[str]:

@@ -51,6 +51,7 @@ from cgad.protocol.files import atomic_write
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_ADDRESSES",
     "MAX_CREDITS",
     "MAX_OFFERS",
     "MAX_RECORD_BYTES",
@@ -119,6 +120,10 @@ class Offer(_Strict):
 _ENDPOINT = pydantic.constr(
     strict=True, max_length=256, regex=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}\Z"
 )
+# a libp2p multiaddr without the holder's own /p2p/ id (a relay's circuit address keeps the
+# relay's): where a fetcher whose libp2p routing does not know the holder yet dials it
+_MADDR = pydantic.constr(strict=True, max_length=200, regex=r"^(/[A-Za-z0-9.:_-]+)+\Z")
+MAX_ADDRESSES = 4
 
 
 class Holdings(_Strict):
@@ -130,6 +135,8 @@ class Holdings(_Strict):
     # the PEM certificate its gRPC endpoint presents (protocol/tls.py); None: plaintext gRPC.
     # A P-256 certificate with one name is ~600 characters.
     tls: Optional[pydantic.constr(strict=True, max_length=2048)] = None  # noqa: UP045
+    # its claim, dialed only where libp2p's own routing fails, at most once per DIAL_AGAIN seconds
+    maddrs: pydantic.conlist(_MADDR, max_items=MAX_ADDRESSES) = []
 
 
 class Progress(_Strict):

@@ -63,9 +63,11 @@ def test_every_codec_over_both_paths(netswarm: list[NetworkTransport]) -> None:
     # what the DHT cost, counted: each peer's own looks (one per poll) and what it answered others
     assert all(p.stats.dht_lookups >= p.polls > 0 for p in netswarm)
     assert sum(p.stats.dht_served["find"] for p in netswarm) > 0
-    assert sum(p.stats.dht_served["store"] for p in netswarm) >= sum(
-        sum(p.stats.records_stored.values()) for p in netswarm
-    ) > 0  # every store lands on at least one other peer's replica here
+    assert (
+        sum(p.stats.dht_served["store"] for p in netswarm)
+        >= sum(sum(p.stats.records_stored.values()) for p in netswarm)
+        > 0
+    )  # every store lands on at least one other peer's replica here
 
 
 @pytest.mark.timeout(120)
@@ -123,6 +125,26 @@ def test_download_from_a_chosen_holder_over_a_chosen_path(netswarm: list[Network
     assert info.value.reason == "unavailable"
 
 
+@pytest.mark.timeout(60)
+def test_a_holder_that_libp2p_routing_does_not_know_is_dialed_at_its_records_addresses() -> None:
+    holder_node, fetcher = make_transport(), make_transport()  # two swarms' first nodes: never met
+    try:
+        data = encode(torch.randn(SMALL), "fp16")
+        holder_node.publish_encoded(key(holder_node, 4, 1), data, codec=Codec.FP16, numel=SMALL, tokens=0)
+        wait_for(lambda: holder_node.store.get(content_hash(data)) is not None, what="the holder's store")
+        unknown = Holdings(peer_id=holder_node.peer_id, grpc=None, offers=[])
+        with pytest.raises(FragmentError) as info:
+            fetcher.download(unknown, content_hash(data), len(data), "libp2p")
+        assert info.value.reason == "unavailable"  # "routing: not found": no address to dial
+        bare = [a.removesuffix(f"/p2p/{holder_node.peer_id}") for a in holder_node.maddrs()]
+        located = Holdings(peer_id=holder_node.peer_id, grpc=None, offers=[], maddrs=bare)
+        assert bytes(fetcher.download(located, content_hash(data), len(data), "libp2p")) == data
+        assert fetcher.bytes_by_path["libp2p"] == len(data)
+    finally:
+        holder_node.close()
+        fetcher.close()
+
+
 @pytest.mark.timeout(90)
 def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
     netswarm: list[NetworkTransport],
@@ -141,6 +163,11 @@ def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
     wait_for(lambda: offered(p0, 7) and offered(p2, 7), what="the snapshot's record")
     [candidate] = offered(p0, 7)
     assert candidate.offer.byte_length == len(blob) and candidate.key.kind is Kind.STATE
+    # the record names where p1's libp2p daemon listens (a fetcher whose routing does not know it
+    # dials there), without p1's own id
+    port = p1.maddrs()[0].split("/tcp/")[1].split("/")[0]
+    assert any(f"/tcp/{port}" in a for a in candidate.holders[0].maddrs)
+    assert not any(p1.peer_id in a for a in candidate.holders[0].maddrs)
     assert bytes(p0.fetch_state(candidate, timeout=30)) == blob  # gRPC first
     assert bytes(p2.fetch_state(offered(p2, 7)[0], timeout=30)) == blob  # libp2p only
     # p0 serves it onward: the next joiner finds two holders, the re-server first

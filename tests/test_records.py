@@ -85,7 +85,10 @@ def test_peer_id_follows_from_the_signing_key(alice: Identity, bob: Identity) ->
 
 
 def test_signed_holdings_pass_schema_and_signature(alice: Identity, bob: Identity) -> None:
-    holdings = Holdings(peer_id=alice.peer_id, grpc="127.0.0.1:4000", offers=[_offer(alice.peer_id)])
+    holdings = Holdings(
+        peer_id=alice.peer_id, grpc="127.0.0.1:4000", offers=[_offer(alice.peer_id)],
+        maddrs=["/ip4/203.0.113.7/tcp/31337", "/ip4/198.51.100.1/tcp/4001/p2p/QmRelay/p2p-circuit"],
+    )  # fmt: skip
     record = _record(fragment_key("run", 2), alice.owner_subkey, holdings.dict())
     signed = dataclasses.replace(record, value=_validator(alice).sign_value(record))
     # any other node (bob) checks it on store and on every read
@@ -126,6 +129,12 @@ def test_schema_refuses_bad_values(alice: Identity) -> None:
         {**good, "grpc": "unix:/run/some.sock"},
         {**good, "grpc": "dns:///example.org:443"},
         {**good, "grpc": "127.0.0.1:80\n"},
+        # the libp2p addresses a fetcher may dial: a few, short, multiaddr-shaped
+        {**good, "maddrs": ["/ip4/10.0.0.1/tcp/1"] * 5},
+        {**good, "maddrs": ["/ip4/10.0.0.1/tcp/" + "1" * 200]},
+        {**good, "maddrs": ["http://10.0.0.1/"]},
+        {**good, "maddrs": ["/ip4/10.0.0.1/tcp/1 /x"]},
+        {**good, "maddrs": "/ip4/10.0.0.1/tcp/1"},
     ]
     validator = schema_validator("run", 4)
     for value in bad_values:
