@@ -93,6 +93,9 @@ METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
         "cga", {"mixing": "late", "cga_momentum": 0.5, "min_cosine": -1.0}, None
     ),
     "sgd, no screen": ("sgd", {"outer_lr": 1.0, "min_cosine": -1.0}, None),
+    # no defence at all: every peer's Δ as sent (bench/defence_tax.py measures each defence's
+    # price against it)
+    "cga + late gossip, mean": ("cga", {"mixing": "late", "cga_momentum": 0.5, "aggregation": "mean"}, None),
     # the settings of the rows above them, run at the code whose screen judged a peer by its
     # record of direction (c8db201, reverted in the next commit): reported from the log only
     # (ARCHIVED), since the code that made them is gone and a rerun would make other rows
