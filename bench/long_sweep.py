@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 from cgad.node.config import SimConfig
 from cgad.node.front.progress import progress_bar
-from cgad.node.front.report import summarize
+from cgad.node.front.report import load_runs, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -184,13 +184,7 @@ def _run(c: SimConfig) -> dict:
 
 
 def load_log(sweep: Sweep) -> dict[str, dict]:
-    done = {}
-    if sweep.log.exists():
-        for line in sweep.log.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[record["key"]] = record
-    return done
+    return load_runs(sweep.log)
 
 
 def run_all(

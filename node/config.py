@@ -319,7 +319,8 @@ class SimOptions(_Part):
     attackers: int = Field(0, ge=0, description="workers (the last ones) that forge what they publish")
     attack: str | None = Field(
         None,
-        description="what attackers send: scale:F, signflip, noise:F, nan, inf, tokens:N, future:N",
+        description="what attackers send: scale:F, signflip, noise:F, nan, inf, tokens:N, future:N, mirror:S"
+        " (several attackers push one direction together)",
     )
 
     @model_validator(mode="before")

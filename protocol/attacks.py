@@ -10,7 +10,12 @@ judged. Kinds, with the defence each meets (docs/SECURITY.md):
 - ``nan``, ``inf``  every value non-finite (refused, counted ``non_finite``);
 - ``tokens:N``  a claim of N tokens for its block (capped at twice the receiver's own);
 - ``future:N``  a claim that its fragment is N versions newer than it is (beyond the cutoff:
-  refused, counted ``future``; within it: taken at age 0, which is what a fresh fragment gets).
+  refused, counted ``future``; within it: taken at age 0, which is what a fresh fragment gets);
+- ``mirror:S``  an honest-looking Δ (its own, trained on its shard) shifted by S times its norm
+  along one fixed direction per fragment, the same for every attacker of a run (``direction_seed``):
+  at S = 1 it sits as close to a receiver's own Δ as an honest one does (√3 norms at most, inside
+  the radius of 2) with the same sign of cosine, so neither clipping nor the direction screen
+  touches it, and what it pushes adds up round after round. Several attackers are colluders.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ from cgad.protocol.codec import SPARSE_KEPT, Codec, decode, encode, kept_in
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
-__all__ = ["ATTACK_KINDS", "Attack", "ForgingTransport"]
+__all__ = ["ATTACK_KINDS", "Attack", "ForgingTransport", "direction"]
 
 # kind -> whether it takes an amount (``kind:amount``)
 ATTACK_KINDS = {"scale": True, "signflip": False, "noise": True, "nan": False, "inf": False,
-                "tokens": True, "future": True}  # fmt: skip
+                "tokens": True, "future": True, "mirror": True}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,19 @@ class Attack:
     def __str__(self) -> str:
         return self.kind if not ATTACK_KINDS[self.kind] else f"{self.kind}:{self.amount:g}"
 
-    def forge(self, fragment: Fragment, generator: torch.Generator | None = None) -> Fragment:
+    def forge(
+        self, fragment: Fragment, generator: torch.Generator | None = None, direction_seed: int = 0
+    ) -> Fragment:
         """What the attacker publishes in place of ``fragment`` (pseudo-gradients only: its
-        outer parameters, where it shares them, go out as they are)."""
+        outer parameters, where it shares them, go out as they are). ``generator`` draws noise;
+        ``direction_seed`` fixes the direction ``mirror`` pushes along (colluders share it)."""
         if fragment.key.kind is not Kind.DELTA:
             return fragment
         tensor = fragment.tensor
+        if self.kind == "mirror":
+            return replace(fragment, tensor=tensor + self.amount * tensor.norm() * direction(
+                tensor.numel(), direction_seed * 65_537 + fragment.key.fragment
+            ).reshape(tensor.shape).to(tensor.dtype))  # fmt: skip
         if self.kind == "scale":
             return replace(fragment, tensor=tensor * self.amount)
         if self.kind == "signflip":
@@ -83,25 +95,33 @@ class Attack:
         return replace(fragment, key=replace(key, base_version=key.base_version + int(self.amount)))
 
 
-class ForgingTransport(Transport):
-    """A transport whose every published fragment is forged by ``attack``; receiving is honest."""
+def direction(numel: int, seed: int) -> torch.Tensor:
+    """A unit vector of ``numel`` values, the same for the same seed."""
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    return values / values.norm().clamp_min(1e-12)
 
-    def __init__(self, inner: Transport, attack: Attack, seed: int = 0) -> None:
+
+class ForgingTransport(Transport):
+    """A transport whose every published fragment is forged by ``attack``; receiving is honest.
+    ``seed`` draws this attacker's noise; ``direction_seed`` is the run's, shared by colluders."""
+
+    def __init__(self, inner: Transport, attack: Attack, seed: int = 0, direction_seed: int = 0) -> None:
         self.inner = inner
         self.attack = attack
         self.peer_id = inner.peer_id
         self.stats = inner.stats
         self._generator = torch.Generator().manual_seed(seed)
+        self._direction_seed = direction_seed
 
     def publish(self, fragment: Fragment) -> None:
-        self.inner.publish(self.attack.forge(fragment, self._generator))
+        self.inner.publish(self.attack.forge(fragment, self._generator, self._direction_seed))
 
     def publish_encoded(
         self, key: FragmentKey, data: bytes, *, codec: Codec, numel: int, tokens: int
     ) -> None:
         """The honest bytes decoded, forged, and sent in the same codec and values per block (what
         the codec cannot carry, NaN or Inf, goes out whole)."""
-        forged = self.attack.forge(Fragment(key, decode(data), tokens), self._generator)
+        forged = self.attack.forge(Fragment(key, decode(data), tokens), self._generator, self._direction_seed)
         try:
             encoded = encode(forged.tensor, codec, kept_in(data) or SPARSE_KEPT)
         except (FragmentError, ValueError, OverflowError):

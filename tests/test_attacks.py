@@ -13,6 +13,7 @@ from cgad.node.config import SimConfig
 from cgad.node.sim.simulate import simulate
 from cgad.node.training.data import load_dataset
 from cgad.node.training.tokenizer import load_tokenizer
+from cgad.optim.robust import AroundOwn
 from cgad.protocol.attacks import Attack, ForgingTransport
 from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.memory import VirtualNetwork
@@ -20,7 +21,7 @@ from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 
 @pytest.mark.parametrize(
-    "text", ["scale:1e6", "signflip", "noise:3", "nan", "inf", "tokens:1000", "future:5"]
+    "text", ["scale:1e6", "signflip", "noise:3", "nan", "inf", "tokens:1000", "future:5", "mirror:1"]
 )
 def test_every_kind_parses_and_prints_back(text: str) -> None:
     attack = Attack.parse(text)
@@ -55,6 +56,52 @@ def test_the_configuration_names_attack_errors() -> None:
 
 def _fragment(kind: Kind = Kind.DELTA) -> Fragment:
     return Fragment(FragmentKey("run", 0, 7, "evil", kind), torch.tensor([3.0, -4.0]), tokens=100)
+
+
+def test_mirror_hides_inside_the_clip_and_colluders_push_one_way() -> None:
+    torch.manual_seed(0)
+    common = torch.randn(50_000)
+    own, theirs = common + 2 * torch.randn(50_000), common + 2 * torch.randn(50_000)  # two shards
+    attack = Attack.parse("mirror:1")
+    fragment = Fragment(FragmentKey("run", 3, 7, "evil", Kind.DELTA), theirs, tokens=100)
+    forged = attack.forge(fragment, direction_seed=5).tensor
+    push = forged - theirs
+    assert push.norm() / theirs.norm() == pytest.approx(1.0, rel=1e-4)
+    # the receiver's clip and screen see it as they see an honest peer's Δ
+    cosine_honest, _, clipped_honest = AroundOwn(own, radius=2.0).judge(theirs)
+    cosine, _, clipped = AroundOwn(own, radius=2.0).judge(forged)
+    assert not clipped and not clipped_honest and 0 < cosine < cosine_honest
+    # a second attacker of the run pushes the same way; another run (seed), or fragment, elsewhere
+    other = Fragment(fragment.key, own, tokens=100)
+    assert (
+        float(
+            torch.nn.functional.cosine_similarity(
+                attack.forge(other, direction_seed=5).tensor - own, push, dim=0
+            )
+        )
+        > 0.999
+    )
+    assert (
+        abs(
+            float(
+                torch.nn.functional.cosine_similarity(
+                    attack.forge(other, direction_seed=6).tensor - own, push, dim=0
+                )
+            )
+        )
+        < 0.05
+    )
+    elsewhere = Fragment(FragmentKey("run", 4, 7, "evil", Kind.DELTA), own, tokens=100)
+    assert (
+        abs(
+            float(
+                torch.nn.functional.cosine_similarity(
+                    attack.forge(elsewhere, direction_seed=5).tensor - own, push, dim=0
+                )
+            )
+        )
+        < 0.05
+    )
 
 
 def test_what_each_kind_forges() -> None:

@@ -151,7 +151,9 @@ def simulate(
         trainer = InnerTrainer(model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps)
         hostile = attack is not None and w >= c.workers - c.attackers  # the last K workers
         transport = (
-            ForgingTransport(transports[w], attack, seed=c.seed * 17 + w) if hostile else transports[w]
+            ForgingTransport(transports[w], attack, seed=c.seed * 17 + w, direction_seed=c.seed)
+            if hostile
+            else transports[w]
         )
         params = list(model.parameters())
         loop = OuterLoop(
