@@ -8,7 +8,10 @@ of no defence.
 Runs go to bench/results/defence_tax.runs.jsonl as they finish (the sweep resumes); the summary
 to defence_tax.json and defence_tax.png.
 
-    python bench/defence_tax.py [--jobs 2] [--report]
+    python bench/defence_tax.py [--jobs 2] [--report] [--methods NAME ...] [--rerun]
+
+``--rerun`` runs the chosen methods' cells again after a change to what they simulate (the new
+records replace the old on reading; the old stay in the log with the commit that made them).
 """
 
 from __future__ import annotations
@@ -98,10 +101,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only write the summary from the log")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="run only these")
+    parser.add_argument("--rerun", action="store_true", help="run the chosen methods' cells again")
     args = parser.parse_args()
     jobs = [(m, c, seed, {}) for seed in SEEDS for c in TAX.conditions for m in TAX.methods]
     if not args.report:
-        run_all(TAX, jobs, args.jobs, "defence tax")
+        chosen = [job for job in jobs if job[0] in args.methods]
+        rerun = frozenset(TAX.conditions) if args.rerun else frozenset()
+        run_all(TAX, chosen, args.jobs, "defence tax", rerun=rerun)
     result = report(jobs)
     out = RESULTS / "defence_tax.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
