@@ -26,6 +26,7 @@ _HOME = {
     "noloco_update": "noloco",
     "merge": "merging",
     "AroundOwn": "robust",
+    "SpreadBound": "robust",
     "cosine_gate": "staleness",
     "staleness_weight": "staleness",
 }

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from cgad.node.config import OuterOptions
+from cgad.node.member.mixing import held_phi
 from cgad.node.member.outer import OuterLoop
-from cgad.optim import AroundOwn
+from cgad.optim import AroundOwn, SpreadBound
 from cgad.optim.robust import FLOAT64_CHUNK
 from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.memory import VirtualNetwork
@@ -195,6 +196,25 @@ def test_a_far_off_phi_pulls_no_further_than_an_honest_rounds_drift(optimizer: s
     # gossip: φ 1 after the step, then pulled half-way to a partner held at 2: 2; NoLoCo: the
     # pair's mean φ (1) and Δ (−1) with a unit step: 2
     assert float(held.phi[0].detach().abs().max()) <= 2.0 + 1e-5 and held.counters.clipped_params == 1
+
+
+def test_the_phi_bound_widens_to_the_peers_recent_spread_and_one_far_off_phi_does_not_widen_it():
+    spread = SpreadBound(spread=3.0, window=8, min_seen=4)
+    anchor = torch.zeros(4)
+    honest = [torch.tensor([5.0, 0, 0, 0]), torch.tensor([0, 4.0, 0, 0]), torch.tensor([0, 0, 6.0, 0])]
+    for theirs in [*honest, honest[0]]:  # honest φs 4-6 apart, a fixed bound of 2: all held at first
+        held, clipped = held_phi(anchor, theirs, 2.0, spread)
+        assert clipped and float(held.norm()) == pytest.approx(2.0)
+    assert spread.bound(2.0) == pytest.approx(3.0 * 5.0)  # now the median's 3 times: 15
+    held, clipped = held_phi(anchor, honest[1], 2.0, spread)
+    assert not clipped and torch.equal(held, honest[1])  # honest drift taken whole
+    far = torch.tensor([0, 0, 0, 1e6])
+    held, clipped = held_phi(anchor, far, 2.0, spread)
+    assert clipped and float(held.norm()) == pytest.approx(15.0)  # held at the spread it met
+    assert spread.bound(2.0) == pytest.approx(15.0)  # and one far-off φ among six leaves it there
+    for _ in range(2):  # three far-off φs of the eight seen move the median within the honest
+        held_phi(anchor, far, 2.0, spread)
+    assert spread.bound(2.0) <= 3.0 * 6.0
 
 
 def _sparse_rounds(my_codec: str | None, rounds: int) -> tuple[OuterLoop, OuterLoop]:

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 
 from cgad.node.member.methods import unflatten
-from cgad.optim import staleness_weight
+from cgad.optim import AroundOwn, SpreadBound, staleness_weight
 from cgad.protocol.transport import Fragment
 
-__all__ = ["gossip_pull"]
+__all__ = ["gossip_pull", "held_phi"]
 
 
 def gossip_pull(
@@ -66,3 +66,20 @@ def gossip_pull(
     for old in [v for v in published if v <= version - cutoff]:
         del published[old]
     return mixed
+
+
+def held_phi(anchor: Tensor, theirs: Tensor, fixed: float, spread: SpreadBound) -> tuple[Tensor, bool]:
+    """A peer's φ as a member mixes it in, and whether it had to be held: within the larger of
+    ``fixed`` and ``spread``'s bound of ``anchor`` (honest φs drift apart with delay); the
+    distance then joins ``spread``'s record.
+
+    Args:
+        anchor: this member's φ where the two are compared.
+        theirs: the peer's φ.
+        fixed: the bound in any case (the clip radius in norms of the own Δ).
+        spread: the fragment's record of how far peers' φ have lain lately.
+    """
+    around = AroundOwn(anchor, 1.0, spread.bound(fixed))
+    _, held, clipped = around.judge(theirs)
+    spread.observe(around.distance(theirs))
+    return held, clipped

@@ -42,10 +42,10 @@ from cgad.node.config import OuterOptions
 from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, method, unflatten
-from cgad.node.member.mixing import gossip_pull
+from cgad.node.member.mixing import gossip_pull, held_phi
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
-from cgad.optim import AroundOwn
+from cgad.optim import AroundOwn, SpreadBound
 from cgad.protocol.codec import Codec, encoded_size
 from cgad.protocol.config import SPARSE_KEPT, wire_codec
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
@@ -107,8 +107,10 @@ class OuterLoop:
         self._own_tokens: dict[int, int] = {}
         # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
         self._ahead: dict[int, list[Fragment]] = {}
-        # φ_f as published at each recent version (gossip measures drift against peers' φ there)
+        # φ_f as published at each recent version (gossip measures drift against peers' φ there),
+        # and how far peers' φ_f have lain from it lately (held_params)
         self._phi_published: dict[int, dict[int, Tensor]] = {}
+        self._phi_spread: dict[int, SpreadBound] = {}
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
@@ -316,7 +318,7 @@ class OuterLoop:
             fragments=len(self.fragments),
             taken=taken,
             peer_phi=newest,
-            hold_phi=lambda theirs: self.held_params(self.flat_phi(f), theirs, yardstick),
+            hold_phi=lambda theirs: self.held_params(f, self.flat_phi(f), theirs, yardstick),
             live_peers=len(self.transport.live_peers()),
             rng=self.rng,
         )
@@ -388,22 +390,16 @@ class OuterLoop:
     def numel(self, f: int) -> int:
         return sum(self.phi[i].numel() for i in self.fragments[f])
 
-    def held_params(self, anchor: Tensor, theirs: Tensor, yardstick: Yardstick | None) -> Tensor:
-        """A peer's φ_f as this node mixes it in: within ``clip_radius`` × ‖own latest Δ_f‖ of
-        ``anchor`` (this node's φ_f where the two are compared), the same bound its deltas get,
-        so a far-off φ pulls no further than an honest round's drift; ``anchor`` itself when
-        there is no own Δ to measure by. As sent under ``--aggregation mean``.
-
-        Args:
-            anchor: this node's φ_f where the two are compared.
-            theirs: the peer's φ_f.
-            yardstick: the own Δ_f of the step (``Sender.yardstick``; None: there is none).
-        """
+    def held_params(self, f: int, anchor: Tensor, theirs: Tensor, yardstick: Yardstick | None) -> Tensor:
+        """A peer's φ_f as this node mixes it in (``mixing.held_phi``: within ``clip_radius`` ×
+        ‖own Δ_f‖ of ``anchor``, this node's φ_f where the two are compared, or the peers' recent
+        spread where wider); ``anchor`` without an own Δ (``yardstick``); as sent under ``mean``."""
         if self.options.aggregation != "clip":
             return theirs
         if yardstick is None:
             return anchor
-        _, held, clipped = AroundOwn(anchor, self.options.clip_radius, yardstick.norm()).judge(theirs)
+        spread = self._phi_spread.setdefault(f, SpreadBound())
+        held, clipped = held_phi(anchor, theirs, self.options.clip_radius * yardstick.norm(), spread)
         self.counters.clipped_params += clipped
         return held
 
@@ -447,7 +443,7 @@ class OuterLoop:
         o = self.options
         rate = o.mixing_rate * (self._lateness(f) if o.mixing == "late" else 1.0)
         mine = self._phi_published.setdefault(f, {})
-        hold = lambda anchor, theirs: self.held_params(anchor, theirs, yardstick)  # noqa: E731
+        hold = lambda anchor, theirs: self.held_params(f, anchor, theirs, yardstick)  # noqa: E731
         if gossip_pull(
             self.fragment_phi(f), mine, params, version=self.versions[f], rate=rate,
             alpha=o.alpha, cutoff=o.cutoff, rng=self.rng, hold=hold,
