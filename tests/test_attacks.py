@@ -71,6 +71,7 @@ def test_mirror_hides_inside_the_clip_and_colluders_push_one_way() -> None:
     cosine_honest, _, clipped_honest = AroundOwn(own, radius=2.0).judge(theirs)
     cosine, _, clipped = AroundOwn(own, radius=2.0).judge(forged)
     assert not clipped and not clipped_honest and 0 < cosine < cosine_honest
+
     # a second attacker of the run pushes the same way; another run (seed), or fragment, elsewhere
     def pushed(fragment_index: int, seed: int) -> float:
         key = FragmentKey("run", fragment_index, 7, "evil2", Kind.DELTA)
