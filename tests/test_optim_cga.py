@@ -185,20 +185,3 @@ def test_the_functional_core_is_the_optimizers_step():
         cga_update(plain, round_, buffers, lr=0.8, mu=0.5 * r)
     for a, b in zip(params, plain, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
-
-
-def test_the_fresh_share_counts_against_what_the_fan_in_lets_in() -> None:
-    """With a fan-in of 4 among 7 live peers a round brings at most 4 peers' deltas: 4 fresh ones
-    are every delta it could bring (counted against the 7, the momentum followed 4/7 at no delay)."""
-    from cgad.node.member.methods import Contribution, fresh_share
-
-    def taken(fresh: int, late: int = 0) -> list[Contribution]:
-        own = [Contribution(torch.zeros(1), 1, 0, 1.0, "me", True)]
-        peers = [Contribution(torch.zeros(1), 1, 0, 1.0, f"p{i}", False) for i in range(fresh)]
-        return own + peers + [Contribution(torch.zeros(1), 1, 2, 0.5, f"q{i}", False) for i in range(late)]
-
-    assert fresh_share(taken(4), live_peers=7) == pytest.approx(4 / 7)
-    assert fresh_share(taken(4), live_peers=7, fan_in=4) == 1.0
-    assert fresh_share(taken(2, late=2), live_peers=7, fan_in=4) == 0.5
-    assert fresh_share(taken(2), live_peers=2, fan_in=4) == 1.0  # fewer peers than the cap
-    assert fresh_share(taken(4)[1:], live_peers=7, fan_in=4) is None  # no own Δ: a replayed version

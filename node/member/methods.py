@@ -64,7 +64,6 @@ class StepInput:
         peer_phi: peers' newest φ_f (flat) that arrived, by publisher (NoLoCo averages with one).
         hold_phi: a peer's φ_f as this member may mix it in (within the clip radius of its own).
         live_peers: how many peers this member sees live now.
-        fan_in: how many peers' Δ of a round it takes at most (None: every one).
         rng: this member's random stream (NoLoCo's partner).
     """
 
@@ -75,7 +74,6 @@ class StepInput:
     peer_phi: Mapping[str, Tensor] = field(default_factory=dict)
     hold_phi: Callable[[Tensor], Tensor] = lambda theirs: theirs
     live_peers: int = 0
-    fan_in: int | None = None
     rng: random.Random = field(default_factory=random.Random)
 
 
@@ -191,19 +189,17 @@ class CGAMethod(OuterMethod):
         for c in step.taken:
             set_grads(step.params, c.delta)
             optimizer.accumulate(age=c.age, weight=max(c.tokens, 1))
-        optimizer.step(fresh_share=fresh_share(step.taken, step.live_peers, step.fan_in))
+        optimizer.step(fresh_share=fresh_share(step.taken, step.live_peers))
 
 
-def fresh_share(taken: Sequence[Contribution], live_peers: int, fan_in: int | None = None) -> float | None:
-    """The share of the peers' deltas a round could bring (one per live peer, at most ``fan_in``)
-    that arrived at age 0, what CGA's momentum and late mixing follow; None for a step without
-    the own Δ (a replayed version: peers' deltas relabelled as fresh, not a round this node saw).
-    Counted against every live peer, a fan-in of 4 among 7 peers read as 3 of 7 always late: the
-    momentum at half and late mixing every round without any delay."""
+def fresh_share(taken: Sequence[Contribution], live_peers: int) -> float | None:
+    """The share of the live peers whose Δ of this round arrived at age 0, what CGA's momentum
+    follows; None for a step without the own Δ (a replayed version: peers' deltas relabelled as
+    fresh, not a round this node saw)."""
     if not any(c.own for c in taken):
         return None
     fresh = len({c.publisher for c in taken if not c.own and c.age == 0})
-    expected = max(live_peers if fan_in is None else min(live_peers, fan_in), fresh)
+    expected = max(live_peers, fresh)
     return fresh / expected if expected else 0.0
 
 

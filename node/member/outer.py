@@ -320,7 +320,6 @@ class OuterLoop:
             peer_phi=newest,
             hold_phi=lambda theirs: self.held_params(f, self.flat_phi(f), theirs, yardstick),
             live_peers=len(self.transport.live_peers()),
-            fan_in=getattr(self.options, "fan_in", None),  # a daemon's and the simulator's
             rng=self.rng,
         )
         self.method.step(self.optimizer, step)
