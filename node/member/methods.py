@@ -195,7 +195,10 @@ class CGAMethod(OuterMethod):
 def fresh_share(taken: Sequence[Contribution], live_peers: int) -> float | None:
     """The share of the live peers whose Δ of this round arrived at age 0, what CGA's momentum
     follows; None for a step without the own Δ (a replayed version: peers' deltas relabelled as
-    fresh, not a round this node saw)."""
+    fresh, not a round this node saw). Every live peer counts, those the fan-in leaves out too:
+    members that each take another 4 of 7 peers' deltas drift apart as delayed ones do, and the
+    late mixing this share sets off removes that drift (counted against min(live, fan-in), 8
+    workers without delay ended at 3.938 instead of 3.609, bench/defence_tax.py's setting, seed 0)."""
     if not any(c.own for c in taken):
         return None
     fresh = len({c.publisher for c in taken if not c.own and c.age == 0})
