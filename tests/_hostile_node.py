@@ -59,7 +59,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _forge(node: Node, attack: Attack) -> None:
-    node.loop.transport = ForgingTransport(node.transport, attack, seed=1)
+    # on top of what forges already (kinds combine: tokens:N+mirror:S)
+    node.loop.transport = ForgingTransport(node.loop.transport, attack, seed=1)
     if attack.kind == "future":
         honest_report = node.transport.report_progress
 
