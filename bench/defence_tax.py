@@ -33,6 +33,11 @@ TAX = Sweep(
     {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"]},
     METHODS,
 )
+LABELS = {
+    NO_DEFENCE: "no defence (--aggregation mean)",
+    DEFAULT: "the default (clip, screen)",
+    "cga + late gossip, no screen": "clipping alone (--min-cosine -1)",
+}
 BOUND = 0.01  # issue 27: the default's final loss at most this above no defence
 
 
@@ -82,7 +87,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         cells = [result["cells"][method].get(c) for c in conditions]
         xs = [i + (k - (len(methods) - 1) / 2) * width for i in range(len(conditions))]
         means = [c["mean"] if c else float("nan") for c in cells]
-        ax.bar(xs, means, width, yerr=[c["std"] if c else 0 for c in cells], capsize=3, label=method)
+        ax.bar(xs, means, width, yerr=[c["std"] if c else 0 for c in cells], capsize=3, label=LABELS[method])
         for x, cell in zip(xs, cells, strict=True):
             for run in (cell or {}).get("runs", []):
                 ax.plot(x, run["final_loss"], "k.", markersize=4)
