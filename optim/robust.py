@@ -18,8 +18,10 @@ passes whole. Early in training honest deltas of a round share the descent direc
 with the own Δ 0.23 at the lowest and 0.40 at the median over 262 deliveries of a 4-worker run
 under random delays up to 4 rounds), so a delivery whose cosine with Δ_0 is below a floor (0 by
 default: it undoes the own progress) is refused instead. Late in training that is no longer so:
-over 8 workers and 150 rounds 4-15% of honest deltas fell below 0, and refusing them cost ~0.1
-in loss (docs/RESULTS.md); the floor is the caller's to set (-1 takes every direction). What
+over 8 workers and 150 rounds 4-15% of honest deltas fell below 0; refusing them cost 0.007 of
+final loss against no defence, with and without delay, where late mixing pulls back the drift the
+refusals make (bench/defence_tax.py; ~0.1 in a simulator that barely mixed, docs/RESULTS.md); the
+floor is the caller's to set (-1 takes every direction). What
 an attacker can still send is a Δ at most r from Δ_0 and not against it: noise of bounded size.
 
 A peer's φ (gossip, late mixing) is held the same way around this node's φ at that version, but
