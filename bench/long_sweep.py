@@ -12,7 +12,8 @@ Stages (the tuning seed is disjoint from the table's seeds):
  1. each tuned method's grid, per condition, on seed 100;
  2. the table: every method in every condition, seeds 0-2, each at its own tuned setting.
 
-Runs go to a JSON-lines log as they finish (bench/results/long_sweep.runs.jsonl), so the sweep
+Runs go to a JSON-lines log as they finish (bench/results/long_sweep.runs.jsonl; what the
+repository keeps of it is gzipped beside it, .runs.jsonl.gz, and read first), so the sweep
 resumes where it stopped; `--stage 1` stops after tuning; `--report` writes the JSON and the PNG
 from what the log holds.
 

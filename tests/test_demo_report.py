@@ -50,3 +50,21 @@ def test_the_picture_shows_both_by_round_and_by_wall_clock(tmp_path) -> None:
     assert png.stat().st_size > 20_000
     # a demo stopped before anything was evaluated still draws its (empty) picture
     assert plot_demo([{}], [[]], {}, [], tmp_path / "empty.png").exists()
+
+
+def test_a_sweeps_runs_come_from_its_gzipped_archive_and_then_its_log(tmp_path) -> None:
+    import gzip
+    import json
+
+    from cgad.node.front.report import load_runs
+
+    log = tmp_path / "sweep.runs.jsonl"
+    assert load_runs(log) == {}
+    archived = [{"key": "a", "loss": 1.0}, {"key": "b", "loss": 2.0}]
+    (tmp_path / "sweep.runs.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps(r) + "\n" for r in archived).encode())
+    )
+    appended = [{"key": "b", "loss": 3.0}, {"key": "c", "loss": 4.0}]
+    log.write_text("\n\n".join(json.dumps(r) for r in appended) + "\n")
+    runs = load_runs(log)
+    assert {k: r["loss"] for k, r in runs.items()} == {"a": 1.0, "b": 3.0, "c": 4.0}  # the log's later b

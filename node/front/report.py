@@ -30,16 +30,22 @@ __all__ = [
 
 def load_runs(path: Path) -> dict[str, dict]:
     """A sweep's JSON-lines log of finished runs, by each record's ``key`` (a later record of a key
-    replaces an earlier one); empty where there is no log yet.
+    replaces an earlier one); empty where there is no log yet. Runs archived beside it, gzipped
+    (``<log>.gz``, what the repository keeps of a large log), come first, then the plain log
+    the sweep appends to.
 
     Args:
         path: the log.
     """
+    import gzip
     import json
 
+    archive = path.with_name(path.name + ".gz")
+    texts = [gzip.decompress(archive.read_bytes()).decode()] if archive.exists() else []
+    texts += [path.read_text()] if path.exists() else []
     done: dict[str, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
+    for text in texts:
+        for line in text.splitlines():
             if line.strip():
                 record = json.loads(line)
                 done[record["key"]] = record
