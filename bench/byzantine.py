@@ -208,7 +208,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
     ax.set_ylabel("honest workers' held-out loss after 30 rounds")
     ax.set_title("attackers among 8 workers, random delay up to 4 rounds (mean ± std over 3 seeds)")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
