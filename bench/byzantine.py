@@ -142,7 +142,10 @@ def main() -> None:
                                     f"{run['final_loss']:.3f}")  # fmt: skip
                 bar.update()
     runs = [done[run_key(*c)] for c in cells if run_key(*c) in done]
-    floor = summarize([r for r in runs if r["optimizer"] == "local"])
+    floors = [r for r in runs if r["optimizer"] == "local"]
+    if not floors:
+        raise SystemExit(f"{LOG} holds no run of the floor yet: run without --report")
+    floor = summarize(floors)
     table: dict[str, dict[str, Any]] = {}
     for agg in AGGREGATIONS:
         ours = [r for r in runs if r["optimizer"] == "cga" and r["aggregation"] == agg]

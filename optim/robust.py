@@ -127,7 +127,9 @@ class SpreadBound:
     def bound(self, fixed: float) -> float:
         if len(self.seen) < self.min_seen:
             return fixed
-        return max(fixed, self.spread * statistics.median(self.seen))
+        # the low median: with half the window far off, the mean of the middle two would be
+        # half the far value, and the bound 1.5 times it; a strict majority is needed instead
+        return max(fixed, self.spread * statistics.median_low(self.seen))
 
     def observe(self, distance: float) -> None:
         if math.isfinite(distance):

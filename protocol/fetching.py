@@ -68,6 +68,7 @@ UNANSWERED_FOR = 120.0  # seconds
 # A holder whose libp2p stream would not open is dialed at the addresses its record names, at most
 # this often: the addresses are its claim, and each dial is a connection attempt somewhere.
 DIAL_AGAIN = 30.0  # seconds
+MAX_DIALED = 1024  # holders whose last dial is remembered (a dial older than DIAL_AGAIN is forgotten)
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,10 @@ class Fetcher:
                 except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
                     logger.debug("holder %s over %s failed: %r", holder.peer_id, path, error)
                     if path == "libp2p" and not dialed and await self._dial(holder):
-                        dialed = True  # its daemon's routing did not know the holder: once more
+                        dialed = True  # its daemon's routing did not know the holder: once more,
+                        # and the rate floor counts from here (the failed open and the dial were
+                        # waiting, not this holder's bytes)
+                        since = (time.monotonic(), assembler.received)
                         continue
                     break
                 finally:
@@ -276,7 +280,9 @@ class Fetcher:
             return False
         self._dialed[holder.peer_id] = now
         self._dialed.move_to_end(holder.peer_id)
-        while len(self._dialed) > MAX_CHANNELS:
+        while self._dialed and (
+            len(self._dialed) > MAX_DIALED or next(iter(self._dialed.values())) <= now - DIAL_AGAIN
+        ):
             self._dialed.popitem(last=False)
         try:
             addresses = [Multiaddr(a) for a in holder.maddrs]

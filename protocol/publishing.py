@@ -168,6 +168,9 @@ class Publisher:
 
     async def announce(self, fragment: int | None) -> None:
         """This peer's holdings of a fragment (None: of state snapshots), signed."""
+        # before the offers are read: no await may come between reading them and dating the
+        # record, or an older announcement still waiting would overwrite a newer one
+        maddrs = await self._addresses()
         offers = self.store.offers(fragment)
         if not offers or self.dht_node is None:
             return
@@ -175,11 +178,7 @@ class Publisher:
         self.stats.records_stored["holdings" if fragment is not None else "state"] += 1
         endpoint, certificate = self._grpc_contact()
         holdings = Holdings(
-            peer_id=self.peer_id,
-            grpc=endpoint,
-            tls=certificate,
-            offers=offers,
-            maddrs=await self._addresses(),
+            peer_id=self.peer_id, grpc=endpoint, tls=certificate, offers=offers, maddrs=maddrs
         )
         run_id = self.options.run_id
         stored = await self.dht_node.store(

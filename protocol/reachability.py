@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import math
 import re
@@ -202,9 +203,26 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
     return Reachability(None, detail="no peer answered the dial-back request (" + "; ".join(failures) + ")")
 
 
+def _reach_order(maddr: str) -> tuple[int, bool]:
+    """Where a peer elsewhere most likely reaches an address: a public direct one, then a relayed
+    one (a node behind NAT), then a private one (a LAN, docker, a VPN), then loopback."""
+    if "p2p-circuit" in maddr:
+        return 1, False
+    match = re.match(r"/ip[46]/([^/]+)", maddr)
+    try:
+        ip = ipaddress.ip_address(match.group(1)) if match else None
+    except ValueError:
+        ip = None
+    if ip is None:  # a DNS name: as a public address
+        return 0, False
+    rank = 3 if ip.is_loopback else 2 if ip.is_private else 0
+    return rank, ip.version == 6
+
+
 class AnnouncedAddresses:
     """This node's libp2p multiaddrs as its holdings records carry them: without its own
-    ``/p2p/`` id, direct ones before relayed ones, at most ``MAX_ADDRESSES``; read from its daemon
+    ``/p2p/`` id, public direct ones first, then relayed, private and loopback ones, at most
+    ``MAX_ADDRESSES``; read from its daemon
     at most every ``ADDRESSES_REFRESH`` seconds (a node behind NAT gains relay addresses after it
     starts). ``p2p`` gives the running daemon, or None before it runs."""
 
@@ -222,7 +240,7 @@ class AnnouncedAddresses:
             own = f"/p2p/{p2p.peer_id.to_base58()}"
             maddrs = [str(a) for a in await asyncio.wait_for(p2p.get_visible_maddrs(latest=True), 5)]
             bare = [a.removesuffix(own) for a in maddrs if len(a) - len(own) <= 200]
-            ordered = sorted(bare, key=lambda a: ("p2p-circuit" in a, "/ip6/" in a))
+            ordered = sorted(bare, key=_reach_order)
             self._addresses = [a for a in ordered if re.fullmatch(r"(/[A-Za-z0-9.:_-]+)+", a)][:MAX_ADDRESSES]
         return self._addresses
 

@@ -83,7 +83,7 @@ PROTOCOL_VERSION = 4
 MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
 MAX_CREDITS = 32  # publishers a progress record credits: those its peer applied the most from
 MAX_RECORD_TTL = 3600.0  # seconds: no record of a run may claim to live longer
-# bytes of one signed value: a full holdings record is < 8 KB, a progress record of 4096 fragments
+# bytes of one signed value: a full holdings record is < 10 KB, a progress record of 4096 fragments
 # ~14 KB; hivemind.DHT's pipe hangs on values of ~32 KB, and p2pd refuses messages over 4 MiB
 MAX_RECORD_BYTES = 24 * 1024
 # a subkey is exactly one "[owner:ssh-rsa ...]" (an RSA key of up to 4096 bits), nothing around it:
