@@ -87,6 +87,11 @@ class AroundOwn:
         """The delivery's cosine with the reference (1.0 when either is zero: no direction to
         oppose), the delivery clipped to within ``radius · ‖reference‖`` of the reference, and
         whether it had to be."""
+        cosine, held, clipped, _ = self.measure(delivery)
+        return cosine, held, clipped
+
+    def measure(self, delivery: Tensor) -> tuple[float, Tensor, bool, float]:
+        """``judge``'s three, and the delivery's distance to the reference, from the same pass."""
         if delivery.shape != self.reference.shape:
             raise ValueError(f"shapes differ: {tuple(self.reference.shape)} and {tuple(delivery.shape)}")
         dot, norm_sq = _dots(delivery.detach().reshape(-1), self._flat)
@@ -96,15 +101,10 @@ class AroundOwn:
         cosine = 1.0 if norms == 0.0 else dot / norms
         distance = math.sqrt(max(norm_sq - 2.0 * dot + self._norm_sq, 0.0))
         if distance <= self.bound:
-            return cosine, delivery, False
+            return cosine, delivery, False, distance
         # reference + (delivery − reference) · bound / distance, in one new tensor
         held = delivery.to(self.reference.dtype)
-        return cosine, torch.lerp(self.reference, held, self.bound / distance), True
-
-    def distance(self, delivery: Tensor) -> float:
-        """‖delivery − reference‖, in float64 (one pass, no new tensor)."""
-        dot, norm_sq = _dots(delivery.detach().reshape(-1), self._flat)
-        return math.sqrt(max(norm_sq - 2.0 * dot + self._norm_sq, 0.0))
+        return cosine, torch.lerp(self.reference, held, self.bound / distance), True, distance
 
 
 class SpreadBound:

@@ -80,6 +80,6 @@ def held_phi(anchor: Tensor, theirs: Tensor, fixed: float, spread: SpreadBound) 
         spread: the fragment's record of how far peers' φ have lain lately.
     """
     around = AroundOwn(anchor, 1.0, spread.bound(fixed))
-    _, held, clipped = around.judge(theirs)
-    spread.observe(around.distance(theirs))
+    _, held, clipped, distance = around.measure(theirs)  # one float64 pass for both
+    spread.observe(distance)
     return held, clipped
