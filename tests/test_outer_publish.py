@@ -276,3 +276,23 @@ def test_a_diverged_block_resets_every_fragments_non_finite_theta() -> None:
     loop.publish(0, tokens=10)
     assert loop.counters.rejected["local_non_finite"] == 1
     assert all(torch.isfinite(t).all() for t in loop.theta)
+
+
+def test_phi_kept_for_mixing_is_the_newest_two_versions_and_none_goes_out_with_no_peer_alive() -> None:
+    """Each own φ kept to measure drift at is 4 bytes a parameter: a member keeps its two newest
+    (a lone daemon had kept up to the cutoff's worth, 5 copies of the model); with no live peer
+    no φ goes out at all (it would reach nobody)."""
+    network = VirtualNetwork()
+    me, peer = network.join("me"), network.join("peer")
+    loop = OuterLoop([torch.zeros(4)], OuterOptions(optimizer="cga", mixing="late"), me, "run")
+    for version in range(5):  # no peer's Δ comes: the lateness stays 1, so φ goes out every round
+        loop.theta[0].add_(1.0)
+        loop.publish(0, tokens=10)
+        loop.apply(0)
+        assert [p.key.base_version for p in peer.receive(0, Kind.PARAMS)] == [version]
+    assert sorted(loop._phi_published[0]) == [3, 4]
+    peer.close()
+    loop.theta[0].add_(1.0)
+    loop.publish(0, tokens=10)
+    loop.apply(0)
+    assert sorted(loop._phi_published[0]) == [3, 4] and loop.counters.published == 6

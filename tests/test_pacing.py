@@ -24,3 +24,61 @@ def test_the_first_block_after_adopting_a_state_ends_when_the_peers_end_theirs()
     assert not adopted_block_over(steps=60, block=50, peers_in=0, peers_live=True)  # still waiting
     assert adopted_block_over(steps=75, block=50, peers_in=0, peers_live=True)  # a block and a half
     assert adopted_block_over(steps=50, block=50, peers_in=0, peers_live=False)  # nobody to wait for
+
+
+class _NoPeers:
+    """A swarm view with nobody in it: nothing to wait for but this member's own send."""
+
+    def live_peers(self) -> list[str]:
+        return []
+
+    def arrived(self, index: int, base_version: int) -> int:
+        return 0
+
+    def reports(self) -> dict[str, list[int]]:
+        return {}
+
+
+def test_the_outer_step_waits_for_the_own_send_while_training_goes_on_not_the_trainer():
+    """The wait for peers ends early once they are all in, but not while the own Δ is still being
+    encoded on the encoder thread: the outer step would wait for it there, and the trainer with it
+    (a lone daemon at `small` stalled ~1 s per outer step so). At the apply delay's last step it
+    is taken whatever."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from cgad.node.config import OuterOptions
+    from cgad.node.member.engine import Member, Schedule
+    from cgad.node.member.outer import OuterLoop
+    from cgad.protocol.memory import VirtualNetwork
+
+    encoder = ThreadPoolExecutor(max_workers=1)
+    gate, second = threading.Event(), threading.Event()
+    threading.Timer(10.0, gate.set).start()  # a step that waits for the send fails, not hangs
+    loop = OuterLoop(
+        [torch.zeros(4)], OuterOptions(optimizer="cga"), VirtualNetwork().join("me"), "run", encoder=encoder
+    )
+    member = Member(loop, _NoPeers(), Schedule(fragments=1, inner_steps=4))  # apply delay: 2 steps
+    try:
+        encoder.submit(gate.wait)  # the send queues behind this: still under way
+        for steps in (1, 2, 3, 4):
+            member.after_inner_step(steps)
+        assert member.due is not None and loop.versions == [0]  # published, waiting for its send
+        gate.set()
+        while loop.sending(0):
+            threading.Event().wait(0.01)
+        member.after_inner_step(5)
+        assert member.due is None and loop.versions == [1]
+        encoder.submit(second.wait)
+        for steps in (6, 7, 8, 9):
+            member.after_inner_step(steps)
+        assert member.due is not None and loop.versions == [1]
+        threading.Timer(0.2, second.set).start()
+        member.after_inner_step(10)  # the delay's last step: taken, waiting out the send
+        assert member.due is None and loop.versions == [2]
+    finally:
+        gate.set()
+        second.set()
+        encoder.shutdown()

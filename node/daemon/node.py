@@ -28,6 +28,7 @@ import torch
 
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.admin import AdminServer
+from cgad.node.daemon.allocator import give_back_freed_memory
 from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint, save_checkpoint
 from cgad.node.daemon.consensus import consensus_averager, join_group, start_averaging
 from cgad.node.daemon.dashboard import DashboardServer, floor_points
@@ -70,6 +71,7 @@ def _device(name: str) -> torch.device:
 class Node(MemberHooks):
     def __init__(self, config: JoinConfig) -> None:
         self.config = c = config
+        give_back_freed_memory()  # before the model and its buffers are allocated
         self.device = _device(c.device)
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
         self.tokenizer = load_tokenizer(c.tokenizer)
@@ -447,7 +449,7 @@ class Node(MemberHooks):
             "bytes_in": self.transport.stats.bytes_received,
             "bytes_out": self.transport.stats.bytes_sent,
             "fetches_waiting": self.transport.fetches_waiting,
-            "mean_age": self.loop.mean_age(),
+            "mean_age": self.loop.counters.mean_age(),
             "outer_momentum": self.loop.method.momentum_now(self.loop.optimizer),
             "resyncs": self.member.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,

@@ -194,13 +194,17 @@ class Member:
 
     def step_if_due(self, steps: int) -> list[Delivery] | None:
         """Take the waiting outer step if it is due at inner step ``steps``: its latest step has
-        come, or every live peer's fragment of the same version is in (at most fan-in of them),
-        so that waiting longer would gain nothing. The deliveries it took, or None."""
+        come, or every live peer's fragment of the same version is in (at most fan-in of them)
+        and the own Δ is on its way (its encoding done: the step waits for it otherwise, and
+        the trainer with it), so that waiting longer would gain nothing. The deliveries it
+        took, or None."""
         turn = self.due
         if turn is None:
             return None
         if steps < turn.latest and (
-            turn.awaited is None or self.swarm.arrived(turn.fragment, turn.version) < turn.awaited
+            turn.awaited is None
+            or self.swarm.arrived(turn.fragment, turn.version) < turn.awaited
+            or self.loop.sending(turn.fragment)
         ):
             return None
         return self._take_step(steps)

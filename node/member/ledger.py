@@ -58,3 +58,7 @@ class Counters:
     clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
     replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
     sent_as: Counter[str] = field(default_factory=Counter)  # own deltas per codec this loop chose
+
+    def mean_age(self) -> float:
+        """The mean age in rounds of the deliveries taken."""
+        return self.age_sum / self.age_count if self.age_count else 0.0

@@ -18,7 +18,21 @@ from cgad.node.member.methods import unflatten
 from cgad.optim import AroundOwn, SpreadBound, staleness_weight
 from cgad.protocol.transport import Fragment
 
-__all__ = ["gossip_pull", "held_phi"]
+__all__ = ["PHI_KEPT", "gossip_pull", "held_phi", "remember_phi"]
+
+# own φ_f versions kept to measure drift at: a peer's φ mostly arrives for the newest two (8
+# members, random:8 delays, 40 rounds: 200 of 226 mixes were at age 0 or 1, none past 3), and
+# each kept version is 4 bytes a parameter; keeping 2 instead of up to the cutoff ended no worse
+# (final loss 4.296 against 4.318, seed 0)
+PHI_KEPT = 2
+
+
+def remember_phi(published: dict[int, Tensor], version: int, phi: Tensor, kept: int = PHI_KEPT) -> None:
+    """Keep ``phi`` (this member's flat φ_f as published at ``version``) in ``published``, and
+    only the ``kept`` newest versions there."""
+    published[version] = phi
+    for old in sorted(published)[:-kept]:
+        del published[old]
 
 
 def gossip_pull(

@@ -42,7 +42,7 @@ from cgad.node.config import OuterOptions
 from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, method, unflatten
-from cgad.node.member.mixing import gossip_pull, held_phi
+from cgad.node.member.mixing import gossip_pull, held_phi, remember_phi
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
 from cgad.optim import AroundOwn, SpreadBound
@@ -191,11 +191,17 @@ class OuterLoop:
             sent_bytes = encoded_size(own.numel(), "fp32")
         self.counters.published += 1
         mixing_due = self._mixing_due(f) and self._room_for_params(f, sent_bytes)
-        if self.method.mixes_params or mixing_due:
+        # with no live peer a φ would reach nobody, and a kept copy is 4 bytes a parameter
+        if (self.method.mixes_params or mixing_due) and self.transport.live_peers():
             params = self.flat_phi(f)
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
             if mixing_due:  # kept to measure drift against peers' φ of this version
-                self._phi_published.setdefault(f, {})[self.versions[f]] = params
+                remember_phi(self._phi_published.setdefault(f, {}), self.versions[f], params)
+
+    def sending(self, f: int) -> bool:
+        """Whether fragment f's Δ is still being encoded and handed over on the encoder thread."""
+        pending = self._sending.get(f)
+        return pending is not None and not pending.done()
 
     def settle(self, f: int | None = None) -> None:
         """Wait for fragment f's send on the encoder thread (None: every fragment's); what it
@@ -463,10 +469,6 @@ class OuterLoop:
     def forget_published_phi(self) -> None:
         """φ moved outside an outer step (to a group's mean): drift measured at older versions is gone."""
         self._phi_published.clear()
-
-    def mean_age(self) -> float:
-        c = self.counters
-        return c.age_sum / c.age_count if c.age_count else 0.0
 
     def state_dict(self, codec: str = "fp32", reference: Phi0 | None = None) -> dict[str, Any]:
         """φ, versions and the outer optimizer's state, φ in ``codec`` (``SNAPSHOT_CODECS``:
