@@ -1,5 +1,7 @@
 """Keeping a daemon's block boundaries in phase with its peers' (node/member/pacing.py)."""
 
+from test_consensus import _Alone  # tests/ is on sys.path under pytest
+
 from cgad.node.member.pacing import adopted_block_over, phase_nudge
 
 
@@ -26,19 +28,6 @@ def test_the_first_block_after_adopting_a_state_ends_when_the_peers_end_theirs()
     assert adopted_block_over(steps=50, block=50, peers_in=0, peers_live=False)  # nobody to wait for
 
 
-class _NoPeers:
-    """A swarm view with nobody in it: nothing to wait for but this member's own send."""
-
-    def live_peers(self) -> list[str]:
-        return []
-
-    def arrived(self, index: int, base_version: int) -> int:
-        return 0
-
-    def reports(self) -> dict[str, list[int]]:
-        return {}
-
-
 def test_the_outer_step_waits_for_the_own_send_while_training_goes_on_not_the_trainer():
     """The wait for peers ends early once they are all in, but not while the own Δ is still being
     encoded on the encoder thread: the outer step would wait for it there, and the trainer with it
@@ -60,7 +49,7 @@ def test_the_outer_step_waits_for_the_own_send_while_training_goes_on_not_the_tr
     loop = OuterLoop(
         [torch.zeros(4)], OuterOptions(optimizer="cga"), VirtualNetwork().join("me"), "run", encoder=encoder
     )
-    member = Member(loop, _NoPeers(), Schedule(fragments=1, inner_steps=4))  # apply delay: 2 steps
+    member = Member(loop, _Alone(), Schedule(fragments=1, inner_steps=4))  # apply delay: 2 steps
     try:
         encoder.submit(gate.wait)  # the send queues behind this: still under way
         for steps in (1, 2, 3, 4):
