@@ -84,8 +84,9 @@ class Scenario:
     ) -> None:
         self.members, self.rounds, self.optimizer, self.seed = members, rounds, optimizer, seed
         self.overrides = dict(overrides) if overrides is not None else {"model": "tiny", "inner_steps": 10}
-        # flags only the daemons take (the network's: the simulator has no DHT to poll)
-        self.daemon_flags = list(daemon_flags or [])
+        # flags only the daemons take (the network's: the simulator has no DHT to poll); the
+        # comparison reads every round's held-out loss (evaluation does not change training)
+        self.daemon_flags = ["--eval-every", "1", *(daemon_flags or [])]
 
     def join_config(self, optimizer: str | None = None) -> JoinConfig:
         """The daemon's configuration: its defaults, the overrides, the method and the seed."""

@@ -238,7 +238,11 @@ class NodeOptions(_Part):
     max_rounds: int = Field(
         0, ge=0, description="stop after this many outer rounds of this run (0: until told to leave)"
     )
-    eval_every: Positive = Field(1, description="outer rounds between held-out evaluations")
+    eval_every: Positive | Literal["auto"] = Field(
+        "auto",
+        description="outer rounds between held-out evaluations (auto: as often as evaluation takes at"
+        " most 3 percent of the run's time; it stops training)",
+    )
     maddrs_file: str | None = Field(None, description="write this node's multiaddrs here, one per line")
     admin_host: str = Field("127.0.0.1", description="host of the admin gRPC API")
     admin_port: Port = Field(

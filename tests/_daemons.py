@@ -17,9 +17,9 @@ CLI = str(Path(sys.executable).with_name("cgad-node"))
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
 SETTINGS = [
     "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
-    "--eval-batches", "4", "--inner-lr", "2e-3", "--codec", "fp16",
+    "--eval-batches", "4", "--eval-every", "1", "--inner-lr", "2e-3", "--codec", "fp16",
     "--checkpoint-every", "1", "--admin-port", "0", "--dashboard-port", "0",
-]  # fmt: skip
+]  # fmt: skip  (--eval-every 1: the tests watch learning round by round)
 
 
 class NodeProcess:

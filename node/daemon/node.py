@@ -46,7 +46,7 @@ from cgad.node.member.outer_state import Phi0
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model, model_fingerprint
 from cgad.node.training.tokenizer import load_tokenizer
-from cgad.node.training.trainer import InnerTrainer, evaluate
+from cgad.node.training.trainer import EvalSchedule, InnerTrainer, evaluate
 from cgad.protocol.allreduce import AllReduceExchange
 from cgad.protocol.files import atomic_write
 from cgad.protocol.network import NetworkTransport
@@ -93,11 +93,8 @@ class Node(MemberHooks):
         # no coordinator assigns shards: each peer draws windows from the whole training split
         # with a stream seeded by its own id, so peers' batches differ (or by --data-seed, so that
         # runs compared with each other, and a swarm with its floor, see the same data order)
-        seed = (
-            c.data_seed
-            if c.data_seed is not None
-            else int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "little")
-        )
+        digest = hashlib.sha256(self.peer_id.encode()).digest()[:4]
+        seed = c.data_seed if c.data_seed is not None else int.from_bytes(digest, "little")
         self.batches = self.dataset.shard(0, 1).batches(c.batch_size, c.seq_len, seed=seed)
         self.trainer = InnerTrainer(
             self.model,
@@ -286,9 +283,9 @@ class Node(MemberHooks):
         now, (since, tokens_then) = time.monotonic(), self._round_mark
         self.tokens_per_second = (self.trainer.tokens - tokens_then) / max(now - since, 1e-9)
         self._round_mark = (now, self.trainer.tokens)
-        evaluated = round_ % c.eval_every == 0
+        evaluated = self.eval_schedule.due(round_)
         if evaluated:
-            with self.stall.apart():
+            with self.stall.apart(), self.eval_schedule.timed():
                 loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
             self.eval_history.append((round_, loss))
         recent = list(self.losses)
@@ -340,8 +337,10 @@ class Node(MemberHooks):
             return 0
         self.publish_state(wait=True)
         self.member.start_round = self.member.round  # --max-rounds counts this run's rounds
+        self.eval_schedule = EvalSchedule(c.eval_every)
         if not self.eval_history:
-            loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
+            with self.eval_schedule.timed():
+                loss = evaluate(self.model, self.eval_batches, self.device, self.autocast)
             self.eval_history.append((self.member.round, loss))
         self._round_mark = (time.monotonic(), self.trainer.tokens)
         self.stall = StallMeter()  # from the first block: not the join, the first snapshot or evaluation
