@@ -337,7 +337,10 @@ def run_daemon(
         "stall": status.get("stall"),
         "rounds": rounds,
         "transport_bytes_per_round": moved / rounds if rounds else None,
-        "status": {k: status.get(k) for k in ("sent_as", "bytes_in", "bytes_out", "inner_step", "device")},
+        "status": {
+            k: status.get(k)
+            for k in ("sent_as", "bytes_in", "bytes_out", "inner_step", "device", "cpu_seconds_by_thread")
+        },
         "snapshot_bytes": snap,
         "seconds": time.monotonic() - started,
         "flags": flags,

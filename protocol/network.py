@@ -36,9 +36,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from hivemind.dht.node import DHTNode
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.p2p import P2P, P2PDaemonError
@@ -51,7 +49,7 @@ from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.dhtbounds import bound_dht
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher
-from cgad.protocol.loop import EventLoopThread
+from cgad.protocol.loop import EventLoopThread, side_worker
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
 from cgad.protocol.reachability import (
@@ -145,11 +143,7 @@ class NetworkTransport(Transport):
         self.reachability = Reachability(None, detail="not started")
         self.client_mode = self.options.client_mode
 
-        # Codec work runs here, one torch thread: the kernels are memory-bound, and a second
-        # OpenMP team beside the trainer's makes both spin on a busy machine (3x slower measured).
-        self._codec_worker = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="cgad-codec", initializer=torch.set_num_threads, initargs=(1,)
-        )
+        self._codec_worker = side_worker("cgad-codec")
         self._runner = EventLoopThread(f"cgad-net-{self.peer_id[-6:]}")
         self.loop = self._runner.loop
         self._publisher = Publisher(

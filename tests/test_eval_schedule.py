@@ -1,5 +1,7 @@
 """When a round's end evaluates: a fixed period, or the 'auto' share of the run's time."""
 
+import itertools
+
 from cgad.node.training.trainer import EVAL_SHARE, EvalSchedule
 
 
@@ -35,7 +37,7 @@ def test_auto_keeps_evaluation_within_its_share_of_the_run():
     assert evaluated[0] == 1  # the first is due: its cost is not known before
     assert schedule.spent <= EVAL_SHARE * clock.now + 0.13
     assert 0.8 * EVAL_SHARE * clock.now <= schedule.spent  # and it does use its share
-    gaps = {b - a for a, b in zip(evaluated[1:], evaluated[2:])}
+    gaps = {b - a for a, b in itertools.pairwise(evaluated[1:])}
     assert gaps <= {4, 5}, gaps  # 0.13 / 0.03 = 4.3 rounds apart, evenly
 
 

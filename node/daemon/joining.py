@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.checkpoint import CheckpointError, unpack
 from cgad.node.member.outer import OuterLoop
@@ -252,6 +254,7 @@ class StateSync:
     def _prepare(self) -> None:
         """The "cgad-resync" thread: download and check the first usable snapshot on offer
         within ``join_timeout``, for the next call to adopt."""
+        torch.set_num_threads(1)  # beside training: one torch thread (see ``side_worker``)
         try:
             offers = self._worth_adopting(at_least_ours=False)
             found = self._download_first(offers, time.monotonic() + self.config.join_timeout, [])

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from cgad.node.training.tokenizer import load_tokenizer
 from cgad.node.training.trainer import EvalSchedule, InnerTrainer, evaluate
 from cgad.protocol.allreduce import AllReduceExchange
 from cgad.protocol.files import atomic_write
+from cgad.protocol.loop import side_worker
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION, Identity, run_prefix
 
@@ -148,7 +148,7 @@ class Node(MemberHooks):
                 params_codec=c.params_codec,
                 link_budget=self.transport.round_budget,
                 error_feedback=c.error_feedback,
-                encoder=ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgad-encode"),
+                encoder=side_worker("cgad-encode"),
             )
             self.started_at = time.time()
             self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens

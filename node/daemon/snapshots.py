@@ -19,12 +19,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from cgad.node.daemon.checkpoint import pack
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Phi0
+from cgad.protocol.loop import side_worker
 from cgad.protocol.network import NetworkTransport
 
 __all__ = ["SnapshotPublisher"]
@@ -58,7 +59,7 @@ class SnapshotPublisher:
         self.loop, self.transport, self.lock, self.swarm = loop, transport, lock, swarm
         self.codec, self.phi0, self._build_phi0 = codec, phi0, build_phi0
         self._other: Phi0 | None = None  # the last φ₀ built for another seed
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cgad-snapshot")
+        self._worker = side_worker("cgad-snapshot")
         self._pending: Future[None] | None = None
         self.bytes = 0  # the size of the latest snapshot offered
         self.pack_seconds = 0.0  # how long packing it took (on the snapshot thread)
