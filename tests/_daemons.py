@@ -15,11 +15,12 @@ from cgad.node.daemon.admin import call_admin
 HOSTILE_NODE = Path(__file__).with_name("_hostile_node.py")
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
+# --eval-every 1: the tests watch learning round by round
 SETTINGS = [
     "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
     "--eval-batches", "4", "--eval-every", "1", "--inner-lr", "2e-3", "--codec", "fp16",
     "--checkpoint-every", "1", "--admin-port", "0", "--dashboard-port", "0",
-]  # fmt: skip  (--eval-every 1: the tests watch learning round by round)
+]  # fmt: skip
 
 
 class NodeProcess:

@@ -296,3 +296,20 @@ def test_phi_kept_for_mixing_is_the_newest_two_versions_and_none_goes_out_with_n
     loop.publish(0, tokens=10)
     loop.apply(0)
     assert sorted(loop._phi_published[0]) == [3, 4] and loop.counters.published == 6
+
+
+@pytest.mark.parametrize("optimizer", ["cga", "sgd", "nesterov"])
+def test_no_pseudo_gradient_is_held_on_phi_after_the_step(optimizer: str) -> None:
+    """The merged pseudo-gradient (for CGA the own Δ's storage itself) is spent once the step is
+    taken: left on φ's ``.grad`` it kept a model-sized buffer alive until the next step, beside
+    the next round's own Δ."""
+    network = VirtualNetwork()
+    me, peer = network.join("me"), network.join("peer")
+    loop = OuterLoop([torch.zeros(8), torch.zeros(3)], OuterOptions(optimizer=optimizer), me, "run")
+    for p in loop.theta:
+        p.add_(1.0)
+    loop.publish(0, tokens=10)
+    peer.publish(Fragment(FragmentKey("run", 0, 0, "peer"), torch.full((11,), -0.5), tokens=10))
+    loop.apply(0)
+    assert loop.versions == [1] and not torch.equal(loop.phi[0], torch.zeros(8))  # a step was taken
+    assert all(p.grad is None for p in loop.phi)

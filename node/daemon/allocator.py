@@ -3,10 +3,11 @@
 glibc serves allocations from 128 KiB up with mmap, and each freed one raises that threshold to
 its size (up to 32 MiB): after the first outer step every per-tensor buffer of a model (a few
 MiB each) comes from the heap, whose arenas (one per thread: trainer, encoder, snapshot) keep
-what was freed. A daemon allocates such buffers on three threads at every round; a lone `small`
-daemon's peak RSS was 2.07 GiB with the moving threshold and 1.67-1.71 GiB with it fixed at
-1 MiB (bench/scale.py; docs/SCALE.md). Fixing it (``mallopt(M_MMAP_THRESHOLD)``) also fixes the
-trim threshold, so freed heap memory goes back as well. Elsewhere (not glibc) nothing is done.
+what was freed. The daemon fixes the threshold at 16 MiB (``mallopt(M_MMAP_THRESHOLD)``, which
+also fixes the trim threshold): a model's flat buffers (whole fragments) are mapped and go back
+when freed, while a training step's activations stay on the heap (at 1 MiB every step faulted
+its activations in afresh: a lone `small` daemon trained at 0.7x its bare loop; trimming the
+heaps every round, ``malloc_trim``, lowered no peak). Elsewhere (not glibc) nothing is done.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ __all__ = ["MMAP_THRESHOLD", "give_back_freed_memory"]
 
 logger = logging.getLogger(__name__)
 
-MMAP_THRESHOLD = 1 << 20  # bytes: what a model's tensors and buffers are, activations included
+MMAP_THRESHOLD = 16 << 20  # bytes: above a step's activations at 26M-150M parameters (8 MiB logits)
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc's own variable: a user who set it keeps their value
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
 
 
 def give_back_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
@@ -34,11 +42,8 @@ def give_back_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
     """
     if os.environ.get(ENV):
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = mallopt(_M_MMAP_THRESHOLD, threshold) == 1

@@ -329,6 +329,8 @@ class OuterLoop:
             rng=self.rng,
         )
         self.method.step(self.optimizer, step)
+        for p in step.params:  # spent: a model-sized buffer not to hold until the next step
+            p.grad = None
 
     def _take(
         self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None, yardstick: Yardstick | None
