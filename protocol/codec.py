@@ -40,6 +40,8 @@ import struct
 import threading
 import zlib
 from bisect import bisect_right
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +52,7 @@ from cgad.protocol.errors import FragmentError
 
 __all__ = [
     "MAX_NUMEL", "ROUNDING", "SCRATCH_BYTES", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "Codec", "decode", "encode",
-    "encoded_size", "kept_in", "sparse_kept",
+    "encoded_size", "join_slices", "kept_in", "sparse_kept",
 ]  # fmt: skip
 
 
@@ -306,21 +308,52 @@ def encode(tensor: Tensor, codec: Codec | str, kept: int = SPARSE_KEPT) -> bytes
         scales, codes = _quantize(flat, codec, kept)
         parts = [scales.numpy(), codes]
 
-    payload_len = sum(part.nbytes for part in parts)
-    header = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        _CODEC_IDS[codec],
-        _DTYPE_IDS[tensor.dtype],
-        tensor.dim(),
-        _BLOCK[codec],
-        numel,
-        payload_len,
-    ) + struct.pack(f"<{tensor.dim()}Q", *tensor.shape)
+    return _frame(codec, tensor.dtype, tuple(tensor.shape), parts)
+
+
+def _frame(codec: Codec, dtype: torch.dtype, shape: tuple[int, ...], parts: Sequence[Any]) -> bytes:
+    """Header, checksum and payload ``parts`` (buffers, in order) as one fragment's bytes."""
+    payload_len = sum(memoryview(part).nbytes for part in parts)
+    ids = (_CODEC_IDS[codec], _DTYPE_IDS[dtype], len(shape), _BLOCK[codec])
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, *ids, math.prod(shape), payload_len)
+    header = fixed + struct.pack(f"<{len(shape)}Q", *shape)
     crc = zlib.crc32(header)
     for part in parts:
         crc = zlib.crc32(part, crc)
     return b"".join([header, _CRC.pack(crc), *parts])
+
+
+def join_slices(pieces: Sequence[bytes], shape: tuple[int, ...]) -> bytes:
+    """One tensor's encoding from the encodings of consecutive slices of its values, each but the
+    last a whole number of blocks: byte for byte what ``encode`` of the whole gives (blocks are
+    encoded independently), without the whole tensor in float32 at once.
+
+    Args:
+        pieces: ``encode``'s bytes of each slice of the flattened tensor, in order, one codec.
+        shape: the whole tensor's shape.
+    """
+    parsed = [_parse_header(piece) for piece in pieces]
+    codec, dtype = parsed[0][0], parsed[0][1]
+    block = _BLOCK[codec]
+    if any((c, d) != (codec, dtype) for c, d, *_ in parsed):
+        raise ValueError("slices of one tensor are encoded in one codec and dtype")
+    if block and any(numel % block for *_, numel, _ in parsed[:-1]):
+        raise ValueError(f"every slice but the last holds whole blocks of {block}")
+    if sum(numel for *_, numel, _ in parsed) != math.prod(shape):
+        raise ValueError(f"slices of {sum(numel for *_, numel, _ in parsed)} values for shape {shape}")
+    sections: list[list[memoryview]] = [[], [], []]  # scales, then codes (sparse: indices, values)
+    for piece, (*_, numel, offset) in zip(pieces, parsed, strict=True):
+        payload = memoryview(piece)[offset:]
+        if not block:
+            sections[1].append(payload)
+            continue
+        nblocks = -(-numel // block)
+        sections[0].append(payload[: 4 * nblocks])
+        codes = payload[4 * nblocks :]
+        half = len(codes) // 2 if codec is Codec.SPARSE else len(codes)
+        sections[1].append(codes[:half])
+        sections[2].append(codes[half:])
+    return _frame(codec, dtype, tuple(shape), [part for section in sections for part in section if len(part)])
 
 
 def _parse_header(data: bytes | memoryview) -> tuple[Codec, torch.dtype, tuple[int, ...], int, int]:

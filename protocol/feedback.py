@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cgad.protocol.codec import SPARSE_KEPT, Codec, decode, encode
+from cgad.protocol.codec import SPARSE_KEPT, Codec, decode, encode, join_slices
 from cgad.protocol.errors import FragmentError
 
 __all__ = ["RESIDUAL_DTYPE", "ErrorFeedback", "to_bfloat16_stochastic"]
@@ -70,24 +70,39 @@ class ErrorFeedback:
         self._rounding = torch.Generator().manual_seed(0)
 
     def encode(self, tensor: Tensor) -> bytes:
-        return self.send(tensor)[0]
+        return self.send(tensor)
 
-    def send(
-        self, tensor: Tensor, codec: Codec | None = None, kept: int | None = None
-    ) -> tuple[bytes, Tensor]:
-        """``encode``'s bytes and what receivers decode from them (computed here anyway); this
-        round in ``codec`` keeping ``kept`` when given, else in the feedback's own.
+    def send(self, tensor: Tensor, codec: Codec | None = None, kept: int | None = None) -> bytes:
+        """``encode``'s bytes of ``tensor`` + residual, the residual then what they did not carry;
+        this round in ``codec`` keeping ``kept`` when given, else in the feedback's own. A slice
+        at a time (``_ROUNDING_SLICE`` values, whole blocks of every codec): no float32 copy of
+        the tensor, only the new residual beside the old until the bytes are whole (a send that
+        raises leaves the residual as it was); the draws of the rounding and the bytes are those
+        of the whole tensor at once.
 
         Args:
             tensor: this round's Δ.
             codec: this round's codec (None: the feedback's own).
             kept: for ``sparse``, the values sent per block (None: the feedback's own).
         """
-        corrected = self.target(tensor)
-        data = encode(corrected, codec or self.codec, self.kept if kept is None else kept)
-        sent = decode(data)
-        self.residual = to_bfloat16_stochastic(corrected.sub_(sent), self._rounding)
-        return data, sent
+        codec, kept = codec or self.codec, self.kept if kept is None else kept
+        flat = tensor.detach().reshape(-1)
+        if self.residual is not None and self.residual.shape != tensor.shape:
+            raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {tensor.shape}")
+        owed = self.residual.view(-1) if self.residual is not None else None
+        residual = torch.empty(flat.numel(), dtype=RESIDUAL_DTYPE)
+        corrected = torch.empty(min(flat.numel(), _ROUNDING_SLICE), dtype=torch.float32)
+        pieces = []
+        for start in range(0, flat.numel(), _ROUNDING_SLICE):
+            stop = min(start + _ROUNDING_SLICE, flat.numel())
+            part = corrected[: stop - start].copy_(flat[start:stop])
+            if owed is not None:
+                part.add_(owed[start:stop])
+            pieces.append(encode(part, codec, kept))
+            residual[start:stop] = to_bfloat16_stochastic(part.sub_(decode(pieces[-1])), self._rounding)
+        data = join_slices(pieces, tuple(tensor.shape)) if pieces else encode(tensor.float(), codec, kept)
+        self.residual = residual.view(tensor.shape)
+        return data
 
     def target(self, tensor: Tensor) -> Tensor:
         """What a send of ``tensor`` now would approximate: the tensor plus what is still owed

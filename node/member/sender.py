@@ -152,7 +152,7 @@ class Sender:
             data = encode(delta, codec, kept)
             self._sent[fragment] = _Sent(sparse_kept, data, _How.PLAIN)
             return data, codec, kept
-        data, _ = feedback.send(delta, codec, kept)
+        data = feedback.send(delta, codec, kept)
         self._sent[fragment] = _Sent(sparse_kept, data, _How.FED_BACK)
         return data, codec, kept
 
