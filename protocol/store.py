@@ -29,6 +29,10 @@ STATE_EXTRA = 2
 # reaches the others only through those that re-serve it), and older ones of the same publisher
 # were host memory held for nothing (with two volunteers, 8 slots held 4 versions of each)
 RESERVED_VERSIONS = 2
+# Others' fragments kept to re-serve hold at most this many bytes per value of the fragment: two
+# float32 copies of it (two peers' φ, or sixteen 4bit deltas). Counted in fragments alone, 8
+# peers' φ in float32 were 32 bytes a parameter of host memory (1 GB at 26M parameters)
+RESERVED_BYTES_PER_VALUE = 8
 
 
 @dataclass
@@ -59,8 +63,9 @@ def fragment_header(key: FragmentKey, offer: Offer) -> pb.FragmentHeader:
 class FragmentStore:
     """Encoded fragments by content hash, bounded per fragment: the newest ``keep_own`` own
     versions per fragment and kind, and of others' the newest ``keep_reserved``, at most
-    ``reserved_versions`` versions of each publisher and kind among them. Of state snapshots (the
-    size of the model), the two newest own ones and one other.
+    ``reserved_versions`` versions of each publisher and kind among them and at most
+    ``RESERVED_BYTES_PER_VALUE`` bytes a value together. Of state snapshots (the size of the
+    model), the two newest own ones and one other.
 
     Args:
         keep_own: own versions kept per fragment and kind.
@@ -121,6 +126,8 @@ class FragmentStore:
             if not state and not entry.own:
                 dropped = {id(e) for e in surplus}
                 surplus += self._older_versions([e for e in group if id(e) not in dropped])
+                dropped = {id(e) for e in surplus}
+                surplus += self._over_budget([e for e in group if id(e) not in dropped], entry)
             if state:
                 now = time.monotonic()
                 read = [
@@ -145,6 +152,21 @@ class FragmentStore:
             if kept[source] > self.reserved_versions:
                 older.append(e)
         return older
+
+    @staticmethod
+    def _over_budget(entries: list[StoredFragment], newest: StoredFragment) -> list[StoredFragment]:
+        """Of others' ``entries`` (sorted by base version), the oldest beyond
+        ``RESERVED_BYTES_PER_VALUE`` bytes a value of the fragment (``newest``, just stored, stays)."""
+        budget = RESERVED_BYTES_PER_VALUE * newest.offer.numel
+        total = sum(len(e.data) for e in entries)
+        over = []
+        for e in entries:
+            if total <= budget:
+                break
+            if e is not newest:
+                over.append(e)
+                total -= len(e.data)
+        return over
 
     def discard(self, digest: bytes) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ from cgad.protocol.config import NetworkOptions
 from cgad.protocol.records import MAX_OFFERS, Offer
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import (
+    RESERVED_BYTES_PER_VALUE,
     RESERVED_VERSIONS,
     STATE_EXTRA,
     STATE_RESUME,
@@ -29,16 +30,21 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _entry(
-    fragment: int, base: int, own: bool, kind: Kind = Kind.DELTA, publisher: str = "QmFakePeer"
+    fragment: int,
+    base: int,
+    own: bool,
+    kind: Kind = Kind.DELTA,
+    publisher: str = "QmFakePeer",
+    bytes_per_value: int = 1,
 ) -> StoredFragment:
-    data = os.urandom(64)
+    data = os.urandom(64 * bytes_per_value)  # of a fragment of 64 values
     offer = Offer(
         publisher=publisher,
         base_version=base,
         kind=str(kind),
         tokens=0,
         codec="fp32",
-        numel=1,
+        numel=64,
         content_hash=content_hash(data),
         byte_length=len(data),
     )
@@ -117,6 +123,30 @@ def test_each_publishers_newest_two_versions_are_re_served_within_keep_reserved(
     assert sum(e.header.base_version == 2 for e in held) == 5
 
 
+def test_re_served_fragments_hold_at_most_their_bytes_per_value_together() -> None:
+    """Peers' φ in float32 (4 bytes a value) fill the byte budget long before keep_reserved's 8
+    slots (32 bytes a value): the oldest go; small deltas still fill every slot."""
+    assert RESERVED_BYTES_PER_VALUE == 8
+    store = FragmentStore(keep_own=2, keep_reserved=8)
+    own = _entry(0, 0, own=True, kind=Kind.PARAMS, bytes_per_value=4)
+    store.put(own)
+    phis = [
+        _entry(0, base, own=False, kind=Kind.PARAMS, publisher=f"QmPeer{'abcdefgh'[p]}", bytes_per_value=4)
+        for base in range(2)
+        for p in range(4)
+    ]
+    for entry in phis:
+        store.put(entry)
+    assert _held(store, [own, *phis]) == [own, phis[-2], phis[-1]]  # own ones are not counted
+    deltas = [_entry(0, 5, own=False, publisher=f"QmPeer{'abcdefgh'[p]}") for p in range(8)]  # 1 byte a value
+    for entry in deltas:
+        store.put(entry)
+    assert _held(store, [*phis, *deltas]) == deltas
+    huge = _entry(0, 6, own=False, publisher="QmHuge", bytes_per_value=16)
+    store.put(huge)
+    assert _held(store, [*deltas, huge]) == [huge]  # the newest stays, even alone over the budget
+
+
 def test_offers_are_own_first_newest_first_and_capped() -> None:
     store = FragmentStore(keep_own=MAX_OFFERS, keep_reserved=MAX_OFFERS)
     own = [_entry(0, base, own=True) for base in range(MAX_OFFERS)]
@@ -143,7 +173,7 @@ def test_fragment_header_describes_the_offer() -> None:
         7,
         "QmFakePeer",
     )
-    assert header.kind == pb.PARAMS and list(header.shape) == [1] and header.codec == "fp32"
+    assert header.kind == pb.PARAMS and list(header.shape) == [64] and header.codec == "fp32"
     assert (header.content_hash, header.byte_length) == (entry.offer.content_hash, 64)
 
 
