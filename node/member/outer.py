@@ -84,9 +84,7 @@ class OuterLoop:
         daemon's); None: at once, on the caller's thread (the simulator's, which must repeat)."""
         self.theta = params
         self.options = options
-        self.method = method(options.optimizer)
-        self.transport = transport
-        self.run_id = run_id
+        self.method, self.transport, self.run_id = method(options.optimizer), transport, run_id
         self.fragments = strided_fragments(len(params), options.fragments)
         # the outer state lives in host memory whatever device θ trains on: peers' deltas arrive
         # there, and a GPU keeps its memory for the model (θ crosses over once per block)
@@ -142,9 +140,11 @@ class OuterLoop:
         idx = self.fragments[f]
         with torch.no_grad():
             own = torch.empty(self.numel(f))  # written in place: no per-tensor copies to join
+            finite = True  # checked per tensor while it is in cache: half the time of a second pass
             for view, i in zip(self.unflatten(f, own), idx, strict=True):
                 torch.sub(self.phi[i], self.theta[i].detach().to("cpu", torch.float32), out=view)
-            if not torch.isfinite(own).all():
+                finite = finite and bool(torch.isfinite(view).all())
+            if not finite:
                 # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
                 # With several fragments the other fragments' θ is NaN too (one forward pass made
                 # them so): every non-finite θ goes back to its φ, or the next block diverges again
