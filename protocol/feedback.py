@@ -92,14 +92,18 @@ class ErrorFeedback:
         owed = self.residual.view(-1) if self.residual is not None else None
         residual = torch.empty(flat.numel(), dtype=RESIDUAL_DTYPE)
         corrected = torch.empty(min(flat.numel(), _ROUNDING_SLICE), dtype=torch.float32)
-        pieces = []
-        for start in range(0, flat.numel(), _ROUNDING_SLICE):
-            stop = min(start + _ROUNDING_SLICE, flat.numel())
-            part = corrected[: stop - start].copy_(flat[start:stop])
-            if owed is not None:
-                part.add_(owed[start:stop])
-            pieces.append(encode(part, codec, kept))
-            residual[start:stop] = to_bfloat16_stochastic(part.sub_(decode(pieces[-1])), self._rounding)
+        pieces, draws = [], self._rounding.get_state()
+        try:
+            for start in range(0, flat.numel(), _ROUNDING_SLICE):
+                stop = min(start + _ROUNDING_SLICE, flat.numel())
+                part = corrected[: stop - start].copy_(flat[start:stop])
+                if owed is not None:
+                    part.add_(owed[start:stop])
+                pieces.append(encode(part, codec, kept))
+                residual[start:stop] = to_bfloat16_stochastic(part.sub_(decode(pieces[-1])), self._rounding)
+        except BaseException:
+            self._rounding.set_state(draws)  # as if never sent: the next send draws the same
+            raise
         data = join_slices(pieces, tuple(tensor.shape)) if pieces else encode(tensor.float(), codec, kept)
         self.residual = residual.view(tensor.shape)
         return data

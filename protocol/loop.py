@@ -30,9 +30,14 @@ def side_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
     makes both spin on the same cores (3x slower measured on a busy machine; a lone `small`
     daemon trained at 0.78x its bare loop with two such teams, bench/scale.py).
 
+    ``torch.set_num_threads`` also sets the count threads take that have not run a parallel op
+    yet: the creating thread (the trainer's, in a daemon) fixes its own first, and threads
+    started later run torch on one thread unless they set their own.
+
     Args:
         name: the thread's name prefix.
     """
+    torch.get_num_threads()  # fixes the calling thread's OpenMP team before the worker's call
     return concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=torch.set_num_threads, initargs=(1,)
     )

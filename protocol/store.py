@@ -33,6 +33,7 @@ RESERVED_VERSIONS = 2
 # float32 copies of it (two peers' φ, or sixteen 4bit deltas). Counted in fragments alone, 8
 # peers' φ in float32 were 32 bytes a parameter of host memory (1 GB at 26M parameters)
 RESERVED_BYTES_PER_VALUE = 8
+_HEADER_BYTES = 256  # allowed per kept fragment beyond its values: an encoding's header and shape
 
 
 @dataclass
@@ -153,19 +154,18 @@ class FragmentStore:
                 older.append(e)
         return older
 
-    @staticmethod
-    def _over_budget(entries: list[StoredFragment], newest: StoredFragment) -> list[StoredFragment]:
+    def _over_budget(self, entries: list[StoredFragment], stored: StoredFragment) -> list[StoredFragment]:
         """Of others' ``entries`` (sorted by base version), the oldest beyond
-        ``RESERVED_BYTES_PER_VALUE`` bytes a value of the fragment (``newest``, just stored, stays)."""
-        budget = RESERVED_BYTES_PER_VALUE * newest.offer.numel
+        ``RESERVED_BYTES_PER_VALUE`` bytes a value of the fragment (``stored``, just put, says its
+        size); the newest version always stays, a late old one goes first."""
+        budget = RESERVED_BYTES_PER_VALUE * stored.offer.numel + _HEADER_BYTES * max(self.keep_reserved, 1)
         total = sum(len(e.data) for e in entries)
         over = []
-        for e in entries:
+        for e in entries[:-1]:
             if total <= budget:
                 break
-            if e is not newest:
-                over.append(e)
-                total -= len(e.data)
+            over.append(e)
+            total -= len(e.data)
         return over
 
     def discard(self, digest: bytes) -> None:

@@ -472,3 +472,20 @@ def test_joining_slices_refuses_a_slice_cut_inside_a_block() -> None:
     pieces = [encode(torch.ones(100), Codec.FP4), encode(torch.ones(28), Codec.FP4)]
     with pytest.raises(ValueError, match="whole blocks"):
         join_slices(pieces, (128,))
+
+
+def test_a_send_that_raises_leaves_the_feedback_as_it_was() -> None:
+    """fp16 cannot carry 1e6 (a later slice): nothing is sent, and neither the residual nor the
+    rounding's draws move, so the next round repeats what a feedback that never tried gives."""
+    torch.manual_seed(2)
+    numel = (1 << 20) + 4096
+    first, tried, fresh = torch.randn(numel), torch.randn(numel), ErrorFeedback(Codec.FP4)
+    tried[-1] = 1e6
+    feedback = ErrorFeedback(Codec.FP4)
+    assert feedback.send(first) == fresh.send(first)
+    with pytest.raises(FragmentError):
+        feedback.send(tried, Codec.FP16)
+    assert torch.equal(feedback.residual, fresh.residual)
+    after = torch.randn(numel)
+    assert feedback.send(after) == fresh.send(after)
+    assert torch.equal(feedback.residual, fresh.residual)

@@ -174,7 +174,6 @@ def test_compose_network_trains_together():
             if (
                 len(workers) == 2
                 and len(bootstrap.get("eval_history") or []) >= 3
-                and len(bootstrap.get("eval_history") or []) >= 3
                 and metrics.get("cgad_peers", 0) >= 2
                 and all(applied.get(w["peer_id"], 0) > 0 for w in workers.values())
                 and all((w.get("applied_by_peer") or {}).get(bootstrap.get("peer_id"), 0) > 0

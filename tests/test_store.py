@@ -36,15 +36,17 @@ def _entry(
     kind: Kind = Kind.DELTA,
     publisher: str = "QmFakePeer",
     bytes_per_value: int = 1,
+    values: int = 64,
+    header: int = 0,
 ) -> StoredFragment:
-    data = os.urandom(64 * bytes_per_value)  # of a fragment of 64 values
+    data = os.urandom(values * bytes_per_value + header)
     offer = Offer(
         publisher=publisher,
         base_version=base,
         kind=str(kind),
         tokens=0,
         codec="fp32",
-        numel=64,
+        numel=values,
         content_hash=content_hash(data),
         byte_length=len(data),
     )
@@ -124,25 +126,30 @@ def test_each_publishers_newest_two_versions_are_re_served_within_keep_reserved(
 
 
 def test_re_served_fragments_hold_at_most_their_bytes_per_value_together() -> None:
-    """Peers' φ in float32 (4 bytes a value) fill the byte budget long before keep_reserved's 8
-    slots (32 bytes a value): the oldest go; small deltas still fill every slot."""
+    """Peers' φ in float32 (4 bytes a value and a header) fill the byte budget long before
+    keep_reserved's 8 slots (32 bytes a value): two of them fit, the oldest go; small deltas
+    still fill every slot."""
     assert RESERVED_BYTES_PER_VALUE == 8
+
+    def entry(base: int, publisher: str, bytes_per_value: int, kind: Kind = Kind.PARAMS) -> StoredFragment:
+        return _entry(0, base, False, kind, publisher, bytes_per_value, values=1 << 16, header=40)
+
     store = FragmentStore(keep_own=2, keep_reserved=8)
-    own = _entry(0, 0, own=True, kind=Kind.PARAMS, bytes_per_value=4)
+    own = _entry(0, 0, own=True, kind=Kind.PARAMS, bytes_per_value=4, values=1 << 16, header=40)
     store.put(own)
-    phis = [
-        _entry(0, base, own=False, kind=Kind.PARAMS, publisher=f"QmPeer{'abcdefgh'[p]}", bytes_per_value=4)
-        for base in range(2)
-        for p in range(4)
-    ]
-    for entry in phis:
-        store.put(entry)
+    phis = [entry(base, f"QmPeer{'abcd'[p]}", 4) for base in range(2) for p in range(4)]
+    for e in phis:
+        store.put(e)
     assert _held(store, [own, *phis]) == [own, phis[-2], phis[-1]]  # own ones are not counted
-    deltas = [_entry(0, 5, own=False, publisher=f"QmPeer{'abcdefgh'[p]}") for p in range(8)]  # 1 byte a value
-    for entry in deltas:
-        store.put(entry)
+    deltas = [entry(5, f"QmPeer{'abcdefgh'[p]}", 1, Kind.DELTA) for p in range(8)]
+    for e in deltas:
+        store.put(e)
     assert _held(store, [*phis, *deltas]) == deltas
-    huge = _entry(0, 6, own=False, publisher="QmHuge", bytes_per_value=16)
+    # a late, old fragment goes itself: it does not push out the newer ones
+    late = entry(3, "QmLate", 2, Kind.DELTA)
+    store.put(late)
+    assert _held(store, [*deltas, late]) == deltas
+    huge = entry(6, "QmHuge", 16, Kind.DELTA)
     store.put(huge)
     assert _held(store, [*deltas, huge]) == [huge]  # the newest stays, even alone over the budget
 

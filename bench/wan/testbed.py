@@ -234,6 +234,8 @@ class Testbed:
             "ip", "netns", "exec", self.namespace(index), executable, "join", *listen,
             "--admin-host", address, "--admin-port", str(admin_port), *args,
         ]  # fmt: skip
+        if "--eval-every" not in args:  # the checks and reports read every round's held-out loss
+            command += ["--eval-every", "1"]
         log = workdir / "log.txt"
         with log.open("a") as out:
             process = subprocess.Popen(

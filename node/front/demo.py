@@ -76,6 +76,7 @@ def _join_command(
     cmd += ["--run-id", "demo-alone" if index == ALONE else "demo"]
     cmd += ["--checkpoint-dir", str(workdir / name), "--admin-port", str(ports[0])]
     cmd += ["--dashboard-port", str(ports[1])]
+    cmd += ["--eval-every", "1"]  # the demo compares the swarm with the lone node round by round
     cmd += ["--identity", str(workdir / f"{name}.key")]
     # paired data orders: the lone node sees node 0's batches
     cmd += ["--data-seed", str(max(index, 0))]
