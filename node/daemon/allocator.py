@@ -7,7 +7,9 @@ what was freed. The daemon fixes the threshold at 16 MiB (``mallopt(M_MMAP_THRES
 also fixes the trim threshold): a model's flat buffers (whole fragments) are mapped and go back
 when freed, while a training step's activations stay on the heap (at 1 MiB every step faulted
 its activations in afresh: a lone `small` daemon trained at 0.7x its bare loop; trimming the
-heaps every round, ``malloc_trim``, lowered no peak). Elsewhere (not glibc) nothing is done.
+heaps every round, ``malloc_trim``, lowered no peak). Larger activations (a batch of 8 x 512
+has 64 MiB of logits) are mapped either way: glibc's moving threshold stops at 32 MiB. Elsewhere
+(not glibc) nothing is done.
 """
 
 from __future__ import annotations
