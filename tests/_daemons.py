@@ -1,5 +1,5 @@
-"""Real `cgad-node join` processes on 127.0.0.1, for the daemon tests: start one, read its status
-through the admin API, wait for what it reports, kill it."""
+"""Real `cgad-node join` processes on 127.0.0.1, for the daemon tests: start one (or several at
+once), read its status through the admin API, wait for what it reports, kill it."""
 
 import os
 import re
@@ -13,6 +13,7 @@ from pathlib import Path
 from cgad.node.daemon.admin import call_admin
 
 HOSTILE_NODE = Path(__file__).with_name("_hostile_node.py")
+JOIN_AFTER = Path(__file__).with_name("_join_after.py")
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 FRESH_LOSS = 8.3  # ln(4096): what an untrained model scores on the held-out split
 # --eval-every 1: the tests watch learning round by round
@@ -24,6 +25,15 @@ SETTINGS = [
 
 
 class NodeProcess:
+    """One `cgad-node join`, started at once. With ``wait`` (the default) the constructor returns
+    once the node has printed its admin address; without, it returns at once and the address is
+    waited for the first time it is needed (``admin``), so that nodes that do not need each other
+    can start side by side: a daemon takes seconds to start on a busy machine.
+
+    ``after``: nodes (started already, up or not) that this one joins once all of them are up,
+    through the first one's multiaddrs (instead of ``peers``): its process starts now and does
+    its imports meanwhile (tests/_join_after.py)."""
+
     def __init__(
         self,
         name: str,
@@ -31,6 +41,8 @@ class NodeProcess:
         peers: list[str],
         extra: Sequence[str] = (),
         hostile: str | None = None,
+        wait: bool = True,
+        after: Sequence["NodeProcess"] = (),
     ) -> None:
         self.name = name
         self.dir = workdir / name
@@ -38,17 +50,31 @@ class NodeProcess:
         self.log = self.dir / "log.txt"
         # a hostile node runs the same daemon through tests/_hostile_node.py, forging what it sends
         start = [CLI, "join"] if hostile is None else [sys.executable, str(HOSTILE_NODE), hostile]
+        if after:
+            assert not peers, "the peers of a node started with after= are the first one's"
+            files = ",".join(str(node.dir / "maddrs") for node in after)
+            start = [sys.executable, str(JOIN_AFTER), files, "join" if hostile is None else hostile]
         cmd = [*start, *SETTINGS, "--checkpoint-dir", str(self.dir / "ckpt"), "--identity",
                str(self.dir / "id.key"), "--maddrs-file", str(self.dir / "maddrs"), *extra]  # fmt: skip
         if peers:
             cmd += ["--peers", *peers]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CGAD_CACHE_DIR": os.environ["CGAD_CACHE_DIR"]}
+        self.launched = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)  # fmt: skip
-        self.admin = self._wait_for_admin()
+        self._admin: str | None = None
+        if wait:
+            self._admin = self._wait_for_admin()
+
+    @property
+    def admin(self) -> str:
+        """The admin API's address, as the node printed it (waited for the first time)."""
+        if self._admin is None:
+            self._admin = self._wait_for_admin()
+        return self._admin
 
     def _wait_for_admin(self) -> str:
-        deadline = time.monotonic() + 180
+        deadline = self.launched + 180
         while time.monotonic() < deadline:
             found = re.search(r"^admin\s+(\S+)", self.log.read_text(), re.M)
             if found:

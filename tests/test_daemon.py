@@ -32,10 +32,10 @@ def first_and_last_eval(status: dict) -> tuple[float, float]:
 @pytest.mark.timeout(900)
 def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave(daemons):
     workdir, nodes = daemons
-    a = NodeProcess("a", workdir, [])
+    # b and c start with a and join it once it is up, side by side (neither needs the other)
+    a = NodeProcess("a", workdir, [], wait=False)
     nodes.append(a)
-    b = NodeProcess("b", workdir, a.maddrs())
-    c = NodeProcess("c", workdir, a.maddrs())
+    b, c = (NodeProcess(name, workdir, [], after=[a], wait=False) for name in "bc")
     nodes += [b, c]
     assert check_health(a.admin)
     status_json = subprocess.run(

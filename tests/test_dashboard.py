@@ -62,12 +62,11 @@ def test_the_dashboard_shows_the_swarm_and_its_loss_in_a_browser(daemons):
     # the floor the page draws beside a's loss: a lone node's held-out loss, as `demo` writes it
     floor = workdir / "floor.json"
     floor.write_text(json.dumps({"points": [[r, 20.0 * r, 8.3 - 0.1 * r] for r in range(5)]}))
-    first = NodeProcess("a", workdir, [], ["--dashboard-floor", str(floor)])
+    # b and c start with a and join it once it is up, side by side (neither needs the other)
+    first = NodeProcess("a", workdir, [], ["--dashboard-floor", str(floor)], wait=False)
     started.append(first)
-    second = NodeProcess("b", workdir, first.maddrs())
-    started.append(second)
-    third = NodeProcess("c", workdir, first.maddrs())
-    started.append(third)
+    second, third = (NodeProcess(name, workdir, [], after=[first], wait=False) for name in "bc")
+    started += [second, third]
     others = {second.status()["peer_id"], third.status()["peer_id"]}
     first.wait(
         lambda s: others <= set(s["applied_by_peer"]) and len(s["eval_history"]) >= 3, "b's and c's fragments"

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 
 
-def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path):
-    env = {**os.environ, "CGAD_CACHE_DIR": str(tmp_path / "cache")}
+def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path, token_cache):
+    env = {**os.environ, "CGAD_CACHE_DIR": token_cache}
     result = subprocess.run(
         [CLI, "demo", "--nodes", "2", "--minutes", "0.6", "--out", str(tmp_path), "--inner-steps", "8"],
         capture_output=True, text=True, timeout=600, env=env,
@@ -46,8 +46,8 @@ def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path):
     assert not list((tmp_path / "demo-swarm").glob("*.maddrs.tmp"))
 
 
-def test_ctrl_c_stops_the_nodes_and_still_prints_the_summary_and_the_plot(tmp_path):
-    env = {**os.environ, "CGAD_CACHE_DIR": str(tmp_path / "cache")}
+def test_ctrl_c_stops_the_nodes_and_still_prints_the_summary_and_the_plot(tmp_path, token_cache):
+    env = {**os.environ, "CGAD_CACHE_DIR": token_cache}
     demo = subprocess.Popen(
         [CLI, "demo", "--nodes", "2", "--minutes", "5", "--out", str(tmp_path), "--inner-steps", "8"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
