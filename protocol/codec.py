@@ -332,11 +332,15 @@ def join_slices(pieces: Sequence[bytes], shape: tuple[int, ...]) -> bytes:
         pieces: ``encode``'s bytes of each slice of the flattened tensor, in order, one codec.
         shape: the whole tensor's shape.
     """
+    if not pieces:
+        raise ValueError("no slices to join")
     parsed = [_parse_header(piece) for piece in pieces]
     codec, dtype = parsed[0][0], parsed[0][1]
     block = _BLOCK[codec]
     if any((c, d) != (codec, dtype) for c, d, *_ in parsed):
         raise ValueError("slices of one tensor are encoded in one codec and dtype")
+    if codec is Codec.SPARSE and len({kept_in(piece) for piece in pieces}) > 1:
+        raise ValueError("slices of one sparse tensor keep as many values per block")
     if block and any(numel % block for *_, numel, _ in parsed[:-1]):
         raise ValueError(f"every slice but the last holds whole blocks of {block}")
     if sum(numel for *_, numel, _ in parsed) != math.prod(shape):

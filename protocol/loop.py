@@ -28,7 +28,7 @@ def side_worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
     """One thread for work beside training (encoding, decoding, snapshot packing), with one
     torch thread: its kernels are memory-bound, and a second OpenMP team beside the trainer's
     makes both spin on the same cores (3x slower measured on a busy machine; a lone `small`
-    daemon trained at 0.78x its bare loop with two such teams, bench/scale.py).
+    daemon trained at 0.65x its bare loop with them, development runs; docs/SCALE.md).
 
     ``torch.set_num_threads`` also sets the count threads take that have not run a parallel op
     yet: the creating thread (the trainer's, in a daemon) fixes its own first, and threads

@@ -30,7 +30,7 @@ STATE_EXTRA = 2
 # were host memory held for nothing (with two volunteers, 8 slots held 4 versions of each)
 RESERVED_VERSIONS = 2
 # Others' fragments kept to re-serve hold at most this many bytes per value of the fragment: two
-# float32 copies of it (two peers' φ, or sixteen 4bit deltas). Counted in fragments alone, 8
+# float32 copies of it (two peers' φ, or fourteen 4bit deltas). Counted in fragments alone, 8
 # peers' φ in float32 were 32 bytes a parameter of host memory (1 GB at 26M parameters)
 RESERVED_BYTES_PER_VALUE = 8
 _HEADER_BYTES = 256  # allowed per kept fragment beyond its values: an encoding's header and shape

@@ -489,3 +489,11 @@ def test_a_send_that_raises_leaves_the_feedback_as_it_was() -> None:
     after = torch.randn(numel)
     assert feedback.send(after) == fresh.send(after)
     assert torch.equal(feedback.residual, fresh.residual)
+
+
+def test_joining_slices_refuses_sparse_slices_of_different_sparsity_and_nothing() -> None:
+    pieces = [encode(torch.randn(256), Codec.SPARSE, 8), encode(torch.randn(256), Codec.SPARSE, 16)]
+    with pytest.raises(ValueError, match="as many values"):
+        join_slices(pieces, (512,))
+    with pytest.raises(ValueError, match="no slices"):
+        join_slices([], (0,))

@@ -11,12 +11,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["EVAL_SHARE", "EvalSchedule", "InnerTrainer", "evaluate"]
+from cgad.node.config import EVAL_SHARE
 
-# "auto": held-out evaluation takes at most this share of the run's time. It stops training (a
-# forward pass over every held-out batch); at 26M parameters and H = 10 one evaluation costs
-# about 13% of a round, so evaluating every round would cost the swarm an eighth of its tokens.
-EVAL_SHARE = 0.03
+__all__ = ["EVAL_SHARE", "EvalSchedule", "InnerTrainer", "evaluate"]
 
 
 class InnerTrainer:
