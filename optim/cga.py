@@ -24,7 +24,7 @@ before any peer has been seen on time, and none for a peer alone).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from .defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
 from .staleness import check_age, staleness_weight
 
-__all__ = ["CGA", "cga_update", "running_freshness"]
+__all__ = ["CGA", "cga_update", "cga_update_from", "running_freshness"]
 
 FRESHNESS_DECAY = 0.5  # ρ: the running freshness is half this round's share, half the past's
 
@@ -57,12 +57,41 @@ def cga_update(
         lr: the outer learning rate (1: averaging).
         mu: the momentum this step takes, μ' = μ·r.
     """
-    for i, (p, mean) in enumerate(zip(params, means, strict=True)):
-        update = mean
+    cga_update_from(params, [means], [1.0], momenta, lr=lr, mu=mu)
+
+
+def cga_update_from(
+    params: list[Tensor],
+    deliveries: Sequence[Sequence[Tensor]],
+    shares: Sequence[float],
+    momenta: list[Tensor] | None,
+    *,
+    lr: float,
+    mu: float,
+) -> None:
+    """``cga_update`` with Δ̄ = Σ_i share_i·Δ_i never written out: each delivery is added into φ
+    (and into the momentum) where it lies, so a step holds no model-sized sum beside the
+    deliveries (4 bytes a parameter at the step's peak, what a daemon's memory is sized by).
+
+    Args:
+        params: φ, the tensors to step (any float dtype).
+        deliveries: each delivery's Δ_i per tensor, aligned with ``params`` (float32).
+        shares: each delivery's s_i / Σ s (they sum to 1 for a mean).
+        momenta: the momentum buffer per tensor (float32, updated in place), or None.
+        lr: the outer learning rate (1: averaging).
+        mu: the momentum this step takes, μ' = μ·r.
+    """
+    if len(deliveries) != len(shares):
+        raise ValueError(f"{len(deliveries)} deliveries for {len(shares)} shares")
+    for i, p in enumerate(params):
         if momenta is not None:
-            buf = momenta[i].mul_(mu).add_(mean)
-            update = mean.add(buf, alpha=mu)
-        p.add_(update.to(p.dtype), alpha=-lr)
+            buf = momenta[i].mul_(mu)
+            for delta, share in zip(deliveries, shares, strict=True):
+                buf.add_(delta[i], alpha=share)
+            if mu:
+                p.add_(buf.to(p.dtype), alpha=-lr * mu)
+        for delta, share in zip(deliveries, shares, strict=True):
+            p.add_(delta[i].to(p.dtype), alpha=-lr * share)
 
 
 class CGA(Optimizer):
@@ -131,12 +160,37 @@ class CGA(Optimizer):
         """The momentum μ' the next step takes without a new share (the mean over groups)."""
         return sum(g["momentum"] * self._freshness(g) for g in self.param_groups) / len(self.param_groups)
 
+    def _begin(
+        self, group: dict[str, Any], stepping: list[Tensor], fresh_share: float | None
+    ) -> tuple[float, list[Tensor] | None]:
+        """A step of ``group``'s ``stepping`` parameters begins: the running freshness takes the
+        share, and each parameter's momentum buffer is made, restarted or counted. Its μ' and
+        momenta (None without momentum)."""
+        if fresh_share is not None:
+            group["freshness"] = running_freshness(self._freshness(group), fresh_share)
+        mu, restart = group["momentum"] * self._freshness(group), group["restart_every"]
+        if not group["momentum"]:
+            return mu, None
+        momenta = []
+        for p in stepping:
+            state = self.state[p]
+            steps = state.get("steps", 0)
+            if "momentum" not in state or (restart and steps and steps % restart == 0):
+                state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+            momenta.append(state["momentum"])
+            state["steps"] = steps + 1
+        return mu, momenta
+
+    @staticmethod
+    def _check_share(fresh_share: float | None) -> None:
+        if fresh_share is not None and not 0.0 <= fresh_share <= 1.0:
+            raise ValueError(f"fresh_share must be in [0, 1], got {fresh_share}")
+
     @torch.no_grad()
     def step(self, closure: Any = None, *, fresh_share: float | None = None) -> Any:
         """Move every parameter with accumulated deliveries by its mean; clear the sums. With
         ``fresh_share`` in [0, 1] the momentum follows the running freshness (module docstring)."""
-        if fresh_share is not None and not 0.0 <= fresh_share <= 1.0:
-            raise ValueError(f"fresh_share must be in [0, 1], got {fresh_share}")
+        self._check_share(fresh_share)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -145,21 +199,58 @@ class CGA(Optimizer):
             stepping = [p for p in group["params"] if self.state[p].get("total")]
             if not stepping:  # a fragment that is not this round's keeps its freshness too
                 continue
-            if fresh_share is not None:
-                group["freshness"] = running_freshness(self._freshness(group), fresh_share)
-            mu, restart = group["momentum"] * self._freshness(group), group["restart_every"]
-            means, momenta = [], []
+            means = []
             for p in stepping:
                 state = self.state[p]
                 means.append(state["sum"].div_(state["total"]))
                 # the sums live only within a round: dropped, they stay out of the state that
                 # checkpoints and joining peers carry (which is then the momentum, if any)
                 del state["sum"], state["total"]
-                if group["momentum"]:
-                    steps = state.get("steps", 0)
-                    if "momentum" not in state or (restart and steps and steps % restart == 0):
-                        state["momentum"] = torch.zeros_like(means[-1])
-                    momenta.append(state["momentum"])
-                    state["steps"] = steps + 1
-            cga_update(stepping, means, momenta if group["momentum"] else None, lr=group["lr"], mu=mu)
+            mu, momenta = self._begin(group, stepping, fresh_share)
+            cga_update(stepping, means, momenta, lr=group["lr"], mu=mu)
         return loss
+
+    @torch.no_grad()
+    def step_deliveries(
+        self,
+        params: Sequence[Tensor],
+        deliveries: Sequence[Sequence[Tensor]],
+        ages: Sequence[float],
+        weights: Sequence[float],
+        *,
+        fresh_share: float | None = None,
+    ) -> bool:
+        """``accumulate`` for each delivery and then ``step``, in one pass and with no sum held:
+        each Δ_i is added into φ where it lies (``cga_update_from``). False when σ dropped every
+        delivery (nothing moved, the freshness neither).
+
+        Args:
+            params: the parameters to step, all of one param group (a fragment's).
+            deliveries: each delivery's Δ_i per parameter, aligned with ``params``.
+            ages: each delivery's age τ_i in rounds.
+            weights: each delivery's weight w_i (> 0: the tokens behind it).
+            fresh_share: as in ``step``.
+        """
+        self._check_share(fresh_share)
+        if not len(deliveries) == len(ages) == len(weights):
+            raise ValueError(f"{len(deliveries)} deliveries, {len(ages)} ages, {len(weights)} weights")
+        params = list(params)
+        group = next((g for g in self.param_groups if any(p is params[0] for p in g["params"])), None)
+        if group is None or not all(any(p is q for q in group["params"]) for p in params):
+            raise ValueError("params must all belong to one of this optimizer's param groups")
+        taken, scales = [], []
+        for delta, age, weight in zip(deliveries, ages, weights, strict=True):
+            if not weight > 0:
+                raise ValueError(f"weight must be > 0, got {weight}")
+            if len(delta) != len(params):
+                raise ValueError(f"a delivery of {len(delta)} tensors for {len(params)} parameters")
+            scale = weight * staleness_weight(check_age(age), group["alpha"], group["cutoff"])
+            if scale > 0.0:
+                taken.append(delta)
+                scales.append(scale)
+        if not taken:
+            return False
+        total = sum(scales)
+        mu, momenta = self._begin(group, params, fresh_share)
+        cga_update_from(params, taken, [s / total for s in scales], momenta, lr=group["lr"], mu=mu)
+        return True

@@ -53,6 +53,22 @@ def drive(phi0, rounds, shares=None, **hyper):
     return params
 
 
+def drive_deliveries(phi0, rounds, shares=None, **hyper):
+    """``drive`` through ``step_deliveries``: each round's deliveries in one call, no sum held."""
+    params = [torch.nn.Parameter(p.clone()) for p in phi0]
+    opt = CGA(params, **hyper)
+    for n, deliveries in enumerate(rounds):
+        opt.step_deliveries(
+            params,
+            [delta for delta, _, _ in deliveries],
+            ages=[age for _, age, _ in deliveries],
+            weights=[weight for _, _, weight in deliveries],
+            fresh_share=None if shares is None else shares[n],
+        )
+        assert all("sum" not in opt.state[p] for p in params)
+    return params, opt
+
+
 def random_rounds(seed, count=20):
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -185,3 +201,54 @@ def test_the_functional_core_is_the_optimizers_step():
         cga_update(plain, round_, buffers, lr=0.8, mu=0.5 * r)
     for a, b in zip(params, plain, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("restart_every", [0, 3])
+def test_stepping_on_the_deliveries_is_accumulating_then_stepping(momentum, restart_every):
+    """``step_deliveries`` (what the member's step takes: no model-sized sum) moves φ as the
+    float64 reference and as ``accumulate`` + ``step`` do, with mixed ages, gated deliveries,
+    restarts and a running freshness, and leaves the same state."""
+    phi0 = [torch.randn(7, 3), torch.randn(11)]
+    rounds = random_rounds(8)
+    shares = [random.Random(n).choice([0.0, 0.5, 1.0]) for n in range(len(rounds))]
+    hyper = dict(lr=0.8, momentum=momentum, alpha=0.4, cutoff=4.0, restart_every=restart_every, freshness=0.0)
+    got, opt = drive_deliveries(phi0, rounds, shares=shares, **hyper)
+    want = reference(phi0, rounds, shares=shares, **hyper)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.detach().double(), w, rtol=1e-5, atol=1e-6)
+    params = [torch.nn.Parameter(p.clone()) for p in phi0]
+    accumulated = CGA(params, **hyper)
+    for n, deliveries in enumerate(rounds):
+        for delta, age, weight in deliveries:
+            for p, d in zip(params, delta, strict=True):
+                p.grad = d.clone()
+            accumulated.accumulate(age=age, weight=weight)
+        accumulated.step(fresh_share=shares[n])
+    ours, theirs = opt.state_dict(), accumulated.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for i, state in theirs["state"].items():
+        assert state.keys() == ours["state"][i].keys()
+        if "momentum" in state:
+            torch.testing.assert_close(ours["state"][i]["momentum"], state["momentum"], rtol=1e-5, atol=1e-6)
+
+
+def test_stepping_on_deliveries_checks_what_it_is_given():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    opt = CGA([{"params": [a]}, {"params": [b]}], momentum=0.5)
+    with pytest.raises(ValueError, match="one of this optimizer's param groups"):
+        opt.step_deliveries([a, b], [[torch.ones(3), torch.ones(2)]], ages=[0], weights=[1])
+    with pytest.raises(ValueError, match="one of this optimizer's param groups"):
+        opt.step_deliveries([torch.nn.Parameter(torch.zeros(3))], [[torch.ones(3)]], ages=[0], weights=[1])
+    with pytest.raises(ValueError, match="weight"):
+        opt.step_deliveries([a], [[torch.ones(3)]], ages=[0], weights=[0])
+    with pytest.raises(ValueError, match="tensors for 1 parameters"):
+        opt.step_deliveries([a], [[torch.ones(3), torch.ones(3)]], ages=[0], weights=[1])
+    with pytest.raises(ValueError, match="2 ages"):
+        opt.step_deliveries([a], [[torch.ones(3)]], ages=[0, 1], weights=[1])
+    # every delivery at the cutoff: nothing moves, the freshness neither
+    assert not opt.step_deliveries([a], [[torch.ones(3)]], ages=[4], weights=[1], fresh_share=1.0)
+    assert a.abs().sum() == 0 and opt.param_groups[0]["freshness"] == 1.0
+    assert opt.step_deliveries([a], [[torch.ones(3)]], ages=[0], weights=[1], fresh_share=0.0)
+    # μ' = 0.5 · 0.5: φ moves by Δ̄ + μ'·b = 1.25
+    assert torch.allclose(a, torch.full((3,), -1.25)) and opt.param_groups[0]["freshness"] == 0.5

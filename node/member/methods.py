@@ -186,10 +186,14 @@ class CGAMethod(OuterMethod):
 
     def step(self, optimizer: Optimizer, step: StepInput) -> None:
         assert isinstance(optimizer, CGA)
-        for c in step.taken:
-            set_grads(step.params, c.delta)
-            optimizer.accumulate(age=c.age, weight=max(c.tokens, 1))
-        optimizer.step(fresh_share=fresh_share(step.taken, step.live_peers))
+        # each delivery added where it lies: no model-sized sum beside the deliveries at the step
+        optimizer.step_deliveries(
+            step.params,
+            [unflatten(step.params, c.delta) for c in step.taken],
+            ages=[c.age for c in step.taken],
+            weights=[max(c.tokens, 1) for c in step.taken],
+            fresh_share=fresh_share(step.taken, step.live_peers),
+        )
 
 
 def fresh_share(taken: Sequence[Contribution], live_peers: int) -> float | None:
