@@ -7,7 +7,11 @@ a blob from an untrusted peer can be parsed safely. The same bytes are a checkpo
 state download over the wire.
 
 ``save_checkpoint`` writes to a temporary file, fsyncs it, renames it over the old one and fsyncs
-the directory: a reader sees the old checkpoint or the new one, never half of one.
+the directory: a reader sees the old checkpoint or the new one, never half of one. It streams the
+tensors from their own memory into the file, and ``load_checkpoint`` reads each tensor from the
+mapped file once: a model-sized state never exists twice over for them (``pack`` and ``unpack``,
+for blobs in memory, hold the state and its bytes at once: 1.0 GiB above the daemon's steady
+memory at every checkpoint of `small`, a 26M-parameter model, when checkpoints went through them).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+from safetensors.torch import save_file
 
 from cgad.protocol.files import atomic_write
 
@@ -77,10 +82,23 @@ def _join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return skeleton
 
 
-def pack(state: Any) -> bytes:
+def _parts(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``state``'s tensors by name, and the metadata holding the rest as a JSON skeleton."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(state, tensors, {})
-    return save_tensors(tensors, metadata={"skeleton": json.dumps(skeleton)})
+    return tensors, {"skeleton": json.dumps(skeleton)}
+
+
+def _whole(metadata: dict[str, str] | None, tensors: dict[str, torch.Tensor]) -> Any:
+    return _join(json.loads((metadata or {})["skeleton"]), tensors)
+
+
+_MALFORMED = (SafetensorError, KeyError, ValueError, TypeError, IndexError, RecursionError)
+
+
+def pack(state: Any) -> bytes:
+    tensors, metadata = _parts(state)
+    return save_tensors(tensors, metadata=metadata)
 
 
 def unpack(data: bytes | bytearray) -> Any:
@@ -90,25 +108,40 @@ def unpack(data: bytes | bytearray) -> Any:
         tensors = load_tensors(data)
         header_len = int.from_bytes(data[:8], "little")
         metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
-        return _join(json.loads(metadata["skeleton"]), tensors)
-    except (SafetensorError, KeyError, ValueError, TypeError, IndexError, RecursionError) as exc:
+        return _whole(metadata, tensors)
+    except _MALFORMED as exc:
         raise CheckpointError(f"not a cgad-node state blob: {exc}") from exc
 
 
 def save_checkpoint(directory: str | os.PathLike[str], state: Any) -> Path:
+    """Write ``state`` as ``directory``/node.safetensors, atomically; the file's path.
+
+    Args:
+        directory: the checkpoint folder (made if missing).
+        state: what ``pack`` takes.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / CHECKPOINT_NAME
-    atomic_write(target, pack(state))  # a crash mid-write leaves the previous checkpoint whole
+    tensors, metadata = _parts(state)
+    # a crash mid-write leaves the previous checkpoint whole
+    atomic_write(target, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return target
 
 
 def load_checkpoint(directory: str | os.PathLike[str]) -> Any | None:
-    """The saved state, or None when the directory holds no checkpoint yet."""
+    """The saved state, or None when the directory holds no checkpoint yet.
+
+    Args:
+        directory: the checkpoint folder.
+    """
     path = Path(directory) / CHECKPOINT_NAME
     if not path.exists():
         return None
     try:
-        return unpack(path.read_bytes())
-    except CheckpointError as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
+        with safe_open(path, framework="pt") as file:
+            metadata = file.metadata()
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+        return _whole(metadata, tensors)
+    except _MALFORMED as exc:
+        raise CheckpointError(f"{path}: not a cgad-node state blob: {exc}") from exc
