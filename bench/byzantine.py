@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
+import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -30,6 +30,9 @@ from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import describe, tree_state  # noqa: E402
+
 OUT = ROOT / "bench" / "results" / "byzantine.json"
 LOG = OUT.with_suffix(".runs.jsonl")
 MODEL = ROOT / "bench" / "sweep_model.json"
@@ -106,12 +109,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    outputs = ":(exclude,glob)bench/results/byzantine.*"
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", outputs)
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else "")
+    """The commit the runs are made at ("+changes" when the tree had changes beside it)."""
+    return describe(tree_state(ROOT), short=True)
 
 
 def main() -> None:

@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "benchmark": "gpu_check",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        **scale.tree_state(),
+        **scale.tree_state(scale.ROOT),
         "machine": {**scale.machine(), "torch": torch.__version__, "cuda": torch.version.cuda},
         "gpu": _gpu(device),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

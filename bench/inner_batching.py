@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -38,6 +39,10 @@ from torch.func import functional_call
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model
 from cgad.node.training.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import tree_state  # noqa: E402
 
 # InnerTrainer's defaults
 LR, WEIGHT_DECAY, BETAS, CLIP = 4e-4, 0.1, (0.9, 0.95), 1.0
@@ -339,6 +344,7 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.repeats, args.warmup, args.check_steps, args.config_budget)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {**tree_state(ROOT), **result}  # the code that ran
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

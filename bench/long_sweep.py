@@ -34,7 +34,7 @@ import argparse
 import json
 import math
 import os
-import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,6 +44,9 @@ from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import describe, tree_state  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 MODEL = ROOT / "bench" / "sweep_model.json"
 VOCAB = 1024
@@ -235,19 +238,9 @@ def run_all(
 
 
 def _commit(sweep: Sweep) -> str:
-    """The commit the runs are made at (with "+changes" when tracked files differ from it)."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        # the files this sweep writes (its log, JSON and PNG) are no change to the code that made the runs
-        outputs = f":(exclude,glob){(RESULTS / sweep.name).relative_to(ROOT)}.*"
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", outputs)
-    except OSError:
-        return "unknown"
-    return (head or "unknown") + ("+changes" if dirty else "")
+    """The commit the runs are made at ("+changes" when the tree had changes beside it; what
+    sweeps write under bench/results/ is no change to the code that made the runs)."""
+    return describe(tree_state(ROOT), short=True)
 
 
 def score(record: dict) -> float:

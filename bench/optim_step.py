@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,10 @@ import torch
 from tqdm import tqdm
 
 from cgad.optim import CGAD, PACGAD
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import tree_state  # noqa: E402
 
 # (hidden, layers, intermediate, vocab) of two Llama-style models with untied embeddings
 SIZES = {"25M": (512, 6, 1376, 8192), "100M": (768, 12, 2048, 8192)}
@@ -118,6 +123,7 @@ def main() -> None:
     result = measure(args.repeats, args.warmup)
     result["load_average"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {**tree_state(ROOT), **result}  # the code that ran
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

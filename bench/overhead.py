@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,10 @@ from cgad.node.daemon.node import Node
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model
 from cgad.node.training.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import tree_state  # noqa: E402
 
 RESULT = Path(__file__).parent / "results" / "overhead.json"
 
@@ -136,6 +141,7 @@ def main() -> None:
         "median_cpu_ratio": median("daemon", 1) / median("bare", 1),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
+    result = {**tree_state(ROOT), **result}  # the code that ran
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     wall, cpu = result["median_ratio"], result["median_cpu_ratio"]
     print(

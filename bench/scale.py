@@ -50,6 +50,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import tree_state  # noqa: E402
+
 RESULT = ROOT / "bench" / "results" / "scale.json"
 START_TIMEOUT = 300.0  # seconds for a daemon to print its addresses (imports, p2pd, model) when busy
 MIN_WINDOWS = 3  # measured windows per run, whatever --seconds says
@@ -350,18 +353,6 @@ def run_daemon(
 # ---------------------------------------------------------------------------- the bench
 
 
-def tree_state() -> dict[str, Any]:
-    """The commit the processes ran, and whether the tree beside it was clean (bench/results/
-    aside, where runs write)."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-
-    lines = git("status", "--porcelain", "--untracked-files=all").splitlines()
-    changes = [line for line in lines if line and not line[3:].strip('"').startswith("bench/results/")]
-    return {"commit": git("rev-parse", "HEAD").strip(), "clean": not changes, "changes": changes}
-
-
 def machine() -> dict[str, Any]:
     cpu = next(
         (line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")),
@@ -566,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = {
         "benchmark": "scale",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        **tree_state(),
+        **tree_state(ROOT),
         "machine": machine(),
         "settings": {
             "batch_size": args.batch_size,

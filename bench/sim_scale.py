@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,9 @@ from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import describe, tree_state  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 LOG = RESULTS / "sim_scale.runs.jsonl"
 MODEL = ROOT / "bench" / "sweep_model.json"
@@ -59,12 +62,8 @@ def run_key(workers: int, seed: int, variant: str) -> str:
 
 
 def commit() -> str:
-    """HEAD, with "+changes" when tracked files differ from it."""
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
-    return head + ("+changes" if dirty.stdout.strip() else "")
+    """HEAD, with "+changes" when the tree had changes beside it."""
+    return describe(tree_state(ROOT), short=True)
 
 
 def _init_worker() -> None:

@@ -58,6 +58,9 @@ from cgad.node.config import JoinConfig, SimConfig
 from cgad.node.daemon.admin import call_admin
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import tree_state  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 GOAL = 0.8  # the share of the simulator's gain the daemons keep (issue 26)
 POLL_SECONDS = 0.25
@@ -479,18 +482,6 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def tree_state() -> dict[str, Any]:
-    """The code the daemons ran (they import the tree): HEAD, and the changes beside it, all
-    but those under bench/results/ where runs write (as bench/wan/provenance.py counts them)."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-
-    lines = git("status", "--porcelain", "--untracked-files=all").splitlines()
-    changes = [line for line in lines if line and not line[3:].strip('"').startswith("bench/results/")]
-    return {"commit": git("rev-parse", "HEAD").strip(), "clean": not changes, "changes": changes}
-
-
 DIFFERENCES = [
     "joiners adopt node 0's snapshot (phi in float16, outer moments in bfloat16) at the round node 0 has "
     "reached by then (daemon swarm's joined_at_round); the simulator's workers all start from the same "
@@ -594,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     from cgad.node.training.tokenizer import load_tokenizer
 
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    state = tree_state()
+    state = tree_state(ROOT)
     t0 = time.monotonic()
 
     def say(line: str) -> None:

@@ -43,6 +43,10 @@ from cgad.protocol.records import Holdings
 from cgad.protocol.transport import FragmentKey
 from cgad.protocol.wire import content_hash
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import tree_state  # noqa: E402
+
 RUN = "bench"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -243,6 +247,7 @@ def main() -> None:
         "codecs_two_torch_threads": codecs_two_threads,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {**tree_state(ROOT), **result}  # the code that ran
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
 
