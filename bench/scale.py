@@ -26,9 +26,11 @@ by an observer).
 Results per preset are medians over repeats, as daemon/bare ratios beside the goals of issue 28
 (tokens/s at least 0.95x, peak RSS at most 1.5x, stall at most 2% of the block). Writes
 ``bench/results/scale.json`` (commit, clean flag, machine, settings, every run) and
-``bench/results/scale.png``.
+``bench/results/scale.png``. With ``--checkpoint`` the daemon also keeps a checkpoint
+(``--checkpoint-dir``, every 5 rounds by default), as volunteers and docker-compose nodes do.
 
     .venv/bin/python bench/scale.py [--presets tiny,small,base,1b] [--seconds 300] [--repeats 3]
+        [--checkpoint --out bench/results/scale_checkpoint.json]
 """
 
 import argparse
@@ -431,7 +433,9 @@ def summarize(runs: list[dict[str, Any]], numel: int) -> dict[str, Any]:
     return summary
 
 
-def measure_preset(settings: Settings, repeats: int, workdir: Path, say: Say) -> dict[str, Any]:
+def measure_preset(
+    settings: Settings, repeats: int, workdir: Path, say: Say, checkpoint: bool = False
+) -> dict[str, Any]:
     """``repeats`` runs of each side, the order alternating, and their summary."""
     numel = parameters(settings.preset)
     # a run that cannot reach its windows within this is stuck, not slow
@@ -444,7 +448,9 @@ def measure_preset(settings: Settings, repeats: int, workdir: Path, say: Say) ->
             if side == "bare":
                 run[side] = run_bare(settings, timeout)
             else:
-                run[side] = run_daemon(settings, workdir / f"{settings.preset}-{i}", timeout)
+                where = workdir / f"{settings.preset}-{i}"
+                extra = ["--checkpoint-dir", str(where / "ckpt")] if checkpoint else None
+                run[side] = run_daemon(settings, where, timeout, extra)
                 run[side]["published_bytes_per_round"] = published_bytes_per_round(
                     {**run[side]["status"], "round": run[side]["rounds"]}, numel, 1
                 )
@@ -544,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="torch threads of both sides"
     )
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="the daemon also checkpoints (--checkpoint-dir, every --checkpoint-every rounds: 5)",
+    )
     parser.add_argument("--out", type=Path, default=RESULT, help="the JSON; the PNG goes beside it")
     parser.add_argument("--bare-child", help=argparse.SUPPRESS)  # the bare loop's own process
     args = parser.parse_args(argv)
@@ -568,7 +579,9 @@ def main(argv: list[str] | None = None) -> int:
             "warmup_windows": args.warmup,
             "min_windows": MIN_WINDOWS,
             "daemon_flags": "every flag at its default but these, "
-            "--admin-port 0 --dashboard-port 0 and --maddrs-file",
+            "--admin-port 0 --dashboard-port 0 and --maddrs-file"
+            + (" and --checkpoint-dir" if args.checkpoint else ""),
+            "checkpoint": args.checkpoint,
         },
         "repeats": args.repeats,
         "goals": GOALS,
@@ -591,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.seconds,
                 args.warmup,
             )
-            result = measure_preset(settings, args.repeats, Path(tmp), say)
+            result = measure_preset(settings, args.repeats, Path(tmp), say, args.checkpoint)
             record["presets"].append(result)
             s = result["summary"]
             say(
