@@ -110,7 +110,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _commit() -> str:
     """The commit the runs are made at ("+changes" when the tree had changes beside it)."""
-    return describe(tree_state(ROOT), short=True)
+    try:
+        return describe(tree_state(ROOT), short=True)
+    except (RuntimeError, OSError):  # no git here (a copy of the tree): the runs still count
+        return "unknown"
 
 
 def main() -> None:

@@ -335,6 +335,7 @@ def measure(repeats: int, warmup: int, check_steps: int, budget: float) -> dict:
 
 
 def main() -> None:
+    ran = tree_state(ROOT)  # the code that runs: read before, so a run never ends unrecorded
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
@@ -344,7 +345,7 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.repeats, args.warmup, args.check_steps, args.config_budget)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {**tree_state(ROOT), **result}  # the code that ran
+    result = {**ran, **result}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -240,7 +240,10 @@ def run_all(
 def _commit(sweep: Sweep) -> str:
     """The commit the runs are made at ("+changes" when the tree had changes beside it; what
     sweeps write under bench/results/ is no change to the code that made the runs)."""
-    return describe(tree_state(ROOT), short=True)
+    try:
+        return describe(tree_state(ROOT), short=True)
+    except (RuntimeError, OSError):  # no git here (a copy of the tree): the runs still count
+        return "unknown"
 
 
 def score(record: dict) -> float:

@@ -30,7 +30,7 @@ Results per preset are medians over repeats, as daemon/bare ratios beside the go
 (``--checkpoint-dir``, every 5 rounds by default), as volunteers and docker-compose nodes do.
 
     .venv/bin/python bench/scale.py [--presets tiny,small,base,1b] [--seconds 300] [--repeats 3]
-        [--checkpoint --out bench/results/scale_checkpoint.json]
+        [--checkpoint]   (writes bench/results/scale_checkpoint.json)
 """
 
 import argparse
@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -451,6 +452,7 @@ def measure_preset(
                 where = workdir / f"{settings.preset}-{i}"
                 extra = ["--checkpoint-dir", str(where / "ckpt")] if checkpoint else None
                 run[side] = run_daemon(settings, where, timeout, extra)
+                shutil.rmtree(where / "ckpt", ignore_errors=True)  # a model's state a repeat
                 run[side]["published_bytes_per_round"] = published_bytes_per_round(
                     {**run[side]["status"], "round": run[side]["rounds"]}, numel, 1
                 )
@@ -555,9 +557,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the daemon also checkpoints (--checkpoint-dir, every --checkpoint-every rounds: 5)",
     )
-    parser.add_argument("--out", type=Path, default=RESULT, help="the JSON; the PNG goes beside it")
+    parser.add_argument(
+        "--out", type=Path, help="the JSON; the PNG goes beside it (scale.json, scale_checkpoint.json)"
+    )
     parser.add_argument("--bare-child", help=argparse.SUPPRESS)  # the bare loop's own process
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = RESULT.with_name("scale_checkpoint.json") if args.checkpoint else RESULT
     if args.bare_child:
         print(json.dumps(bare_child(Settings(**json.loads(args.bare_child)))), flush=True)
         return 0

@@ -151,6 +151,7 @@ def _codec_speeds(numel: int, repeats: int) -> list[dict]:
 
 
 def main() -> None:
+    ran = tree_state(ROOT)  # the code that runs: read before, so a run never ends unrecorded
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -247,7 +248,7 @@ def main() -> None:
         "codecs_two_torch_threads": codecs_two_threads,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {**tree_state(ROOT), **result}  # the code that ran
+    result = {**ran, **result}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
 

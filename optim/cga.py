@@ -74,7 +74,8 @@ def cga_update_from(
     deliveries (4 bytes a parameter at the step's peak, what a daemon's memory is sized by).
 
     Args:
-        params: φ, the tensors to step (any float dtype).
+        params: φ, the tensors to step (float32 takes each delivery in place; another float
+            dtype takes the update once, from a float32 sum per tensor).
         deliveries: each delivery's Δ_i per tensor, aligned with ``params`` (float32).
         shares: each delivery's s_i / Σ s (they sum to 1 for a mean).
         momenta: the momentum buffer per tensor (float32, updated in place), or None.
@@ -88,10 +89,20 @@ def cga_update_from(
             buf = momenta[i].mul_(mu)
             for delta, share in zip(deliveries, shares, strict=True):
                 buf.add_(delta[i], alpha=share)
-            if mu:
-                p.add_(buf.to(p.dtype), alpha=-lr * mu)
+        if p.dtype != torch.float32:
+            # φ of lower precision takes the whole update at once: added a delivery at a time,
+            # each small share would round away on its own (a per-tensor float32 scratch)
+            update = torch.zeros_like(p, dtype=torch.float32)
+            for delta, share in zip(deliveries, shares, strict=True):
+                update.add_(delta[i], alpha=share)
+            if momenta is not None and mu:
+                update.add_(momenta[i], alpha=mu)
+            p.add_(update.to(p.dtype), alpha=-lr)
+            continue
+        if momenta is not None and mu:
+            p.add_(momenta[i], alpha=-lr * mu)
         for delta, share in zip(deliveries, shares, strict=True):
-            p.add_(delta[i].to(p.dtype), alpha=-lr * share)
+            p.add_(delta[i], alpha=-lr * share)
 
 
 class CGA(Optimizer):
@@ -235,9 +246,10 @@ class CGA(Optimizer):
         if not len(deliveries) == len(ages) == len(weights):
             raise ValueError(f"{len(deliveries)} deliveries, {len(ages)} ages, {len(weights)} weights")
         params = list(params)
-        group = next((g for g in self.param_groups if any(p is params[0] for p in g["params"])), None)
-        if group is None or not all(any(p is q for q in group["params"]) for p in params):
-            raise ValueError("params must all belong to one of this optimizer's param groups")
+        wanted = {id(p) for p in params}
+        group = next((g for g in self.param_groups if wanted <= {id(p) for p in g["params"]}), None)
+        if not params or group is None:
+            raise ValueError("params must be some of one of this optimizer's param groups")
         taken, scales = [], []
         for delta, age, weight in zip(deliveries, ages, weights, strict=True):
             if not weight > 0:

@@ -252,3 +252,16 @@ def test_stepping_on_deliveries_checks_what_it_is_given():
     assert opt.step_deliveries([a], [[torch.ones(3)]], ages=[0], weights=[1], fresh_share=0.0)
     # μ' = 0.5 · 0.5: φ moves by Δ̄ + μ'·b = 1.25
     assert torch.allclose(a, torch.full((3,), -1.25)) and opt.param_groups[0]["freshness"] == 0.5
+
+
+def test_low_precision_params_take_the_whole_update_at_once():
+    """bfloat16 φ: eight deliveries of 0.006 move φ = 1 by their mean once (added one at a time,
+    each would round away)."""
+    phi = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = CGA([phi], lr=1.0, momentum=0.5)
+    deliveries = [[torch.full((4,), 0.006)] for _ in range(8)]
+    assert opt.step_deliveries([phi], deliveries, ages=[0] * 8, weights=[1] * 8)
+    want = torch.ones(4) - 0.006 * 1.5  # μ' = 0.5 (freshness 1), b = Δ̄: Δ̄ + μ'·b
+    torch.testing.assert_close(phi.float(), want.bfloat16().float())
+    with pytest.raises(ValueError, match="param groups"):
+        opt.step_deliveries([], [], ages=[], weights=[])
