@@ -1,5 +1,7 @@
 """Keeping a daemon's block boundaries in phase with its peers' (node/member/pacing.py)."""
 
+import itertools
+
 from test_consensus import _Alone  # tests/ is on sys.path under pytest
 
 from cgad.node.member.pacing import adopted_block_over, phase_nudge
@@ -12,6 +14,57 @@ def test_a_node_whose_wait_ends_short_of_its_peers_is_ahead_and_waits_longer_nex
 
 def test_a_node_that_had_every_fragment_before_it_published_is_behind_and_hurries():
     assert phase_nudge(block=50, early=3, arrived=3, awaited=3) == -12
+
+
+def test_a_node_rounds_ahead_of_its_peers_lengthens_its_blocks_up_to_twice():
+    """Two rounds or more past the swarm is speed, not phase: a quarter more per round of lead
+    past the first, up to a whole block more; behind or in phase it is the plain nudge."""
+    assert phase_nudge(block=16, early=0, arrived=0, awaited=3, lead=1) == 4
+    assert phase_nudge(block=16, early=0, arrived=0, awaited=3, lead=2) == 8
+    assert phase_nudge(block=16, early=0, arrived=0, awaited=3, lead=3) == 12
+    assert phase_nudge(block=16, early=0, arrived=0, awaited=3, lead=4) == 16
+    assert phase_nudge(block=16, early=0, arrived=0, awaited=3, lead=230) == 16
+    assert phase_nudge(block=16, early=0, arrived=0, awaited=3, lead=-5) == 4
+    # the peers' fragments all in: whatever the lead, the block keeps its length
+    assert phase_nudge(block=16, early=1, arrived=3, awaited=3, lead=6) == 0
+
+
+class _BehindPeers:
+    """Three live peers stuck at version 0 whose fragments never arrive: a member faster than
+    its swarm."""
+
+    def live_peers(self) -> list[str]:
+        return ["a", "b", "c"]
+
+    def arrived(self, index: int, base_version: int) -> int:
+        return 0
+
+    def reports(self) -> dict[str, list[int]]:
+        return {"a": [0], "b": [0], "c": [0]}
+
+
+def test_a_member_ahead_of_its_swarm_slows_its_rounds_to_twice_the_block():
+    """The engine gives the nudge its lead: the rounds of a member whose peers stay behind take
+    a quarter block more, then more with each round of lead, then twice the block."""
+    import torch
+
+    from cgad.node.config import OuterOptions
+    from cgad.node.member.engine import Member, Schedule
+    from cgad.node.member.outer import OuterLoop
+    from cgad.protocol.memory import VirtualNetwork
+
+    loop = OuterLoop([torch.zeros(4)], OuterOptions(optimizer="cga"), VirtualNetwork().join("me"), "run")
+    member = Member(loop, _BehindPeers(), Schedule(fragments=1, inner_steps=8))
+    rounds_at: list[int] = []
+    for steps in range(1, 200):
+        before = loop.versions[0]
+        member.after_inner_step(steps)
+        if loop.versions[0] > before:
+            rounds_at.append(steps)
+    lengths = [b - a for a, b in itertools.pairwise(rounds_at)]
+    assert lengths[:2] == [10, 10]  # lead 0 and 1: a quarter block more (the plain nudge)
+    assert lengths[4:] and set(lengths[4:]) == {16}, lengths  # lead 4 on: twice the block
+    assert member.phase_nudges["longer"] == len(rounds_at)
 
 
 def test_a_node_in_phase_keeps_its_block_and_a_tiny_block_still_moves():

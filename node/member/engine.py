@@ -366,6 +366,8 @@ class Member:
     def _align_phase(self, turn: Turn, arrived: int) -> None:
         """Lengthen or shorten the block under way (``phase_nudge``), counted."""
         assert turn.awaited is not None
-        self._block_extra = phase_nudge(self.schedule.block, turn.early, arrived, turn.awaited)
+        swarm = self.swarm_versions()
+        lead = turn.version - swarm[turn.fragment] if swarm else 0
+        self._block_extra = phase_nudge(self.schedule.block, turn.early, arrived, turn.awaited, lead)
         if self._block_extra:
             self.phase_nudges["longer" if self._block_extra > 0 else "shorter"] += 1
