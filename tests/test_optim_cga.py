@@ -41,7 +41,8 @@ def reference(phi0, rounds, lr, momentum, alpha, cutoff, restart_every=0, shares
     return phi
 
 
-def drive(phi0, rounds, shares=None, **hyper):
+def drive_accumulating(phi0, rounds, shares=None, **hyper):
+    """Each round's deliveries through ``accumulate``, then ``step``: the parameters and the optimizer."""
     params = [torch.nn.Parameter(p.clone()) for p in phi0]
     opt = CGA(params, **hyper)
     for n, deliveries in enumerate(rounds):
@@ -50,7 +51,11 @@ def drive(phi0, rounds, shares=None, **hyper):
                 p.grad = d.clone()
             opt.accumulate(age=age, weight=weight)
         opt.step(fresh_share=None if shares is None else shares[n])
-    return params
+    return params, opt
+
+
+def drive(phi0, rounds, shares=None, **hyper):
+    return drive_accumulating(phi0, rounds, shares, **hyper)[0]
 
 
 def drive_deliveries(phi0, rounds, shares=None, **hyper):
@@ -217,14 +222,7 @@ def test_stepping_on_the_deliveries_is_accumulating_then_stepping(momentum, rest
     want = reference(phi0, rounds, shares=shares, **hyper)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.detach().double(), w, rtol=1e-5, atol=1e-6)
-    params = [torch.nn.Parameter(p.clone()) for p in phi0]
-    accumulated = CGA(params, **hyper)
-    for n, deliveries in enumerate(rounds):
-        for delta, age, weight in deliveries:
-            for p, d in zip(params, delta, strict=True):
-                p.grad = d.clone()
-            accumulated.accumulate(age=age, weight=weight)
-        accumulated.step(fresh_share=shares[n])
+    _, accumulated = drive_accumulating(phi0, rounds, shares=shares, **hyper)
     ours, theirs = opt.state_dict(), accumulated.state_dict()
     assert ours["param_groups"] == theirs["param_groups"]
     for i, state in theirs["state"].items():
