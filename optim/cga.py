@@ -84,25 +84,23 @@ def cga_update_from(
     """
     if len(deliveries) != len(shares):
         raise ValueError(f"{len(deliveries)} deliveries for {len(shares)} shares")
+
+    def add_mean(target: Tensor, i: int, scale: float) -> None:  # target += scale·Σ share·Δ_i
+        for delta, share in zip(deliveries, shares, strict=True):
+            target.add_(delta[i], alpha=scale * share)
+
     for i, p in enumerate(params):
         if momenta is not None:
-            buf = momenta[i].mul_(mu)
-            for delta, share in zip(deliveries, shares, strict=True):
-                buf.add_(delta[i], alpha=share)
-        if p.dtype != torch.float32:
-            # φ of lower precision takes the whole update at once: added a delivery at a time,
-            # each small share would round away on its own (a per-tensor float32 scratch)
-            update = torch.zeros_like(p, dtype=torch.float32)
-            for delta, share in zip(deliveries, shares, strict=True):
-                update.add_(delta[i], alpha=share)
-            if momenta is not None and mu:
-                update.add_(momenta[i], alpha=mu)
-            p.add_(update.to(p.dtype), alpha=-lr)
-            continue
+            add_mean(momenta[i].mul_(mu), i, 1.0)
+        # φ of lower precision takes the whole update at once (a per-tensor float32 scratch):
+        # added a delivery at a time, each small share would round away on its own
+        target = p if p.dtype == torch.float32 else torch.zeros_like(p, dtype=torch.float32)
+        scale = -lr if target is p else 1.0
         if momenta is not None and mu:
-            p.add_(momenta[i], alpha=-lr * mu)
-        for delta, share in zip(deliveries, shares, strict=True):
-            p.add_(delta[i], alpha=-lr * share)
+            target.add_(momenta[i], alpha=scale * mu)
+        add_mean(target, i, scale)
+        if target is not p:
+            p.add_(target.to(p.dtype), alpha=-lr)
 
 
 class CGA(Optimizer):

@@ -342,9 +342,9 @@ class Member:
         assert turn is not None
         self.due = None
         fragment = turn.fragment
+        swarm = self.swarm_versions()  # read once: the phase nudge and the step both take it
         if turn.awaited and self.schedule.align_phase:
-            self._align_phase(turn, self.swarm.arrived(fragment, turn.version))
-        swarm = self.swarm_versions()
+            self._align_phase(turn, self.swarm.arrived(fragment, turn.version), swarm)
         self._adopted_from = None  # caught up with the source once; the median rules after
         with self.lock:  # carrying only when inner steps ran since the publish
             deliveries = self.loop.apply(
@@ -363,10 +363,10 @@ class Member:
         self.hooks.stepped(fragment, deliveries, round_ended)
         return deliveries
 
-    def _align_phase(self, turn: Turn, arrived: int) -> None:
-        """Lengthen or shorten the block under way (``phase_nudge``), counted."""
+    def _align_phase(self, turn: Turn, arrived: int, swarm: list[int] | None) -> None:
+        """Lengthen or shorten the block under way (``phase_nudge``, with this member's lead over
+        ``swarm``, the swarm's versions), counted."""
         assert turn.awaited is not None
-        swarm = self.swarm_versions()
         lead = turn.version - swarm[turn.fragment] if swarm else 0
         self._block_extra = phase_nudge(self.schedule.block, turn.early, arrived, turn.awaited, lead)
         if self._block_extra:
