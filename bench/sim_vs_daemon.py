@@ -28,17 +28,28 @@ Each daemon's status (admin API) is read at the end of round R: its held-out los
 ``--max-rounds R + 1`` only bounds a node the bench fails to stop (a node that stops by itself
 exits before its last status can be read).
 
+With ``--testbed MBIT`` the swarm's daemons run on the namespace testbed instead (bench/wan/testbed.py:
+a network namespace per node, every link shaped to MBIT megabits per second each way), and the
+simulator is given what was measured there: the link's goodput (a TCP transfer between two of the
+nodes' namespaces, timed before the daemons start) as its uplink bandwidth, and the daemons'
+seconds per inner step (their median round time over H, evaluation included) as its step time.
+The floor is then the simulator's alone: nodes training alone never use the network, and on
+127.0.0.1 the two floors agree to rounding in every run (``floor_difference``). It writes
+bench/results/sim_vs_daemon_<MBIT>mbit.json and .png.
+
 Writes bench/results/sim_vs_daemon.json (the commit and whether the tree was clean, the
 settings, both sides per run, and with ``--repeats N`` the mean and range over runs with seeds
 seed, seed + 1, ...) and bench/results/sim_vs_daemon.png (held-out loss by round: both swarms,
 both floors).
 
     .venv/bin/python bench/sim_vs_daemon.py [--repeats N] [--members 4] [--rounds 30] [--seed 0]
+        [--testbed MBIT]   (as root)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -157,14 +168,27 @@ def check_data_order(scenario: Scenario, dataset: Any) -> None:
 
 
 def run_simulator(
-    scenario: Scenario, optimizer: str, dataset: Any, vocab_size: int, say: Say
+    scenario: Scenario,
+    optimizer: str,
+    dataset: Any,
+    vocab_size: int,
+    say: Say,
+    wire: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """One side's run in the simulator: per-member final losses, the loss by round (round 0
-    included), what was applied at which age."""
+    included), what was applied at which age.
+
+    Args:
+        wire: the network the simulator is given (``bandwidth``: uplink bytes per second,
+            ``step_time``: seconds per inner step), as measured on the testbed; None: none.
+    """
     from cgad.node.sim.simulate import simulate
 
     c = scenario.sim_config(optimizer)
-    say(f"simulator, {optimizer}: {c.workers} workers x {c.rounds} rounds of {c.inner_steps} steps")
+    if wire:
+        c = SimConfig(**{**c.model_dump(), **wire})
+    on = f", {c.bandwidth / 1e6:.3f} MB/s uplinks, {c.step_time:.3f} s per step" if wire else ""
+    say(f"simulator, {optimizer}: {c.workers} workers x {c.rounds} rounds of {c.inner_steps} steps{on}")
     started = time.monotonic()
 
     def on_round(round_: int, loss: float) -> None:
@@ -228,12 +252,28 @@ sys.exit(main(["join", *sys.argv[2:], "--peers", *maddrs.read_text().split()]))
 """
 
 
-def _start_node(index: int, flags: list[str], workdir: Path, peers_file: Path | None = None) -> _Node:
+def _start_node(
+    index: int, flags: list[str], workdir: Path, peers_file: Path | None = None, bed: Any = None
+) -> _Node:
     """``cgad-node join`` with ``flags``; with ``peers_file``, joining the peers it names once
-    it holds them."""
+    it holds them; with ``bed`` (a testbed.Testbed), in node ``index``'s namespace there."""
     log = workdir / f"node{index}.log"
     maddrs = workdir / f"node{index}.maddrs"
     flags = [*flags, "--maddrs-file", str(maddrs)]
+    if bed is not None:
+        # the testbed runs `<executable> join <its listen and admin flags> <flags>`: a launcher
+        # script of this Python (its code, not whatever `cgad-node` is on the PATH)
+        launcher = workdir / f"node{index}.sh"
+        if peers_file is None:
+            body = f'exec "{sys.executable}" -m cgad.node.front.cli "$@"'
+        else:
+            script = workdir / "join_when_up.py"
+            script.write_text(_JOIN_WHEN_UP)
+            body = f'shift\nexec "{sys.executable}" "{script}" "{peers_file}" "$@"'  # the script says `join`
+        launcher.write_text(f"#!/bin/sh\n{body}\n")
+        launcher.chmod(0o755)
+        started = bed.start(index, str(launcher), flags, workdir / f"n{index}")
+        return _Node(index, started.process, started.log, maddrs)
     if peers_file is None:
         cmd = [sys.executable, "-m", "cgad.node.front.cli", "join", *flags]
     else:
@@ -285,15 +325,25 @@ def _stop(nodes: list[_Node]) -> None:
             node.process.wait(timeout=30)
 
 
+def _links(bed: Any) -> str:
+    rates = {(link.up_mbit, link.down_mbit) for link in bed.links}
+    return ", ".join(f"{up} Mbit up / {down} down" for up, down in sorted(rates, key=str))
+
+
 def _reached(status: dict[str, Any], round_: int) -> bool:
     return any(r >= round_ for r, _ in status.get("eval_history") or [])
 
 
 def run_daemons(
-    scenario: Scenario, optimizer: str, workdir: Path, say: Say, timeout: float = 3600
+    scenario: Scenario, optimizer: str, workdir: Path, say: Say, timeout: float = 3600, bed: Any = None
 ) -> dict[str, Any]:
     """One side's run as real daemons: node 0 first, then the others through its multiaddr (or,
-    training alone, each by itself), each read at the end of round R, then all asked to leave."""
+    training alone, each by itself), each read at the end of round R, then all asked to leave.
+
+    Args:
+        bed: a testbed.Testbed with a namespace per member: the daemons run there, on its links
+            (None: on 127.0.0.1).
+    """
     alone = optimizer == "local"
     workdir.mkdir(parents=True, exist_ok=True)
     R = scenario.rounds
@@ -303,22 +353,23 @@ def run_daemons(
         f"sim-vs-daemon-{scenario.seed}",
         "--max-rounds",
         str(R + 1),
-        "--admin-port",
-        "0",
+        *(["--admin-port", "0"] if bed is None else []),  # the testbed gives each its address and port
         "--no-dashboard",
     ]
     what = "each alone" if alone else "node 0 starts the swarm, the others join it"
-    say(
-        f"daemons, {optimizer}: {scenario.members} cgad-node join processes on 127.0.0.1 ({what}), {R} rounds"
-    )
+    where = "127.0.0.1" if bed is None else f"the testbed's namespaces ({_links(bed)})"
+    say(f"daemons, {optimizer}: {scenario.members} cgad-node join processes on {where} ({what}), {R} rounds")
     started = time.monotonic()
     nodes: list[_Node] = []
     try:
-        nodes.append(_start_node(0, [*flags, "--data-seed", str(scenario.data_seed(0))], workdir))
-        bootstrap = None if alone else nodes[0].maddrs_file
+        nodes.append(_start_node(0, [*flags, "--data-seed", str(scenario.data_seed(0))], workdir, bed=bed))
+        # on the testbed node 0's multiaddr at its namespace's address, written once it is printed
+        bootstrap = None if alone else nodes[0].maddrs_file if bed is None else workdir / "peers"
         for i in range(1, scenario.members):
             flags_i = [*flags, "--data-seed", str(scenario.data_seed(i))]
-            nodes.append(_start_node(i, flags_i, workdir, peers_file=bootstrap))
+            nodes.append(_start_node(i, flags_i, workdir, peers_file=bootstrap, bed=bed))
+        if bed is not None and bootstrap is not None:
+            bootstrap.write_text(bed.multiaddr(0, timeout=START_TIMEOUT))
         for node in nodes:
             _wait_started(node, need_maddrs=node.index == 0 and not alone)
         deadline = time.monotonic() + timeout
@@ -367,8 +418,67 @@ def run_daemons(
     return side
 
 
+def measure_link(bed: Any, nbytes: int = 3_000_000, port: int = 5201) -> float:
+    """Goodput of one shaped path in bytes per second: node 1's namespace sends ``nbytes`` over
+    TCP to node 0's, timed at the receiver from the first byte to the last (through node 1's
+    uplink and node 0's downlink, both shaped)."""
+    receiver = subprocess.Popen(
+        ["ip", "netns", "exec", bed.namespace(0), sys.executable, "-c", _RECEIVE, bed.address(0), str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        if receiver.stdout.readline().strip() != "ready":
+            raise RuntimeError("the link probe's receiver did not start")
+        subprocess.run(
+            ["ip", "netns", "exec", bed.namespace(1), sys.executable, "-c", _SEND, bed.address(0), str(port),
+             str(nbytes)],
+            check=True, timeout=300,
+        )  # fmt: skip
+        got, seconds = (float(x) for x in receiver.communicate(timeout=60)[0].split())
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+    if got != nbytes or seconds <= 0:
+        raise RuntimeError(f"the link probe moved {got:.0f} of {nbytes} bytes in {seconds:.3f} s")
+    return got / seconds
+
+
+_RECEIVE = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+conn, _ = server.accept()
+got, first = 0, None
+while chunk := conn.recv(1 << 16):
+    first = first or time.monotonic()
+    got += len(chunk)
+print(got, time.monotonic() - first)
+"""
+_SEND = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
+    conn.sendall(bytes(int(sys.argv[3])))
+"""
+
+
+def step_seconds(timeline: list[dict[str, Any]], inner_steps: int, skip: int = 2) -> float | None:
+    """Wall seconds per inner step of one daemon: the median time between its rounds' ends
+    (evaluation included), after its first ``skip`` rounds (joining, warm-up), over H.
+
+    Args:
+        timeline: the status's ``timeline`` (``round`` and ``seconds`` per round ended).
+    """
+    points = sorted((int(p["round"]), float(p["seconds"])) for p in timeline)[skip:]
+    gaps = [(t1 - t0) / (r1 - r0) for (r0, t0), (r1, t1) in itertools.pairwise(points) if r1 > r0]
+    return _median(gaps) / inner_steps if gaps else None
+
+
 def _daemon_side(scenario: Scenario, optimizer: str, finals: list[dict[str, Any]]) -> dict[str, Any]:
     R = scenario.rounds
+    steps = [step_seconds(s.get("timeline") or [], scenario.join_config().inner_steps) for s in finals]
+    known_steps = [x for x in steps if x is not None]
     histories = [{int(r): float(loss) for r, loss in s["eval_history"]} for s in finals]
     ages: Counter[int] = Counter()
     for s in finals:
@@ -405,6 +515,8 @@ def _daemon_side(scenario: Scenario, optimizer: str, finals: list[dict[str, Any]
         "joined_at_round": [min(h) for h in histories],
         "started_from": [s["started_from"] for s in finals],
         "status_read_at_round": [s["round"] for s in finals],
+        "step_seconds_per_member": steps,
+        "step_seconds": _median(known_steps) if known_steps else None,
     }
 
 
@@ -412,9 +524,19 @@ def _daemon_side(scenario: Scenario, optimizer: str, finals: list[dict[str, Any]
 
 
 def compare(
-    scenario: Scenario, workdir: Path, say: Say = print, dataset: Any = None, vocab_size: int = 0
+    scenario: Scenario,
+    workdir: Path,
+    say: Say = print,
+    dataset: Any = None,
+    vocab_size: int = 0,
+    mbit: float | None = None,
 ) -> dict[str, Any]:
-    """The scenario through the simulator and through real daemons, each with its floor."""
+    """The scenario through the simulator and through real daemons, each with its floor.
+
+    Args:
+        mbit: run the daemons' swarm on the namespace testbed with links of this rate each way,
+            and give the simulator the goodput and step time measured there (module doc).
+    """
     if dataset is None:
         from cgad.node.training.data import load_dataset
         from cgad.node.training.tokenizer import load_tokenizer
@@ -424,14 +546,32 @@ def compare(
         dataset, vocab_size = load_dataset(tokenizer, c.data), tokenizer.vocab_size
     check_data_order(scenario, dataset)
     opt = scenario.optimizer
-    sim = {
-        "swarm": run_simulator(scenario, opt, dataset, vocab_size, say),
-        "floor": run_simulator(scenario, "local", dataset, vocab_size, say),
-    }
-    daemon = {
-        "swarm": run_daemons(scenario, opt, workdir / f"seed{scenario.seed}-{opt}", say),
-        "floor": run_daemons(scenario, "local", workdir / f"seed{scenario.seed}-local", say),
-    }
+    if mbit is None:
+        sim = {
+            "swarm": run_simulator(scenario, opt, dataset, vocab_size, say),
+            "floor": run_simulator(scenario, "local", dataset, vocab_size, say),
+        }
+        daemon = {
+            "swarm": run_daemons(scenario, opt, workdir / f"seed{scenario.seed}-{opt}", say),
+            "floor": run_daemons(scenario, "local", workdir / f"seed{scenario.seed}-local", say),
+        }
+    else:
+        from testbed import Link, Testbed
+
+        with Testbed([Link(mbit, mbit) for _ in range(scenario.members)]) as bed:
+            goodput = measure_link(bed)
+            say(f"testbed: {mbit} Mbit links, measured goodput {goodput * 8 / 1e6:.2f} Mbit/s")
+            swarm = run_daemons(scenario, opt, workdir / f"seed{scenario.seed}-{opt}", say, bed=bed)
+        wire = {"bandwidth": goodput, "step_time": swarm["step_seconds"]}
+        swarm["testbed"] = {"mbit": mbit, "goodput_bytes_per_second": goodput}
+        sim = {
+            "swarm": run_simulator(scenario, opt, dataset, vocab_size, say, wire=wire),
+            "floor": run_simulator(scenario, "local", dataset, vocab_size, say),
+        }
+        sim["swarm"]["wire"] = wire
+        # nodes training alone never touch the network: the floor is one computation (on 127.0.0.1
+        # the daemons' and the simulator's agree to rounding), run once, in the simulator
+        daemon = {"swarm": swarm, "floor": {**sim["floor"], "note": "the simulator's floor"}}
     for side in (sim, daemon):
         side["gain"] = side["floor"]["mean_final_loss"] - side["swarm"]["mean_final_loss"]
     ratio = daemon["gain"] / sim["gain"] if sim["gain"] > 0 else None
@@ -543,8 +683,10 @@ def plot(record: dict[str, Any], path: Path) -> Path:
     gains = summary["simulator"]["gain"]["mean"], summary["daemon"]["gain"]["mean"]
     joined = sorted({r for run in runs for r in run["daemon"]["swarm"]["joined_at_round"][1:]})
     h = settings["simulator"]["inner_steps"]
+    mbit = record.get("testbed_mbit")
+    where = "127.0.0.1" if mbit is None else f"{mbit:g} Mbit links (simulator: their goodput, step time)"
     fig.suptitle(
-        f"simulator vs {settings['members']} daemons on 127.0.0.1, H = {h}, {len(runs)} run(s), "
+        f"simulator vs {settings['members']} daemons on {where}, H = {h}, {len(runs)} run(s), "
         f"commit {record['commit'][:10]}{'' if record['clean'] else ' + changes'}\n"
         f"final gain over the floor: simulator {gains[0]:.3f}, daemons {gains[1]:.3f}, "
         f"ratio {'-' if ratio is None else f'{ratio:.2f}'} (goal {GOAL}); "
@@ -567,12 +709,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of the simulator (daemons: 1 each)"
     )
-    parser.add_argument("--out", default=str(RESULTS / "sim_vs_daemon.json"))
+    parser.add_argument(
+        "--testbed",
+        type=float,
+        default=None,
+        metavar="MBIT",
+        help="run the swarm's daemons on the namespace testbed, links shaped to MBIT each way (root)",
+    )
+    parser.add_argument("--out", default=None, help="default: bench/results/sim_vs_daemon[_<MBIT>mbit].json")
     parser.add_argument("--keep-logs", default=None, help="keep the daemons' logs in this folder")
     parser.add_argument("--replot", action="store_true", help="only draw the PNG again from --out's JSON")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.out is None:
+        mbit = "" if args.testbed is None else f"_{args.testbed:g}mbit"
+        args.out = str(RESULTS / f"sim_vs_daemon{mbit}.json")
+    if args.testbed is not None:
+        from testbed import available
+
+        why_not = available()
+        if why_not:
+            parser.error(f"--testbed: {why_not}")
     if args.replot:
         out = Path(args.out)
         print(f"wrote {plot(json.loads(out.read_text()), out.with_suffix('.png'))}")
@@ -601,14 +759,17 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(args.repeats):
             scenario = Scenario(args.members, args.rounds, args.optimizer, args.seed + k, overrides)
             say(f"run {k + 1} of {args.repeats}, seed {scenario.seed}")
-            runs.append(compare(scenario, workdir, say, dataset, tokenizer.vocab_size))
+            runs.append(compare(scenario, workdir, say, dataset, tokenizer.vocab_size, mbit=args.testbed))
     finally:
         if not args.keep_logs:
             shutil.rmtree(workdir, ignore_errors=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "what": "the simulator vs real daemons on 127.0.0.1, same scenario (issue 26)",
+        "what": "the simulator vs real daemons on "
+        + ("127.0.0.1" if args.testbed is None else f"the namespace testbed, {args.testbed:g} Mbit links")
+        + ", same scenario (issue 26)",
+        "testbed_mbit": args.testbed,
         **state,
         "started_at": started_at,
         "wall_seconds": time.monotonic() - t0,
@@ -636,6 +797,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _hist_mean(ages: dict[int, int]) -> float:

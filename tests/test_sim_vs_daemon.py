@@ -69,3 +69,37 @@ def test_the_daemons_keep_the_simulators_prediction(tmp_path, monkeypatch):
     assert daemon_helps or daemon_helps == sim_helps, shown
     # and the daemons end where the simulator said they would
     assert abs(result["swarm_difference"]) < LOSS_TOLERANCE, shown
+
+
+def test_step_seconds_is_the_median_round_over_h_after_the_first_rounds():
+    bench = _bench()
+    ends = [(1, 0.0), (2, 50.0), (3, 60.0), (4, 70.0), (5, 95.0), (7, 115.0)]
+    timeline = [{"round": r, "seconds": s} for r, s in ends]
+    # the first two rounds (joining) left out: 10 s, 25 s, then 20 s over two rounds (10 s each)
+    assert bench.step_seconds(timeline, 10) == pytest.approx(1.0)
+    assert bench.step_seconds(timeline[:3], 10) is None  # one round after the skipped ones: no gap
+
+
+def _testbed_why_not():
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent / "wan"))
+    from testbed import available
+
+    return available()
+
+
+@pytest.mark.skipif(_testbed_why_not() is not None, reason=str(_testbed_why_not()))
+@pytest.mark.timeout(180)
+def test_the_link_probe_measures_the_shaped_rate():
+    """What the simulator is given on the testbed is the link's rate as it is: a 10 Mbit path
+    measures a little under 10 Mbit/s of goodput (headers), a 5 Mbit one half of that."""
+    bench = _bench()
+    from testbed import Link, Testbed
+
+    with Testbed([Link(10, 10), Link(10, 10)]) as bed:
+        fast = bench.measure_link(bed, nbytes=2_000_000)
+        bed.shape(1, Link(5, 10))  # node 1's uplink halved
+        slow = bench.measure_link(bed, nbytes=1_000_000)
+    assert 8.5e6 < fast * 8 <= 10.2e6, fast
+    assert 4.2e6 < slow * 8 <= 5.1e6, slow

@@ -1,0 +1,185 @@
+"""The CGAD paper's claim at the nearest scale these machines reach: the outer methods at `small`.
+
+The CGAD seed reports CGAD stable across delays at 25M-7B parameters, Adam-Decay competitive at
+25M and Nesterov the least stable; at the sweeps' 0.6M-1.9M models here CGAD ended above training
+alone. This runs the simulator (the daemon's member engine on a virtual clock) at the `small`
+preset (26M parameters): `cga` (the default), `cgad`, `adam-decay`, `nesterov` and `local` (each
+worker training alone: the floor), without delay and with random delays of 0-8 rounds, 2 seeds.
+
+Every method at the daemon's defaults (outer lr `auto`: derived from H x inner lr for the Adam
+family, the method's own otherwise), no per-method tuning at this scale: what a volunteer who
+picks `--optimizer X` would run. The scale: 4 workers, H = 10, batch 4 x 128 (the daemon's
+sequence length; batch as in bench/scale.py), the daemon's inner lr and warm-up, disjoint data
+shards, ``--rounds`` outer rounds (20 by default: 200 inner steps per worker, about 15 CPU-minutes
+a run on two cores).
+
+Runs are appended to bench/results/seed_claim.runs.jsonl as they finish, so the sweep resumes
+where it stopped (a run cut short is run again whole); a bar shows inner steps done and left.
+`--report` writes bench/results/seed_claim.json (mean and standard deviation over seeds of each
+method's final held-out loss and its gain over training alone, per condition; the commit each run
+was made at) and seed_claim.png (held-out loss by round, mean over seeds).
+
+    .venv/bin/python bench/seed_claim.py [--rounds 20] [--threads 2] [--report]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cgad.node.config import SimConfig
+from cgad.node.front.progress import progress_bar
+from cgad.node.front.report import load_runs, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
+from provenance import describe, tree_state  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+LOG = RESULTS / "seed_claim.runs.jsonl"
+BASE: dict[str, Any] = {"model": "small", "workers": 4, "inner_steps": 10, "batch_size": 4, "seq_len": 128}
+METHODS = ("local", "cga", "cgad", "adam-decay", "nesterov")
+CONDITIONS = {"τ=0": "0", "random:8": "random:8"}
+SEEDS = (0, 1)
+
+
+def run_key(method: str, condition: str, seed: int, rounds: int) -> str:
+    # a worker training alone does the same steps whatever the network does: run once, at τ = 0
+    condition = "τ=0" if method == "local" else condition
+    return json.dumps([method, condition, seed, rounds])
+
+
+def jobs(rounds: int) -> list[tuple[str, str, int]]:
+    """Every (method, condition, seed) the table needs, each run once (local only at τ = 0)."""
+    cells = [(m, c, s) for s in SEEDS for c in CONDITIONS for m in METHODS]
+    return list({run_key(m, c, s, rounds): (m, c, s) for m, c, s in cells}.values())
+
+
+def config(method: str, condition: str, seed: int, rounds: int) -> SimConfig:
+    return SimConfig(**BASE, rounds=rounds, delay=CONDITIONS[condition], optimizer=method, seed=seed)
+
+
+def run(rounds: int, threads: int) -> None:
+    """Run what the log does not hold yet, one run at a time on ``threads`` torch threads."""
+    import torch
+
+    from cgad.node.sim.simulate import simulate
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
+
+    torch.set_num_threads(threads)
+    done = load_runs(LOG)
+    todo = [j for j in jobs(rounds) if run_key(*j, rounds) not in done]
+    print(f"{len(done)} run(s) in the log, {len(todo)} to go")
+    if not todo:
+        return
+    first = config(*todo[0], rounds)
+    tokenizer = load_tokenizer(first.tokenizer)
+    dataset = load_dataset(tokenizer, first.data)
+    commit = describe(tree_state(ROOT), short=True)  # runs may span sessions: each says its code
+    steps_per_run = first.workers * first.inner_steps * rounds
+    LOG.parent.mkdir(parents=True, exist_ok=True)
+    with progress_bar(len(todo) * steps_per_run, "seed claim at small", "step") as bar:
+        for method, condition, seed in todo:
+            bar.set_postfix_str(f"{method} {condition} seed {seed}")
+            started = time.monotonic()
+            c = config(method, condition, seed, rounds)
+            record = simulate(c, dataset, tokenizer.vocab_size, progress=bar.update)
+            record.pop("config", None)
+            key = run_key(method, condition, seed, rounds)
+            took = time.monotonic() - started
+            record.update(key=key, method=method, condition=condition, seed=seed, rounds=rounds,
+                          commit=commit, wall_seconds=took)  # fmt: skip
+            with LOG.open("a") as log:
+                log.write(json.dumps(record) + "\n")
+            bar.write(f"{method} {condition} seed {seed}: final held-out loss {record['final_loss']:.4f}")
+
+
+def report(rounds: int) -> dict[str, Any]:
+    """The table of what the log holds at ``rounds``: per condition, each method's final held-out
+    loss (mean, standard deviation, per seed) and its gain over training alone."""
+    done = load_runs(LOG)
+    table: dict[str, dict[str, Any]] = {}
+    for condition in CONDITIONS:
+        floor = [
+            done[k]["final_loss"] for s in SEEDS if (k := run_key("local", condition, s, rounds)) in done
+        ]
+        floor_mean = summarize(floor)[0] if floor else None
+        for method in METHODS:
+            runs = [done[k] for s in SEEDS if (k := run_key(method, condition, s, rounds)) in done]
+            if not runs:
+                continue
+            finals = [r["final_loss"] for r in runs]
+            mean, std = summarize(finals)
+            table.setdefault(condition, {})[method] = {
+                "final_loss": mean,
+                "std": std,
+                "per_seed": finals,
+                "seeds": [r["seed"] for r in runs],
+                "diverged": sum(bool(r["diverged"]) for r in runs),
+                "gain_over_alone": None if floor_mean is None or method == "local" else floor_mean - mean,
+                "mean_age": summarize([r["mean_age"] for r in runs])[0],
+                "losses": [sum(v) / len(v) for v in zip(*(r["losses"] for r in runs), strict=True)],
+                "commits": sorted({r["commit"] for r in runs}),
+            }
+    return {
+        "what": "the outer methods at the small preset in the simulator, at their defaults (issue 28)",
+        "settings": {**BASE, "rounds": rounds, "conditions": CONDITIONS, "seeds": list(SEEDS)},
+        "runs": sum(len(row["per_seed"]) for cond in table.values() for row in cond.values()),
+        "table": table,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conditions = list(result["table"])
+    fig, axes = plt.subplots(
+        1, max(1, len(conditions)), figsize=(6.5 * max(1, len(conditions)), 5), squeeze=False
+    )
+    for ax, condition in zip(axes[0], conditions, strict=False):
+        for method, row in result["table"][condition].items():
+            gain = row["gain_over_alone"]
+            label = f"{method}: {row['final_loss']:.3f}" + (
+                "" if gain is None else f" ({gain:+.3f} vs alone)"
+            )
+            style = "--" if method == "local" else "-"
+            ax.plot(range(1, len(row["losses"]) + 1), row["losses"], lw=1.8, ls=style, label=label)
+        ax.set(title=f"{condition}", xlabel="outer round", ylabel="held-out loss (mean over seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    s = result["settings"]
+    fig.suptitle(
+        f"outer methods at {s['model']} ({s['workers']} workers, H = {s['inner_steps']}, batch "
+        f"{s['batch_size']} x {s['seq_len']}, {s['rounds']} rounds), every method at its defaults"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=20, help="outer rounds of every run")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (one run at a time)")
+    parser.add_argument("--report", action="store_true", help="only write the JSON and PNG from the log")
+    args = parser.parse_args(argv)
+    if not args.report:
+        run(args.rounds, args.threads)
+    result = report(args.rounds)
+    out = RESULTS / "seed_claim.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out} ({result['runs']} runs) and {plot(result, out.with_suffix('.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
