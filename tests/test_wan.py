@@ -170,7 +170,9 @@ def test_a_run_records_the_commit_and_a_tree_with_changes_outside_results_is_ref
 def test_main_refuses_a_tree_with_changes_before_anything_else(runner, monkeypatch):
     dirty = {"commit": "0" * 40, "clean": False, "changes": [" M node/x.py"]}
     monkeypatch.setattr(runner, "tree_state", lambda root: dirty)
-    monkeypatch.setattr(runner, "available", lambda nat=False: pytest.fail("checked the testbed first"))
+    monkeypatch.setattr(
+        runner, "available", lambda nat=False, cpu=False: pytest.fail("checked the testbed first")
+    )
     monkeypatch.setattr(sys, "argv", ["run.py", str(SCENARIOS / "smoke-3.json")])
     with pytest.raises(SystemExit, match=r"node/x\.py"):
         runner.main()
@@ -292,7 +294,7 @@ class _FakeBed:
 
     started: ClassVar[list] = []
 
-    def __init__(self, links):
+    def __init__(self, links, nat=(), cpu=None):
         self.links, self.nodes = links, {}
 
     def __enter__(self):
@@ -336,7 +338,7 @@ def test_the_runner_runs_a_named_floor_first_and_checks_the_swarm_against_it(run
     monkeypatch.setattr(runner, "call_admin", status)
     monkeypatch.setattr(runner, "run", run)
     monkeypatch.setattr(runner, "tree_state", lambda root: clean)
-    monkeypatch.setattr(runner, "available", lambda nat=False: None)
+    monkeypatch.setattr(runner, "available", lambda nat=False, cpu=False: None)
     monkeypatch.setattr(runner, "takes_data_seed", lambda executable: True)
     monkeypatch.setattr(runner, "POLL_SECONDS", 0.05)
     out = tmp_path / "out"
@@ -431,3 +433,29 @@ def test_costs_per_round_count_the_steady_state_and_node_0_lists_the_swarm_in_ti
     assert listed["ok"] and "after 35 s" in listed["detail"], listed
     result["scenario"]["expect"]["listed_within"] = 30
     assert not next(v for v in checks.check(result) if v["check"] == "listed_within")["ok"]
+
+
+@pytest.mark.skipif(available(cpu=True) is not None, reason=str(available(cpu=True)))
+@pytest.mark.timeout(120)
+def test_a_node_held_to_a_cpu_share_computes_at_that_share(tmp_path):
+    """``cpu`` holds a node (and what it starts) to that many cores: a busy loop given 0.25 of a
+    core for 3 s gets about 0.75 CPU seconds, where a core would give it about 3."""
+    from testbed import Link, Testbed, _cpu_cgroups
+
+    loop = tmp_path / "busy.py"
+    loop.write_text(
+        "import os, time\n"
+        "end = time.monotonic() + 3\n"
+        "while time.monotonic() < end:\n"
+        "    pass\n"
+        "print(os.times().user + os.times().system, flush=True)\n"
+    )
+    busy = tmp_path / "busy.sh"  # stands in for `cgad-node`: the testbed runs `<executable> join ...`
+    busy.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{loop}"\n')
+    busy.chmod(0o755)
+    with Testbed([Link(), Link()], cpu=0.25) as bed:
+        node = bed.start(0, str(busy), [], tmp_path / "n0")
+        node.process.wait(timeout=60)
+        used = float(node.log.read_text().split()[-1])
+    assert 0.5 < used < 1.0, used  # 0.75 s of CPU in 3 s: the share, not the core
+    assert not list(_cpu_cgroups()[0].glob("cgadwan-*")), "the testbed left its CPU cgroups behind"

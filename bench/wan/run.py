@@ -7,8 +7,10 @@ given seconds (``kill``, ``restart``, ``partition`` for a while, ``shape`` to ne
 checks.py; the runner exits 1 when a check fails). Node 0 starts the swarm; the others join it,
 unless ``isolated`` is set (the floor: the same nodes, each training alone). ``nat`` lists the
 nodes behind NAT routers of their own (testbed.py), ``default_network`` gives every node the
-daemon's listen defaults (a NATed node always has them). Every few seconds
-the runner asks each node's admin API for its status; at the end every node is asked to leave.
+daemon's listen defaults (a NATed node always has them), ``cpu`` holds every node to that many
+cores (a CPU cgroup each: swarms of different sizes then compute at the same speed per node).
+Every few seconds the runner asks each node's admin API for its status; at the end every node
+is asked to leave.
 
 A swarm scenario may name its floor (``"floor": "10mbit-4-h50-isolated"``, a scenario beside it):
 the runner then runs the floor too, in the same invocation and before the swarms that name it
@@ -61,7 +63,7 @@ POLL_SECONDS = 5.0
 
 SCENARIO_KEYS = {
     "name", "nodes", "mbit", "links", "minutes", "args", "node_args", "events", "isolated",
-    "shape_after_join", "expect", "floor", "data_seed", "nat", "default_network",
+    "shape_after_join", "expect", "floor", "data_seed", "nat", "default_network", "cpu",
 }  # fmt: skip
 
 
@@ -129,7 +131,7 @@ def run(
     # nodes behind NAT routers, and whether public nodes too take the daemon's listen defaults
     nat = {"nat": scenario["nat"]} if scenario.get("nat") else {}
     defaults = {"listen_flags": False} if scenario.get("default_network") else {}
-    with Testbed([Link() for _ in links] if shape_after else links, **nat) as bed:
+    with Testbed([Link() for _ in links] if shape_after else links, **nat, cpu=scenario.get("cpu")) as bed:
 
         def start(index: int, peers: list[str]) -> None:
             args = [*node_args(scenario, index, run_seed),
@@ -329,7 +331,8 @@ def main() -> None:
     why = refusal(tree_state(ROOT), args.experiment)
     if why:
         sys.exit(why)
-    why = available(nat=any(load_scenario(path).get("nat") for path in args.scenarios))
+    loaded = [load_scenario(path) for path in args.scenarios]
+    why = available(nat=any(s.get("nat") for s in loaded), cpu=any(s.get("cpu") for s in loaded))
     if why:
         sys.exit(f"cannot build the testbed here: {why}")
     # a SIGTERM (kill, timeout) unwinds like Ctrl-C, so that the testbed's teardown runs: by

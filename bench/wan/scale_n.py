@@ -12,10 +12,15 @@ link's share of it: per second is what a volunteer's link and DHT would see with
 own. Also per run: how soon node 0 saw every other node live (``listed_within``), and the
 swarm's mean final held-out loss beside its floor's where it has one.
 
-Writes bench/results/wan/scale-n.json and scale-n.png.
+The ``scale-cpu-N`` scenarios are the same with every node held to 0.11 of a core (a CPU cgroup
+each; 16 nodes fill the two cores): a node then computes at the same speed in a swarm of 4 as in
+one of 16, its rounds last as long, and costs per round compare what N itself does
+(``--prefix scale-cpu``).
+
+Writes bench/results/wan/<prefix>-n.json and <prefix>-n.png.
 
     .venv/bin/python bench/wan/run.py bench/wan/scenarios/scale-{4,8,16}.json   (as root: namespaces)
-    .venv/bin/python bench/wan/scale_n.py
+    .venv/bin/python bench/wan/scale_n.py [--prefix scale|scale-cpu]
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ def summarize_run(result: dict[str, Any], floor: dict[str, Any] | None) -> dict[
     floor_losses = list(final_losses(floor).values()) if floor else []
     return {
         "nodes": result["scenario"]["nodes"],
+        "cpu_per_node": result["scenario"].get("cpu"),  # cores each node was held to (None: shared)
         "commit": result["commit"],
         "clean": result["clean"],
         "started_at": result["started_at"],
@@ -130,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    parser.add_argument("--prefix", default="scale", help="the runs read: <prefix>-N (scale, scale-cpu)")
     args = parser.parse_args(argv)
     directory = Path(args.results)
     runs: dict[int, dict[str, Any]] = {}
     for n in args.sizes:
-        result = read_run(find_run(directory, f"scale-{n}"))
+        result = read_run(find_run(directory, f"{args.prefix}-{n}"))
         floor_name = result["scenario"].get("floor")
         floor = read_run(find_run(directory, floor_name)) if floor_name else None
         runs[n] = summarize_run(result, floor)
@@ -144,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         "per_round": compare(runs, "round"),
         "per_second": compare(runs, "second"),
     }
-    out = directory / "scale-n.json"
+    out = directory / f"{args.prefix}-n.json"
     out.write_text(json.dumps(summary, indent=1) + "\n")
-    plot(runs, directory / "scale-n.png")
+    plot(runs, directory / f"{args.prefix}-n.png")
     for n, run in sorted(runs.items()):
         for per in ("round", "second"):
             costs = run[f"costs_per_node_and_{per}"]

@@ -13,11 +13,17 @@ replies (iptables); the links are shaped on the router's bridge side. The one ex
 testbed host itself (the monitor), which may reach the node's admin API through the router, as an
 operator on the volunteer's own network would: no peer can.
 
+A node may be given a share of the machine's CPU (``cpu``: cores per node, a CFS quota on a
+cgroup of its own, ``cgadwan-nI``, that its daemon and the daemon's children run in): N nodes on
+one machine then each compute at the same speed whatever N is, as N volunteers' machines would,
+and costs per round compare across swarm sizes (the default: every node takes what it gets).
+
 The host's firewall may drop bridged and forwarded frames (a docker engine sets the FORWARD
 policy to DROP and turns on br_netfilter): the testbed inserts ACCEPT rules for its own bridge,
 marked with a comment, and removes them at teardown.
 
-Needs root and iproute2 (``ip``, ``tc``), and iptables for NAT routers. ``Testbed`` is a context
+Needs root and iproute2 (``ip``, ``tc``), iptables for NAT routers, and the cgroup ``cpu``
+controller (v1 or v2) for CPU shares. ``Testbed`` is a context
 manager whose exit always removes what it made (namespaces, bridge, firewall rules, processes),
 and a stale testbed left by a killed run is removed before a new one starts.
 """
@@ -46,10 +52,13 @@ RULE_MARK = f"{PREFIX}-testbed"  # the comment on the host's firewall rules this
 __all__ = ["HOST_ADDRESS", "Link", "NodeProcess", "Testbed", "available"]
 
 
-def available(nat: bool = False) -> str | None:
-    """None when a testbed can be made here (with NAT routers, where ``nat``), else why not."""
+def available(nat: bool = False, cpu: bool = False) -> str | None:
+    """None when a testbed can be made here (with NAT routers, where ``nat``; with CPU shares,
+    where ``cpu``), else why not."""
     if os.geteuid() != 0:
         return "network namespaces need root"
+    if cpu and _cpu_cgroups() is None:
+        return "no writable cgroup cpu controller (CPU shares need one)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"{tool} (iproute2) is not installed"
@@ -107,11 +116,14 @@ class NodeProcess:
 
 class Testbed:
     """``nodes`` namespaces on one bridge, each with its ``Link``; the nodes in ``nat`` each
-    behind a NAT router of its own."""
+    behind a NAT router of its own; with ``cpu``, each node held to that many cores."""
 
-    def __init__(self, links: list[Link], nat: Iterable[int] = ()) -> None:
+    def __init__(self, links: list[Link], nat: Iterable[int] = (), cpu: float | None = None) -> None:
+        if cpu is not None and not cpu > 0:
+            raise ValueError(f"cpu is cores per node, > 0: got {cpu}")
         self.links = links
         self.nat = frozenset(nat)
+        self.cpu = cpu
         self.nodes: dict[int, NodeProcess] = {}
 
     # -- the network ------------------------------------------------------------------------
@@ -231,7 +243,7 @@ class Testbed:
             listen = ["--host-maddrs", f"/ip4/{address}/tcp/31337",
                       "--grpc-host", address, "--grpc-port", "31338"]  # fmt: skip
         command = [
-            "ip", "netns", "exec", self.namespace(index), executable, "join", *listen,
+            "ip", "netns", "exec", self.namespace(index), *self._held(index), executable, "join", *listen,
             "--admin-host", address, "--admin-port", str(admin_port), *args,
         ]  # fmt: skip
         if "--eval-every" not in args:  # the checks and reports read every round's held-out loss
@@ -249,6 +261,14 @@ class Testbed:
                            workdir, command)  # fmt: skip
         self.nodes[index] = node
         return node
+
+    def _held(self, index: int) -> list[str]:
+        """The command prefix that puts node ``index``'s process (and what it starts) into its
+        CPU cgroup before it runs (nothing without ``cpu``)."""
+        if self.cpu is None:
+            return []
+        procs = _cpu_group(f"{PREFIX}-n{index}", self.cpu)
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh"]
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         node = self.nodes.get(index)
@@ -273,6 +293,7 @@ class Testbed:
             "links": [{"up_mbit": link.up_mbit, "down_mbit": link.down_mbit} for link in self.links],
             "addresses": [self.address(i) for i in range(len(self.links))],
             "nat": sorted(self.nat),
+            "cpu_per_node": self.cpu,
         }
 
 
@@ -284,6 +305,58 @@ def _set_rate(tc: list[str], device: str, mbit: float | None) -> None:
     burst = max(1600, int(mbit * 1e6 / 8 * 0.01))
     _sh(*tc, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
         "latency", "50ms")  # fmt: skip
+
+
+CPU_PERIOD_US = 100_000
+
+
+def _cpu_cgroups() -> tuple[Path, int] | None:
+    """Where CPU cgroups are made here and the cgroup version: the v1 ``cpu`` hierarchy, or the
+    v2 root when it delegates ``cpu``; None without either."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
+        return v1, 1
+    v2 = Path("/sys/fs/cgroup")
+    controls = v2 / "cgroup.subtree_control"
+    if controls.exists() and "cpu" in controls.read_text().split() and os.access(v2, os.W_OK):
+        return v2, 2
+    return None
+
+
+def _cpu_group(name: str, cores: float) -> Path:
+    """Make (or update) cgroup ``name`` with a quota of ``cores`` CPUs; its ``cgroup.procs``."""
+    found = _cpu_cgroups()
+    if found is None:
+        raise RuntimeError("no writable cgroup cpu controller: CPU shares cannot be set here")
+    root, version = found
+    group = root / name
+    group.mkdir(exist_ok=True)
+    quota = max(1000, int(cores * CPU_PERIOD_US))
+    if version == 1:
+        (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (group / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+    return group / "cgroup.procs"
+
+
+def _remove_cpu_groups() -> None:
+    """The testbed's CPU cgroups, once their processes are gone (a killed run's too)."""
+    found = _cpu_cgroups()
+    if found is None:
+        return
+    for group in found[0].glob(f"{PREFIX}-*"):
+        for pid in (group / "cgroup.procs").read_text().split() if (group / "cgroup.procs").exists() else []:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        for _ in range(50):  # a killed process leaves its group a moment later
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def _kill(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
@@ -341,3 +414,4 @@ def teardown_stale() -> None:
         if name.startswith(f"{PREFIX}-") and name != BRIDGE:
             _sh("ip", "link", "del", name, check=False)
     _sh("ip", "link", "del", BRIDGE, check=False)
+    _remove_cpu_groups()
