@@ -83,12 +83,13 @@ def run(rounds: int, threads: int) -> None:
     commit = describe(tree_state(ROOT), short=True)  # runs may span sessions: each says its code
     steps_per_run = first.workers * first.inner_steps * rounds
     LOG.parent.mkdir(parents=True, exist_ok=True)
-    with progress_bar(len(todo) * steps_per_run, "seed claim at small", "step") as bar:
+    with progress_bar(len(todo), "seed claim at small", "run") as bar:
         for method, condition, seed in todo:
-            bar.set_postfix_str(f"{method} {condition} seed {seed}")
-            started = time.monotonic()
+            started, what = time.monotonic(), f"{method} {condition} seed {seed}"
+            progress = _StepCount(bar, what, steps_per_run)
+
             c = config(method, condition, seed, rounds)
-            record = simulate(c, dataset, tokenizer.vocab_size, progress=bar.update)
+            record = simulate(c, dataset, tokenizer.vocab_size, progress=progress)
             record.pop("config", None)
             key = run_key(method, condition, seed, rounds)
             took = time.monotonic() - started
@@ -97,6 +98,18 @@ def run(rounds: int, threads: int) -> None:
             with LOG.open("a") as log:
                 log.write(json.dumps(record) + "\n")
             bar.write(f"{method} {condition} seed {seed}: final held-out loss {record['final_loss']:.4f}")
+            bar.update()
+
+
+class _StepCount:
+    """The simulator's progress hook: inner steps done in the run under way, on the bar's line."""
+
+    def __init__(self, bar: Any, what: str, expected: int) -> None:
+        self.bar, self.what, self.expected, self.done = bar, what, expected, 0
+
+    def __call__(self, steps: int) -> None:
+        self.done += steps
+        self.bar.set_postfix_str(f"{self.what}: {self.done} of ~{self.expected} inner steps")
 
 
 def report(rounds: int) -> dict[str, Any]:
@@ -129,7 +142,7 @@ def report(rounds: int) -> dict[str, Any]:
     return {
         "what": "the outer methods at the small preset in the simulator, at their defaults (issue 28)",
         "settings": {**BASE, "rounds": rounds, "conditions": CONDITIONS, "seeds": list(SEEDS)},
-        "runs": sum(len(row["per_seed"]) for cond in table.values() for row in cond.values()),
+        "runs": len({run_key(*job, rounds) for job in jobs(rounds)} & set(done)),
         "table": table,
     }
 
