@@ -640,6 +640,17 @@ DIFFERENCES = [
 ]
 
 
+TESTBED_DIFFERENCES = [
+    "the simulator's link is its sender's uplink alone, a queue the sender's bytes for every receiver go "
+    "through one after another at the measured goodput; the daemons' links are shaped both ways, and "
+    "receivers pull from any holder of a fragment (one that fetched it serves it onward)",
+    "the simulator's step time is the daemons' median round time over H, evaluation included, the same "
+    "for every member and every round; the daemons' rounds vary with what else the two cores do",
+    "the floor is the simulator's alone (members training alone use no link): the daemons' floor on "
+    "127.0.0.1 matches it to rounding in every loopback run",
+]
+
+
 def plot(record: dict[str, Any], path: Path) -> Path:
     """Left: held-out loss by round, both swarms and both floors (each daemon's own curve
     faint); right: each side's gain over its floor by round."""
@@ -782,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "seeds": [args.seed + k for k in range(args.repeats)],
         },
-        "differences": DIFFERENCES,
+        "differences": DIFFERENCES + (TESTBED_DIFFERENCES if args.testbed is not None else []),
         "summary": summarize(runs),
         "runs": runs,
     }
