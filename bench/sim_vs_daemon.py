@@ -231,6 +231,7 @@ class _Node:
         self.admin: str | None = None
         self.status: dict[str, Any] | None = None  # the latest status read
         self.final: dict[str, Any] | None = None  # the status read at the end of round R
+        self.round_seen: list[tuple[int, float]] = []  # (round, when a poll first saw it)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
@@ -389,6 +390,8 @@ def run_daemons(
                 except ConnectionError:
                     continue  # busy, or still starting: asked again at the next poll
                 node.status = status
+                if not node.round_seen or status["round"] > node.round_seen[-1][0]:
+                    node.round_seen.append((int(status["round"]), time.monotonic()))
                 history = status.get("eval_history") or []
                 if node.index not in joined_said and history:
                     joined_said.add(node.index)
@@ -407,7 +410,8 @@ def run_daemons(
             time.sleep(POLL_SECONDS)
     finally:
         _stop(nodes)
-    side = _daemon_side(scenario, optimizer, [n.final for n in nodes if n.final is not None])
+    done = [n for n in nodes if n.final is not None]
+    side = _daemon_side(scenario, optimizer, [n.final for n in done], [n.round_seen for n in done])
     side["wall_seconds"] = time.monotonic() - started
     say(
         f"daemons, {optimizer}: final held-out loss {side['mean_final_loss']:.4f} "
@@ -463,21 +467,24 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
 """
 
 
-def step_seconds(timeline: list[dict[str, Any]], inner_steps: int, skip: int = 2) -> float | None:
+def step_seconds(seen: list[tuple[int, float]], inner_steps: int, skip: int = 2) -> float | None:
     """Wall seconds per inner step of one daemon: the median time between its rounds' ends
     (evaluation included), after its first ``skip`` rounds (joining, warm-up), over H.
 
     Args:
-        timeline: the status's ``timeline`` (``round`` and ``seconds`` per round ended).
+        seen: ``(round, seconds)``: when the bench's polls (every ``POLL_SECONDS``) first saw
+            the daemon at each round.
     """
-    points = sorted((int(p["round"]), float(p["seconds"])) for p in timeline)[skip:]
+    points = sorted(seen)[skip:]
     gaps = [(t1 - t0) / (r1 - r0) for (r0, t0), (r1, t1) in itertools.pairwise(points) if r1 > r0]
     return _median(gaps) / inner_steps if gaps else None
 
 
-def _daemon_side(scenario: Scenario, optimizer: str, finals: list[dict[str, Any]]) -> dict[str, Any]:
+def _daemon_side(
+    scenario: Scenario, optimizer: str, finals: list[dict[str, Any]], seen: list[list[tuple[int, float]]]
+) -> dict[str, Any]:
     R = scenario.rounds
-    steps = [step_seconds(s.get("timeline") or [], scenario.join_config().inner_steps) for s in finals]
+    steps = [step_seconds(points, scenario.join_config().inner_steps) for points in seen]
     known_steps = [x for x in steps if x is not None]
     histories = [{int(r): float(loss) for r, loss in s["eval_history"]} for s in finals]
     ages: Counter[int] = Counter()
@@ -562,6 +569,8 @@ def compare(
             goodput = measure_link(bed)
             say(f"testbed: {mbit} Mbit links, measured goodput {goodput * 8 / 1e6:.2f} Mbit/s")
             swarm = run_daemons(scenario, opt, workdir / f"seed{scenario.seed}-{opt}", say, bed=bed)
+        if swarm["step_seconds"] is None:
+            raise RuntimeError("the daemons' rounds were not seen often enough to time an inner step")
         wire = {"bandwidth": goodput, "step_time": swarm["step_seconds"]}
         swarm["testbed"] = {"mbit": mbit, "goodput_bytes_per_second": goodput}
         sim = {

@@ -74,10 +74,9 @@ def test_the_daemons_keep_the_simulators_prediction(tmp_path, monkeypatch):
 def test_step_seconds_is_the_median_round_over_h_after_the_first_rounds():
     bench = _bench()
     ends = [(1, 0.0), (2, 50.0), (3, 60.0), (4, 70.0), (5, 95.0), (7, 115.0)]
-    timeline = [{"round": r, "seconds": s} for r, s in ends]
     # the first two rounds (joining) left out: 10 s, 25 s, then 20 s over two rounds (10 s each)
-    assert bench.step_seconds(timeline, 10) == pytest.approx(1.0)
-    assert bench.step_seconds(timeline[:3], 10) is None  # one round after the skipped ones: no gap
+    assert bench.step_seconds(ends, 10) == pytest.approx(1.0)
+    assert bench.step_seconds(ends[:3], 10) is None  # one round after the skipped ones: no gap
 
 
 def _testbed_why_not():
