@@ -212,6 +212,7 @@ def run_simulator(
         "resyncs": record["resyncs"],
         "dropped_stale": record["dropped_stale"],
         "mixed": record["mixed"],
+        "sent_as": record.get("sent_as", {}),
         "wall_seconds": time.monotonic() - started,
     }
     say(

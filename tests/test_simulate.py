@@ -120,6 +120,7 @@ def test_loss_falls_and_bytes_are_counted(corpus):
     assert not record["diverged"]
     numel = sum(p.numel() for p in build_model("tiny", corpus[0].vocab_size, seed=0).parameters())
     assert record["bytes_sent"] == 5 * 3 * 2 * numel * 4  # rounds x workers x peers x fp32 bytes
+    assert record["sent_as"] == {}  # whole float32 deltas: none went out encoded (sent_as counts those)
 
 
 @pytest.mark.slow

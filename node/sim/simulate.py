@@ -320,6 +320,8 @@ def simulate(
         "resyncs": sum(wk.member.resyncs for wk in workers),
         "replayed": sum(wk.loop.counters.replayed for wk in workers),
         "mixed": sum(wk.loop.counters.mixed for wk in workers),
+        # the codec each own delta went out in (``--codec auto`` chooses per round from the link)
+        "sent_as": dict(sum((wk.loop.counters.sent_as for wk in workers), Counter())),
         "clipped": sum(wk.loop.counters.clipped for wk in honest),
         "tokens_capped": sum(wk.loop.counters.tokens_capped for wk in honest),
         "clipped_params": sum(wk.loop.counters.clipped_params for wk in honest),
