@@ -246,7 +246,7 @@ class Testbed:
             listen = ["--host-maddrs", f"/ip4/{address}/tcp/31337",
                       "--grpc-host", address, "--grpc-port", "31338"]  # fmt: skip
         command = [
-            "ip", "netns", "exec", self.namespace(index), *self._held(index), executable, "join", *listen,
+            *self._held(index), "ip", "netns", "exec", self.namespace(index), executable, "join", *listen,
             "--admin-host", address, "--admin-port", str(admin_port), *args,
         ]  # fmt: skip
         if "--eval-every" not in args:  # the checks and reports read every round's held-out loss
@@ -267,7 +267,8 @@ class Testbed:
 
     def _held(self, index: int) -> list[str]:
         """The command prefix that puts node ``index``'s process (and what it starts) into its
-        CPU cgroup before it runs (nothing without ``cpu``)."""
+        CPU cgroup before it runs (nothing without ``cpu``); outside the namespace, since
+        ``ip netns exec`` mounts a sysfs of the namespace's own over /sys, without the cgroups."""
         if self.cpu is None:
             return []
         procs = _cpu_group(f"{PREFIX}-n{index}", self.cpu)
