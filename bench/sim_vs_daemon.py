@@ -55,6 +55,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -478,7 +479,7 @@ def step_seconds(seen: list[tuple[int, float]], inner_steps: int, skip: int = 2)
     """
     points = sorted(seen)[skip:]
     gaps = [(t1 - t0) / (r1 - r0) for (r0, t0), (r1, t1) in itertools.pairwise(points) if r1 > r0]
-    return _median(gaps) / inner_steps if gaps else None
+    return statistics.median(gaps) / inner_steps if gaps else None
 
 
 def _daemon_side(
@@ -524,7 +525,7 @@ def _daemon_side(
         "started_from": [s["started_from"] for s in finals],
         "status_read_at_round": [s["round"] for s in finals],
         "step_seconds_per_member": steps,
-        "step_seconds": _median(known_steps) if known_steps else None,
+        "step_seconds": statistics.median(known_steps) if known_steps else None,
     }
 
 
@@ -821,12 +822,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _hist_mean(ages: dict[int, int]) -> float:

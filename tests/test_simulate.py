@@ -121,6 +121,8 @@ def test_loss_falls_and_bytes_are_counted(corpus):
     numel = sum(p.numel() for p in build_model("tiny", corpus[0].vocab_size, seed=0).parameters())
     assert record["bytes_sent"] == 5 * 3 * 2 * numel * 4  # rounds x workers x peers x fp32 bytes
     assert record["sent_as"] == {}  # whole float32 deltas: none went out encoded (sent_as counts those)
+    lossy = run(corpus, optimizer="sgd", outer_lr=0.7, rounds=2, codec="4bit")
+    assert lossy["sent_as"] == {"4bit": 2 * 3}  # rounds x workers, each own delta in the codec it went out in
 
 
 @pytest.mark.slow
