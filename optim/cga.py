@@ -19,7 +19,8 @@ the two compound into overshoot. So μ' follows how fresh the rounds are. A step
 ``fresh_share`` (the share of the live peers whose Δ of this round arrived at age 0) updates a
 running freshness r ← ρ·r + (1 − ρ)·share, and every step takes μ' = μ·r. r starts at
 ``freshness`` (1: μ' = μ for as long as no share is given; the daemon starts at 0: no momentum
-before any peer has been seen on time, and none for a peer alone).
+before any peer has been seen on time, and none for a peer alone). The buffer b is made at the
+first step with μ' > 0, from zero: while μ' = 0 it would hold only the last Δ̄.
 """
 
 from __future__ import annotations
@@ -180,15 +181,20 @@ class CGA(Optimizer):
         mu, restart = group["momentum"] * self._freshness(group), group["restart_every"]
         if not group["momentum"]:
             return mu, None
+        # no buffer while μ' = 0 (a peer alone, or none heard fresh yet): b would only hold the
+        # last mean, 4 bytes a parameter for nothing; it starts from zero when the momentum does
+        held = any("momentum" in self.state[p] for p in stepping)
         momenta = []
         for p in stepping:
             state = self.state[p]
             steps = state.get("steps", 0)
+            state["steps"] = steps + 1
+            if not held and mu == 0.0:
+                continue
             if "momentum" not in state or (restart and steps and steps % restart == 0):
                 state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
             momenta.append(state["momentum"])
-            state["steps"] = steps + 1
-        return mu, momenta
+        return mu, momenta or None
 
     @staticmethod
     def _check_share(fresh_share: float | None) -> None:

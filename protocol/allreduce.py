@@ -26,7 +26,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
-from cgad.protocol.codec import Codec, decode
+from cgad.protocol.codec import Codec, all_finite, decode
 from cgad.protocol.config import check_multiaddr
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
 
@@ -99,7 +99,7 @@ class AllReduceExchange(Transport):
         if mean is None:
             self.stats.skipped["no_group"] += 1
             return
-        if not torch.isfinite(mean).all():
+        if not all_finite(mean):
             self.stats.rejected["non_finite"] += 1
             return
         others = (mean * members - own) / (members - 1)
@@ -172,7 +172,7 @@ class GroupAverager:
             self.averager, tensor.detach().float().flatten(), self._timeout, "going on without it"
         )
         self.groups[members] += 1
-        return (mean, members) if mean is not None and torch.isfinite(mean).all() else None
+        return (mean, members) if mean is not None and all_finite(mean) else None
 
     def close(self) -> None:
         if self.averager is not None:

@@ -45,3 +45,55 @@ def test_a_users_own_glibc_setting_is_left_alone(monkeypatch):
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert give_back_freed_memory() is False
+
+
+HUGE_PROBE = """
+import re, sys
+from cgad.node.daemon.allocator import give_back_freed_memory, use_huge_pages
+if sys.argv[1] == "huge":
+    assert use_huge_pages()
+import torch
+assert give_back_freed_memory()
+def huge_kib():
+    return sum(int(k) for k in re.findall(r"AnonHugePages:\\s+(\\d+) kB", open("/proc/self/smaps").read()))
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
+base = rss()
+buffers = [torch.ones(16 << 20) for _ in range(4)]  # 4 x 64 MiB, touched: an outer step's buffers
+print(huge_kib() >> 10)
+del buffers
+print((rss() - base) / 2**20)
+"""
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="the kernel grants no transparent huge pages")
+def test_huge_pages_back_the_daemons_large_buffers_and_still_go_back_when_freed():
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE")}
+
+    def probe(mode: str) -> tuple[float, float]:
+        cmd = [sys.executable, "-c", HUGE_PROBE, mode]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120, env=env)
+        huge, retained = done.stdout.split()[-2:]
+        return float(huge), float(retained)
+
+    huge, retained = probe("huge")
+    assert huge >= 128, f"{huge} MiB of 256 in huge pages"  # khugepaged or the fault path may miss some
+    assert retained < 20
+    if _thp_mode() == "madvise":  # without asking, none (under "always" every process gets them)
+        assert probe("plain")[0] < 16
+
+
+def test_a_users_own_huge_page_setting_is_left_alone(monkeypatch):
+    from cgad.node.daemon.allocator import use_huge_pages
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert use_huge_pages() is False
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from cgad.protocol.codec import (
     MAX_NUMEL,
     SCRATCH_BYTES,
     Codec,
+    all_finite,
     decode,
     encode,
     encoded_size,
@@ -497,3 +499,15 @@ def test_joining_slices_refuses_sparse_slices_of_different_sparsity_and_nothing(
         join_slices(pieces, (512,))
     with pytest.raises(ValueError, match="no slices"):
         join_slices([], (0,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_all_finite_finds_one_bad_value_anywhere(dtype):
+    t = torch.randn(10_001).to(dtype)
+    assert all_finite(t) and all_finite(t[:0]) and all_finite(torch.arange(5))
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in (0, 5_000, 10_000):
+            u = t.clone()
+            u[where] = bad
+            assert not all_finite(u), (bad, where)
+            assert not all_finite(u.view(1, -1))

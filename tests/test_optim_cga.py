@@ -19,7 +19,7 @@ def reference(phi0, rounds, lr, momentum, alpha, cutoff, restart_every=0, shares
     per round) the momentum is scaled by the running freshness."""
     phi = [p.double().clone() for p in phi0]
     buf = [torch.zeros_like(p) for p in phi]
-    steps = 0
+    steps, started = 0, False
     for n, deliveries in enumerate(rounds):
         scales = [w * sigma(a, alpha, cutoff) for _, a, w in deliveries]
         if sum(scales) == 0:
@@ -29,10 +29,11 @@ def reference(phi0, rounds, lr, momentum, alpha, cutoff, restart_every=0, shares
         mu = momentum * freshness
         if restart_every and steps and steps % restart_every == 0:
             buf = [torch.zeros_like(p) for p in phi]
+        started = started or mu != 0  # the buffer starts (from zero) with the momentum
         for i in range(len(phi)):
             weighted = [s * d[i].double() for (d, _, _), s in zip(deliveries, scales, strict=True)]
             mean = sum(weighted) / sum(scales)
-            if momentum:
+            if momentum and started:
                 buf[i] = mu * buf[i] + mean
                 phi[i] = phi[i] - lr * (mean + mu * buf[i])
             else:
@@ -118,6 +119,21 @@ def test_a_node_never_seeing_a_fresh_peer_takes_no_momentum():
     want = drive(phi0, rounds, lr=1.0, momentum=0.0)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_the_momentum_buffer_is_made_only_when_the_momentum_starts():
+    """A peer alone holds no buffer (4 bytes a parameter); the first fresh share makes one."""
+    phi0 = [torch.randn(7, 3), torch.randn(11)]
+    rounds = random_rounds(5)
+    alone = [0.0] * len(rounds)
+    params, opt = drive_accumulating(phi0, rounds, shares=alone, lr=1.0, momentum=0.9, freshness=0.0)
+    assert all("momentum" not in opt.state[p] for p in params)
+    assert "momentum" not in {k for s in opt.state_dict()["state"].values() for k in s}
+    for p, d in zip(params, rounds[0][0][0], strict=True):
+        p.grad = d.clone()
+    opt.accumulate(age=0, weight=1.0)
+    opt.step(fresh_share=1.0)
+    assert all(opt.state[p]["momentum"].abs().sum() > 0 for p in params)
 
 
 def test_freshness_moves_only_in_the_groups_that_step_and_survives_a_state_dict():

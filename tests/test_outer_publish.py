@@ -103,8 +103,10 @@ def test_a_float16_snapshot_carries_phi_in_float16_and_the_momentum_in_bfloat16(
     options = OuterOptions(optimizer="cga", cga_momentum=0.5)
     torch.manual_seed(0)
     loop = OuterLoop([torch.zeros(4096)], options, network.join("me"), "run")
+    peer = network.join("peer")  # heard fresh: the momentum starts (alone it would never)
     loop.theta[0].add_(torch.randn(4096) / 3)
     loop.publish(0, tokens=10)
+    peer.publish(Fragment(FragmentKey("run", 0, 0, "peer"), torch.randn(4096) / 3, tokens=10))
     loop.apply(0)
     full, compact = loop.state_dict(), loop.state_dict("fp16")
     [momentum] = [s["momentum"] for s in full["optimizer"]["state"].values()]
@@ -212,10 +214,15 @@ def test_auto_sends_4bit_on_a_fast_link_and_sparse_with_what_fits_on_a_slow_one(
 
 def _cga_loop_after_a_round(name: str = "me") -> OuterLoop:
     options = OuterOptions(optimizer="cga", cga_momentum=0.5)
-    loop = OuterLoop([torch.zeros(8)], options, VirtualNetwork().join(name), "run")
+    network = VirtualNetwork()
+    loop = OuterLoop([torch.zeros(8)], options, network.join(name), "run")
     loop.theta[0].add_(1.0)
     loop.publish(0, tokens=10)
+    # a peer heard fresh: the momentum starts (a loop alone holds none)
+    peer = Fragment(FragmentKey("run", 0, 0, "peer"), torch.full((8,), -0.5), tokens=10)
+    network.join("peer").publish(peer)
     loop.apply(0)
+    assert all("momentum" in s for s in loop.optimizer.state.values())
     return loop
 
 

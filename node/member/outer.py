@@ -46,7 +46,7 @@ from cgad.node.member.mixing import gossip_pull, held_phi, remember_phi
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
 from cgad.optim import AroundOwn, SpreadBound
-from cgad.protocol.codec import Codec, encoded_size
+from cgad.protocol.codec import Codec, all_finite, encoded_size
 from cgad.protocol.config import SPARSE_KEPT, wire_codec
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
@@ -143,7 +143,7 @@ class OuterLoop:
             finite = True  # checked per tensor while it is in cache: half the time of a second pass
             for view, i in zip(self.unflatten(f, own), idx, strict=True):
                 torch.sub(self.phi[i], self.theta[i].detach().to("cpu", torch.float32), out=view)
-                finite = finite and bool(torch.isfinite(view).all())
+                finite = finite and all_finite(view)
             if not finite:
                 # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
                 # With several fragments the other fragments' θ is NaN too (one forward pass made
@@ -151,7 +151,7 @@ class OuterLoop:
                 self.counters.rejected["local_non_finite"] += 1
                 own_block = set(idx)
                 for i, t in enumerate(self.theta):
-                    if i in own_block or not torch.isfinite(t).all():
+                    if i in own_block or not all_finite(t):
                         t.copy_(self.phi[i])
                 self._turn[f] = None
                 return
@@ -245,7 +245,7 @@ class OuterLoop:
                 self.counters.rejected["future"] += 1
                 self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue
-            if not torch.isfinite(frag.tensor).all():
+            if not all_finite(frag.tensor):
                 self.counters.rejected["non_finite"] += 1
                 self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cgad.protocol.codec import Codec, decode, encode, encoded_size
+from cgad.protocol.codec import Codec, all_finite, decode, encode, encoded_size
 from cgad.protocol.errors import FragmentError
 
 __all__ = [
@@ -170,7 +170,7 @@ def load_checked_state(
         if not isinstance(q, Tensor) or p.shape != q.shape:
             raise ValueError(f"outer state tensor {getattr(q, 'shape', q)} != local {tuple(p.shape)}")
         # as φ will hold it: a float64 1e39 is finite, and Inf in float32
-        if q.dtype not in STATE_DTYPES or not torch.isfinite(q.to(p.dtype)).all():
+        if q.dtype not in STATE_DTYPES or not all_finite(q.to(p.dtype)):
             raise ValueError(f"outer state tensor of {q.dtype} holds NaN or Inf, or is not a float")
     # moments and step counts from the state; hyperparameters stay this peer's own, but the
     # running freshness is state (a resumed node kept it at 0 and lost its momentum)
@@ -316,7 +316,7 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, version: int) -> No
                     raise ValueError(
                         f"state {name!r} of shape {tuple(value.shape)} and {value.dtype} for {tuple(p.shape)}"
                     )
-                if not torch.isfinite(value).all():
+                if not all_finite(value):
                     raise ValueError(f"state {name!r} holds NaN or Inf")
                 if name in SECOND_MOMENTS and bool((value < 0).any()):
                     raise ValueError(f"state {name!r} holds negative second moments")
