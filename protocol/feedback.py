@@ -116,7 +116,7 @@ class ErrorFeedback:
             return corrected.clone() if corrected.data_ptr() == tensor.data_ptr() else corrected
         if self.residual.shape != corrected.shape:
             raise FragmentError("bad_shape", f"residual {self.residual.shape} vs {corrected.shape}")
-        return corrected + self.residual
+        return self.residual.float().add_(corrected)  # widened, then added: a mixed add is slower
 
     def reset(self) -> None:
         self.residual = None

@@ -187,7 +187,11 @@ class Sender:
         feedback = self._unsent.get(fragment)
         residual = feedback.residual if feedback is not None else None
         if sent.how is _How.FED_BACK:
-            target = (lambda as_sent: as_sent) if residual is None else (lambda as_sent: as_sent + residual)
+            # widened first, then added in place: a float32 + bfloat16 add is twice as slow
+            if residual is None:
+                target = lambda as_sent: as_sent  # noqa: E731
+            else:
+                target = lambda as_sent: residual.float().add_(as_sent)  # noqa: E731
         elif own is None:  # an earlier round's, as it went out
             target = lambda as_sent: as_sent  # noqa: E731
         elif sent.how is _How.WITHHELD and feedback is not None:
