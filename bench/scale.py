@@ -133,14 +133,8 @@ def _median_after_warmup(rates: list[float], warmup: int) -> float | None:
 
 def bare_child(settings: Settings) -> dict[str, Any]:
     """The bare loop, run in its own process (``--bare-child``): tokens/s per window of H steps
-    until ``seconds`` after the warm-up have passed and ``MIN_WINDOWS`` were measured. Its
-    allocator is set as the daemon's (``allocator``): the ratio is the daemon's own cost."""
-    from cgad.node.daemon.allocator import give_back_freed_memory, use_huge_pages
-
-    use_huge_pages()  # before torch's first allocation
+    until ``seconds`` after the warm-up have passed and ``MIN_WINDOWS`` were measured."""
     import torch
-
-    give_back_freed_memory()
 
     from cgad.node.training.data import load_dataset
     from cgad.node.training.model import build_model
@@ -377,7 +371,7 @@ def machine() -> dict[str, Any]:
         "memory_bytes": memory,
         "python": platform.python_version(),
         "load_average_at_start": os.getloadavg(),
-        # both sides ask for huge pages (allocator.use_huge_pages): what the kernel grants them
+        # huge pages change what a fresh model-sized buffer costs (faults, compaction)
         "transparent_hugepages": next(iter(_lines("/sys/kernel/mm/transparent_hugepage/enabled")), None),
     }
 

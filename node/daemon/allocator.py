@@ -10,13 +10,6 @@ its activations in afresh: a lone `small` daemon trained at 0.7x its bare loop; 
 heaps every round, ``malloc_trim``, lowered no peak). Larger activations (a batch of 8 x 512
 has 64 MiB of logits) are mapped either way: glibc's moving threshold stops at 32 MiB. Elsewhere
 (not glibc) nothing is done.
-
-Model-sized buffers come and go every outer step (a decoded delta, the own Δ, the yardstick, a
-codec's output), and each fresh mapping faults its pages in 4 KiB at a time: a zeroed 104 MB
-buffer (26M values) took 85 ms on one core, 13 ms in 2 MiB pages. ``use_huge_pages`` has
-PyTorch ask for transparent huge pages (``madvise``) on its allocations of 2 MiB and more
-(``THP_MEM_ALLOC_ENABLE``, read once, at torch's first allocation: the CLI sets it before torch
-is imported). Where the kernel's THP mode is ``never`` it changes nothing.
 """
 
 from __future__ import annotations
@@ -26,14 +19,13 @@ import ctypes.util
 import logging
 import os
 
-__all__ = ["MMAP_THRESHOLD", "give_back_freed_memory", "use_huge_pages"]
+__all__ = ["MMAP_THRESHOLD", "give_back_freed_memory"]
 
 logger = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 16 << 20  # bytes: above a step's activations at 26M-150M parameters (8 MiB logits)
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc's own variable: a user who set it keeps their value
-HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's (c10's CPU allocator); a user's value stays
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -60,12 +52,3 @@ def give_back_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
     if not done:
         logger.debug("mallopt(M_MMAP_THRESHOLD) refused: freed memory stays with the allocator")
     return done
-
-
-def use_huge_pages() -> bool:
-    """Have PyTorch's CPU allocator ask for transparent huge pages on large buffers in this
-    process (and the processes it starts); whether it will. Only before torch's first
-    allocation: the setting is read once, then.
-    """
-    value = os.environ.setdefault(HUGE_PAGES_ENV, "1")
-    return value == "1"

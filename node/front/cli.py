@@ -189,9 +189,6 @@ def _cmd_join(args: argparse.Namespace) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # this package's loggers only: debug from hivemind and gRPC would drown what says why
     logging.getLogger("cgad").setLevel(args.log_level.upper())
-    from cgad.node.daemon.allocator import use_huge_pages
-
-    use_huge_pages()  # before torch allocates anything: read once, at its first allocation
     from cgad.node.daemon.node import Node
 
     node = Node(config)
@@ -373,9 +370,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cgad.node.config import SimConfig
-    from cgad.node.daemon.allocator import use_huge_pages
 
-    use_huge_pages()  # the members' outer steps allocate as a daemon's do
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     base = _config_from(SimConfig, args, skip=("optimizer",))
