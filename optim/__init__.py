@@ -26,7 +26,11 @@ _HOME = {
     "noloco_update": "noloco",
     "merge": "merging",
     "AroundOwn": "robust",
+    "FLOAT64_CHUNK": "robust",
     "SpreadBound": "robust",
+    "Verdict": "robust",
+    "chunk_dots": "robust",
+    "verdict": "robust",
     "cosine_gate": "staleness",
     "staleness_weight": "staleness",
 }

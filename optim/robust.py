@@ -43,13 +43,28 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["FLOAT64_CHUNK", "AroundOwn", "SpreadBound"]
+__all__ = ["FLOAT64_CHUNK", "AroundOwn", "SpreadBound", "Verdict", "chunk_dots", "verdict"]
 
 FLOAT64_CHUNK = 1 << 20  # values per float64 pass: 8 MB of copies, whatever the fragment's size
+
+
+def chunk_dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float]:
+    """⟨delivery, reference⟩ (0 without one) and ⟨delivery, delivery⟩ of one chunk of at most
+    ``FLOAT64_CHUNK`` values, in float64 (both flat). Summed over the chunks in order, as
+    ``AroundOwn`` does, whoever walks the chunks gets the same floats.
+
+    Args:
+        delivery: the chunk of a delivery.
+        reference: the same chunk of the reference, or None.
+    """
+    d = delivery.double()
+    dot = 0.0 if reference is None else float(torch.dot(d, reference.double()))
+    return dot, float(torch.dot(d, d))
 
 
 def _dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float]:
@@ -57,11 +72,39 @@ def _dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float]:
     time (both flat)."""
     dot = norm_sq = 0.0
     for start in range(0, delivery.numel(), FLOAT64_CHUNK):
-        d = delivery[start : start + FLOAT64_CHUNK].double()
-        if reference is not None:
-            dot += float(torch.dot(d, reference[start : start + FLOAT64_CHUNK].double()))
-        norm_sq += float(torch.dot(d, d))
+        stop = start + FLOAT64_CHUNK
+        d, n = chunk_dots(delivery[start:stop], None if reference is None else reference[start:stop])
+        dot, norm_sq = dot + d, norm_sq + n
     return dot, norm_sq
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the reference makes of one delivery: its cosine with it, its distance from it, and
+    the weight of the delivery in ``lerp(reference, delivery, weight)`` that holds it within the
+    bound (None: within it already, taken as sent)."""
+
+    cosine: float
+    distance: float
+    weight: float | None
+
+
+def verdict(dot: float, norm_sq: float, reference_norm_sq: float, bound: float) -> Verdict:
+    """The verdict on a delivery from its dot product with the reference, its squared norm and
+    the reference's (float64 sums), for a clip at ``bound`` around the reference.
+
+    Args:
+        dot: ⟨delivery, reference⟩.
+        norm_sq: ‖delivery‖².
+        reference_norm_sq: ‖reference‖².
+        bound: the distance from the reference within which a delivery is taken as sent.
+    """
+    if not (math.isfinite(dot) and math.isfinite(norm_sq)):
+        raise ValueError("AroundOwn needs finite deliveries")
+    norms = math.sqrt(norm_sq * reference_norm_sq)
+    cosine = 1.0 if norms == 0.0 else dot / norms
+    distance = math.sqrt(max(norm_sq - 2.0 * dot + reference_norm_sq, 0.0))
+    return Verdict(cosine, distance, None if distance <= bound else bound / distance)
 
 
 class AroundOwn:
@@ -95,16 +138,12 @@ class AroundOwn:
         if delivery.shape != self.reference.shape:
             raise ValueError(f"shapes differ: {tuple(self.reference.shape)} and {tuple(delivery.shape)}")
         dot, norm_sq = _dots(delivery.detach().reshape(-1), self._flat)
-        if not (math.isfinite(dot) and math.isfinite(norm_sq)):
-            raise ValueError("AroundOwn needs finite deliveries")
-        norms = math.sqrt(norm_sq * self._norm_sq)
-        cosine = 1.0 if norms == 0.0 else dot / norms
-        distance = math.sqrt(max(norm_sq - 2.0 * dot + self._norm_sq, 0.0))
-        if distance <= self.bound:
-            return cosine, delivery, False, distance
+        judged = verdict(dot, norm_sq, self._norm_sq, self.bound)
+        if judged.weight is None:
+            return judged.cosine, delivery, False, judged.distance
         # reference + (delivery − reference) · bound / distance, in one new tensor
         held = delivery.to(self.reference.dtype)
-        return cosine, torch.lerp(self.reference, held, self.bound / distance), True, distance
+        return judged.cosine, torch.lerp(self.reference, held, judged.weight), True, judged.distance
 
 
 class SpreadBound:

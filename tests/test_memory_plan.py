@@ -5,12 +5,14 @@ for the step from what it holds."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import Tensor
 
 from cgad.node.config import OuterOptions
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.sender import Sender
+from cgad.optim import FLOAT64_CHUNK, AroundOwn
 from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.memory import VirtualNetwork
 
@@ -85,12 +87,44 @@ def test_the_yardstick_is_the_own_delta_and_what_it_owed() -> None:
     assert torch.allclose(yardstick.target, second + owed, atol=1e-2 * float(owed.abs().max()))
     assert torch.equal(yardstick.reference(kept), decode(data))
     # a dense delivery is judged against the dense target, a sparser one against it picked so
-    assert yardstick.reference(None) is yardstick.target
+    assert torch.equal(yardstick.reference(None), yardstick.target)
     assert torch.equal(yardstick.reference(4), decode(encode(yardstick.target, Codec.SPARSE, 4)))
     # a block that diverged: the latest own Δ as it went out, with what it still owes
     later = sender.yardstick(0, None)
     assert torch.allclose(later.target, yardstick.target)
     assert Sender("sparse").yardstick(0, None) is None  # never a block of its own
+
+
+@pytest.mark.parametrize("codec", ["sparse", "4bit", "fp32"])
+def test_judging_a_chunk_at_a_time_is_judging_against_the_whole_reference(codec: str) -> None:
+    """``Yardstick.judge`` never builds a whole reference, and gives AroundOwn's floats bit for
+    bit: dense deliveries, ones as sparse as the own Δ went out and sparser ones, one far enough
+    off to be clipped and one against the own Δ, over several chunks and a partial last block;
+    and the same for a block that was withheld and for one that diverged."""
+    torch.manual_seed(1)
+    numel = 2 * FLOAT64_CHUNK + 1000
+    sender = Sender(codec)
+    sender.send(0, torch.randn(numel))
+    own = torch.randn(numel)
+    _, _, kept = sender.send(0, own)
+    sparse_kept = kept if codec == "sparse" else None
+    deliveries = [
+        (torch.randn(numel), None), (own + 0.1 * torch.randn(numel), sparse_kept), (-own, sparse_kept),
+        (50 * torch.randn(numel), None), (decode(encode(torch.randn(numel), Codec.SPARSE, 4)), 4),
+    ]  # fmt: skip
+    withheld = Sender(codec)
+    withheld.send(0, torch.randn(numel))
+    withheld.withhold(0, own)
+    for yardstick in (sender.yardstick(0, own), sender.yardstick(0, None), withheld.yardstick(0, own)):
+        got = yardstick.judge(deliveries, 2.0)
+        clipped = 0
+        for (delta, k), (cosine, held, was_clipped) in zip(deliveries, got, strict=True):
+            want = AroundOwn(yardstick.reference(k), 2.0).judge(delta)
+            assert cosine == want[0] and was_clipped == want[2] and torch.equal(held, want[1])
+            clipped += was_clipped
+        assert clipped >= 1 and got[2][0] < 0
+        norm = float(torch.linalg.vector_norm(yardstick.target, dtype=torch.float64))
+        assert abs(yardstick.norm() - norm) <= 1e-12 * norm
 
 
 def test_a_step_without_peers_builds_no_yardstick() -> None:
@@ -108,7 +142,7 @@ def test_a_step_without_peers_builds_no_yardstick() -> None:
     loop.theta[0].add_(1.0)
     loop.publish(0, tokens=10)
     loop.apply(0)
-    assert len(built) == 1 and "target" not in vars(built[0])  # asked for, never built
+    assert len(built) == 1 and "_sent" not in vars(built[0])  # asked for, never built
 
 
 def test_the_progress_carried_over_a_late_step_is_held_in_theta_as_a_copy_would_hold_it() -> None:

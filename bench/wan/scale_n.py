@@ -20,7 +20,7 @@ one of 16, its rounds last as long, and costs per round compare what N itself do
 Writes bench/results/wan/<prefix>-n.json and <prefix>-n.png.
 
     .venv/bin/python bench/wan/run.py bench/wan/scenarios/scale-{4,8,16}.json   (as root: namespaces)
-    .venv/bin/python bench/wan/scale_n.py [--prefix scale|scale-cpu]
+    .venv/bin/python bench/wan/scale_n.py [--prefix scale|scale-cpu] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -137,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     parser.add_argument("--prefix", default="scale", help="the runs read: <prefix>-N (scale, scale-cpu)")
+    parser.add_argument("--tag", help="the runs made with run.py --tag TAG (<prefix>-N-TAG, floors too)")
     args = parser.parse_args(argv)
     directory = Path(args.results)
+    tagged = (lambda name: f"{name}-{args.tag}") if args.tag else (lambda name: name)
     runs: dict[int, dict[str, Any]] = {}
     for n in args.sizes:
-        result = read_run(find_run(directory, f"{args.prefix}-{n}"))
+        result = read_run(find_run(directory, tagged(f"{args.prefix}-{n}")))
         floor_name = result["scenario"].get("floor")
-        floor = read_run(find_run(directory, floor_name)) if floor_name else None
+        floor = read_run(find_run(directory, tagged(floor_name))) if floor_name else None
         runs[n] = summarize_run(result, floor)
     summary = {
         "runs": {str(n): run for n, run in sorted(runs.items())},
@@ -151,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         "per_round": compare(runs, "round"),
         "per_second": compare(runs, "second"),
     }
-    out = directory / f"{args.prefix}-n.json"
+    out = directory / tagged(f"{args.prefix}-n")
+    out = out.with_name(out.name + ".json")
     out.write_text(json.dumps(summary, indent=1) + "\n")
-    plot(runs, directory / f"{args.prefix}-n.png")
+    plot(runs, out.with_suffix(".png"))
     for n, run in sorted(runs.items()):
         for per in ("round", "second"):
             costs = run[f"costs_per_node_and_{per}"]

@@ -45,7 +45,7 @@ from cgad.node.member.methods import Contribution, StepInput, method, unflatten
 from cgad.node.member.mixing import gossip_pull, held_phi, remember_phi
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
-from cgad.optim import AroundOwn, SpreadBound
+from cgad.optim import SpreadBound
 from cgad.protocol.codec import Codec, all_finite, encoded_size
 from cgad.protocol.config import SPARSE_KEPT, wire_codec
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
@@ -345,24 +345,25 @@ class OuterLoop:
         # round's, or the discarded block's, or an earlier one's when this block diverged), never
         # against anything the peers sent: with one honest peer and one attacker, any statistic
         # of the deliveries is the attacker's to move
-        judges: dict[int | None, AroundOwn] | None = None  # per values per block of a delivery
-        if self.options.aggregation == "clip":
-            if yardstick is None:  # no finite block of its own yet: nothing to judge peers by
-                self.counters.rejected["no_yardstick"] += sum(frag is not own for frag, _ in incoming)
-                incoming = [(frag, age) for frag, age in incoming if frag is own]
-            else:
-                judges = {}
-        for frag, age in incoming:
-            scale = self.method.scale(age, self.options) if self.method.age_aware else 1.0
+        if self.options.aggregation == "clip" and yardstick is None:
+            # no finite block of its own yet: nothing to judge peers by
+            self.counters.rejected["no_yardstick"] += sum(frag is not own for frag, _ in incoming)
+            incoming = [(frag, age) for frag, age in incoming if frag is own]
+        scales = [self.method.scale(a, self.options) if self.method.age_aware else 1.0 for _, a in incoming]
+        judged: dict[int, tuple[float, Tensor, bool]] = {}  # by position in incoming
+        if self.options.aggregation == "clip" and yardstick is not None:
+            peers = [n for n, (frag, _) in enumerate(incoming) if frag is not own and scales[n] != 0.0]
+            deltas = [(incoming[n][0].tensor, incoming[n][0].kept) for n in peers]
+            judged = dict(zip(peers, yardstick.judge(deltas, self.options.clip_radius), strict=True))
+        for n, (frag, age) in enumerate(incoming):
+            scale = scales[n]
             if scale == 0.0:
                 self.counters.dropped_stale += 1
                 continue
             is_own = frag is own
             delta = frag.tensor
-            if judges is not None and not is_own:
-                if frag.kept not in judges:
-                    judges[frag.kept] = AroundOwn(yardstick.reference(frag.kept), self.options.clip_radius)
-                cosine, delta, clipped = judges[frag.kept].judge(delta)
+            if n in judged:
+                cosine, delta, clipped = judged[n]
                 if cosine < self.options.min_cosine:
                     self.counters.rejected["opposed"] += 1
                     self.counters.rejected_by_peer[frag.key.publisher] += 1

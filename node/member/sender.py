@@ -13,19 +13,24 @@ delta sits about the whole norm of a dense one away by its support alone. It is 
 step first judges a delivery, from what is held anyway: the own Δ as it went out, kept encoded
 (the very bytes the transport's store serves), decoded then (for a sent Δ, that plus the
 residual is the whole target), and the residual; a step with no peer's delta builds none, and
-no decoded copy outlives the step.
+no decoded copy outlives the step. The target and its sparser pickings are built a chunk of 1M
+values at a time as the deliveries are judged (``Yardstick.judge``), never whole: each whole
+one was a fresh 4-byte-a-parameter buffer, and faulting those in was most of a swarm node's
+outer step at 26M parameters.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
+from cgad.optim import FLOAT64_CHUNK, chunk_dots, verdict
 from cgad.protocol.codec import ROUNDING, Codec, decode, encode
 from cgad.protocol.config import SPARSE_KEPT, wire_codec
 from cgad.protocol.feedback import ErrorFeedback
@@ -49,50 +54,125 @@ class _Sent:
     # tensor itself when sent whole
     data: bytes | Tensor
     how: _How
+    numel: int
 
     def decoded(self) -> Tensor:
-        return self.data if isinstance(self.data, Tensor) else decode(self.data)
+        """The own Δ as it went out, flat."""
+        return (self.data if isinstance(self.data, Tensor) else decode(self.data)).reshape(-1)
 
 
 class Yardstick:
     """The own Δ of a fragment that one outer step judges its peers' deltas against: what this
     member sends of it (Δ plus what is still owed), dense, and as a delivery of a given sparsity
     would carry it. Built when first asked for (a step that judges nothing builds nothing) and
-    dropped with the step.
+    dropped with the step. ``judge`` and ``norm`` build it a chunk at a time and hold no
+    model-sized copy of it (beside the own Δ as sent, decoded once): a codec's blocks never
+    straddle a chunk, so the values are those of the whole picked at once.
 
     Args:
-        target: builds the dense target from the own Δ as it went out (decoded once, shared with
-            ``reference``).
+        part: the dense target's values in [start, stop), from the own Δ as it went out
+            (decoded, or None: never sent).
         sent: the own Δ as it went out (None: never sent: the target is this round's Δ).
+        numel: values in the fragment.
     """
 
-    def __init__(self, target: Callable[[Tensor | None], Tensor], sent: _Sent | None) -> None:
-        self._build = target
+    def __init__(
+        self, part: Callable[[Tensor | None, int, int], Tensor], sent: _Sent | None, numel: int
+    ) -> None:
+        self._part = part
         self._sent_record = sent
-        self._picked: dict[int | None, Tensor] = {}
+        self.numel = numel
 
     @cached_property
     def _sent(self) -> Tensor | None:
         return None if self._sent_record is None else self._sent_record.decoded()
 
-    @cached_property
+    def _target_chunks(self) -> Iterator[tuple[int, Tensor]]:
+        """The dense target, ``FLOAT64_CHUNK`` values at a time (start, values)."""
+        for start in range(0, self.numel, FLOAT64_CHUNK):
+            yield start, self._part(self._sent, start, min(start + FLOAT64_CHUNK, self.numel))
+
+    def _chunks(self, kept: int | None) -> Iterator[tuple[int, Tensor]]:
+        """The reference for ``kept`` (``reference``), ``FLOAT64_CHUNK`` values at a time."""
+        if self._sent_record is not None and kept == self._sent_record.kept:
+            sent = self._sent
+            assert sent is not None
+            for start in range(0, self.numel, FLOAT64_CHUNK):
+                yield start, sent[start : start + FLOAT64_CHUNK]
+            return
+        for start, part in self._target_chunks():
+            yield start, part if kept is None else decode(encode(part, Codec.SPARSE, kept))
+
+    @property
     def target(self) -> Tensor:
-        return self._build(self._sent)
+        """The dense target, whole (a new tensor)."""
+        return _whole(self._target_chunks(), self.numel)
 
     def reference(self, kept: int | None) -> Tensor:
         """The yardstick as a delivery that keeps ``kept`` values per block (None: dense) carries
-        it: the own Δ as sent when it was sent so, else the target picked the same way."""
+        it, whole: the own Δ as sent when it was sent so, else the target picked the same way."""
         if self._sent_record is not None and kept == self._sent_record.kept:
             return self._sent  # type: ignore[return-value]
-        if kept is None:
-            return self.target
-        if kept not in self._picked:
-            self._picked[kept] = decode(encode(self.target, Codec.SPARSE, kept))
-        return self._picked[kept]
+        return _whole(self._chunks(kept), self.numel)
+
+    def judge(
+        self, deliveries: Sequence[tuple[Tensor, int | None]], radius: float
+    ) -> list[tuple[float, Tensor, bool]]:
+        """``AroundOwn(self.reference(kept), radius).judge(delta)`` for each (delta, kept): flat
+        float32 deltas carrying ``kept`` values per block (None: dense). One pass over the
+        reference per sparsity, built a chunk at a time, and one more where a delta is clipped:
+        the same floats as ``AroundOwn``'s, without a whole reference.
+
+        Args:
+            deliveries: the peers' deltas and the values per block each carries.
+            radius: the clip radius, in norms of the reference.
+        """
+        if not math.isfinite(radius) or radius < 0:
+            raise ValueError(f"radius must be finite and >= 0, got {radius}")
+        if any(d.numel() != self.numel for d, _ in deliveries):
+            raise ValueError(f"deliveries of {[d.numel() for d, _ in deliveries]} values for {self.numel}")
+        by_kept: dict[int | None, list[int]] = {}
+        for n, (_, kept) in enumerate(deliveries):
+            by_kept.setdefault(kept, []).append(n)
+        judged: dict[int, tuple[float, Tensor, bool]] = {}
+        for kept, positions in by_kept.items():
+            deltas = [deliveries[n][0] for n in positions]
+            judged.update(zip(positions, self._judge_alike(deltas, kept, radius), strict=True))
+        return [judged[n] for n in range(len(deliveries))]
+
+    def _judge_alike(
+        self, deltas: list[Tensor], kept: int | None, radius: float
+    ) -> list[tuple[float, Tensor, bool]]:
+        dots, norms, reference_sq = [0.0] * len(deltas), [0.0] * len(deltas), 0.0
+        for start, ref in self._chunks(kept):
+            stop = start + ref.numel()
+            reference_sq += chunk_dots(ref, None)[1]
+            for n, d in enumerate(deltas):
+                dot, norm_sq = chunk_dots(d[start:stop], ref)
+                dots[n], norms[n] = dots[n] + dot, norms[n] + norm_sq
+        if not math.isfinite(reference_sq):
+            raise ValueError("AroundOwn needs a finite reference")
+        bound = radius * math.sqrt(reference_sq)
+        verdicts = [verdict(dot, sq, reference_sq, bound) for dot, sq in zip(dots, norms, strict=True)]
+        held = {n: torch.empty(self.numel) for n, v in enumerate(verdicts) if v.weight is not None}
+        if held:  # reference + (delta − reference) · weight, as AroundOwn's lerp
+            for start, ref in self._chunks(kept):
+                stop = start + ref.numel()
+                for n, out in held.items():
+                    weight = verdicts[n].weight
+                    torch.lerp(ref, deltas[n][start:stop].float(), weight, out=out[start:stop])
+        return [(v.cosine, held.get(n, deltas[n]), n in held) for n, v in enumerate(verdicts)]
 
     def norm(self) -> float:
-        """‖target‖, in float64 (a finite fp32 tensor of 1e20s overflows fp32's)."""
-        return float(torch.linalg.vector_norm(self.target, dtype=torch.float64))
+        """‖target‖, in float64 (a finite fp32 tensor of 1e20s overflows fp32's), a chunk at a time."""
+        return math.sqrt(sum(chunk_dots(values, None)[1] for _, values in self._target_chunks()))
+
+
+def _whole(chunks: Iterator[tuple[int, Tensor]], numel: int) -> Tensor:
+    out = torch.empty(numel)
+    for start, values in chunks:
+        out[start : start + values.numel()] = values
+    return out
 
 
 class Sender:
@@ -150,22 +230,22 @@ class Sender:
         feedback = self._unsent.setdefault(fragment, ErrorFeedback(Codec.SPARSE))
         if not self._feeds_back(codec):
             data = encode(delta, codec, kept)
-            self._sent[fragment] = _Sent(sparse_kept, data, _How.PLAIN)
+            self._sent[fragment] = _Sent(sparse_kept, data, _How.PLAIN, delta.numel())
             return data, codec, kept
         data = feedback.send(delta, codec, kept)
-        self._sent[fragment] = _Sent(sparse_kept, data, _How.FED_BACK)
+        self._sent[fragment] = _Sent(sparse_kept, data, _How.FED_BACK, delta.numel())
         return data, codec, kept
 
     def sent_whole(self, fragment: int, delta: Tensor) -> None:
         """Fragment ``fragment``'s Δ went out as it is (not encoding): it is its own yardstick."""
-        self._sent[fragment] = _Sent(None, delta, _How.PLAIN)
+        self._sent[fragment] = _Sent(None, delta, _How.PLAIN, delta.numel())
 
     def withhold(self, fragment: int, delta: Tensor) -> None:
         """A block that is not sent (kept from the peers after adopting a state): its yardstick is
         the target it would have had, picked as this round would send it; the residual is left
         alone."""
         if not self.encodes:
-            self._sent[fragment] = _Sent(None, delta, _How.PLAIN)
+            self._sent[fragment] = _Sent(None, delta, _How.PLAIN, delta.numel())
             return
         codec, kept = self.choose(delta.numel())
         feedback = self._unsent.get(fragment)
@@ -175,6 +255,7 @@ class Sender:
             kept if codec is Codec.SPARSE else None,
             encode(target, codec, kept),
             _How.WITHHELD if carries else _How.PLAIN,
+            delta.numel(),
         )
 
     def yardstick(self, fragment: int, own: Tensor | None) -> Yardstick | None:
@@ -183,22 +264,32 @@ class Sender:
         diverged), the latest own Δ as it went out; None when there never was one."""
         sent = self._sent.get(fragment)
         if sent is None:
-            return None if own is None else Yardstick(lambda _: own, None)
+            if own is None:
+                return None
+            whole = own.reshape(-1)
+            return Yardstick(lambda _, a, b: whole[a:b], None, own.numel())
         feedback = self._unsent.get(fragment)
-        residual = feedback.residual if feedback is not None else None
-        if sent.how is _How.FED_BACK:
-            # widened first, then added in place: a float32 + bfloat16 add is twice as slow
+        residual = (
+            feedback.residual.view(-1) if feedback is not None and feedback.residual is not None else None
+        )
+        part: Callable[[Tensor | None, int, int], Tensor]
+        # each a slice [a, b) of the target; the bfloat16 residual widened before the add (a
+        # float32 + bfloat16 add is twice as slow)
+        if sent.how is _How.FED_BACK:  # as sent + what it still owes
             if residual is None:
-                target = lambda as_sent: as_sent  # noqa: E731
+                part = lambda as_sent, a, b: as_sent[a:b]  # noqa: E731
             else:
-                target = lambda as_sent: residual.float().add_(as_sent)  # noqa: E731
+                part = lambda as_sent, a, b: residual[a:b].float().add_(as_sent[a:b])  # noqa: E731
         elif own is None:  # an earlier round's, as it went out
-            target = lambda as_sent: as_sent  # noqa: E731
-        elif sent.how is _How.WITHHELD and feedback is not None:
-            target = lambda _: feedback.target(own)  # noqa: E731
+            part = lambda as_sent, a, b: as_sent[a:b]  # noqa: E731
+        elif sent.how is _How.WITHHELD and residual is not None:  # this round's Δ + what is owed
+            flat = own.reshape(-1)
+            part = lambda _, a, b: residual[a:b].float().add_(flat[a:b])  # noqa: E731
         else:
-            target = lambda _: own  # noqa: E731
-        return Yardstick(target, sent)
+            flat = own.reshape(-1)
+            part = lambda _, a, b: flat[a:b]  # noqa: E731
+        numel = own.numel() if own is not None else sent.numel
+        return Yardstick(part, sent, numel)
 
     def forget(self) -> None:
         """Drop what the old trajectory left unsent (the member adopted another state)."""
