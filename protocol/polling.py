@@ -2,8 +2,7 @@
 
 Each poll gets the records under the run's keys in one request: every peer's progress record (who
 is live, and how far), every holder's record of each fragment this peer receives, and the
-snapshots on offer, from the nodes the records are stored on (hivemind's ``num_replicas``
-nearest the key). Sound records of allowed peers (``--allow``) are parsed (holdings once while
+snapshots on offer. Sound records of allowed peers (``--allow``) are parsed (holdings once while
 they stand, ``records.ParseCache``); faulty ones are counted once each. The selector
 (``selection``) chooses the offers to fetch, which go to the receiver's queue (``receiving``);
 then the receiver drops the fetches in flight that could no longer count and starts queued ones.
@@ -243,12 +242,7 @@ class Poller:
         run_id = self.options.run_id
         interest = dict(self.interest)
         keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id), state_key(run_id)]
-        # the search asks the nodes nearest each key, as many as a record is stored on (not
-        # hivemind's default beam of a bucket, 20: up to 20 peers answer every poll of every
-        # peer, so each node answered a number of requests per round growing with N up to 20)
-        found = await self.dht_node.get_many(
-            keys, sufficient_expiration_time=float("inf"), beam_size=self.dht_node.num_replicas
-        )
+        found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"))
         self.stats.dht_lookups += 1
         now = get_dht_time()
         self.state_candidates = self._parse_states(found.get(state_key(run_id)), now)
