@@ -123,6 +123,8 @@ def test_judging_a_chunk_at_a_time_is_judging_against_the_whole_reference(codec:
             assert cosine == want[0] and was_clipped == want[2] and torch.equal(held, want[1])
             clipped += was_clipped
         assert clipped >= 1 and got[2][0] < 0
+        # the chunks put together are the whole target picked at once
+        assert torch.equal(yardstick.reference(4), decode(encode(yardstick.target, Codec.SPARSE, 4)))
         norm = float(torch.linalg.vector_norm(yardstick.target, dtype=torch.float64))
         assert abs(yardstick.norm() - norm) <= 1e-12 * norm
 

@@ -36,6 +36,10 @@ from cgad.protocol.config import SPARSE_KEPT, wire_codec
 from cgad.protocol.feedback import ErrorFeedback
 from cgad.protocol.scheduling import auto_codec
 
+# a chunk of the yardstick holds whole blocks of every codec (256 values at most): picked a chunk
+# at a time, a sparse reference is the whole one's
+assert FLOAT64_CHUNK % 256 == 0
+
 __all__ = ["Sender", "Yardstick"]
 
 
@@ -77,11 +81,17 @@ class Yardstick:
     """
 
     def __init__(
-        self, part: Callable[[Tensor | None, int, int], Tensor], sent: _Sent | None, numel: int
+        self,
+        part: Callable[[Tensor | None, int, int], Tensor],
+        sent: _Sent | None,
+        numel: int,
+        from_sent: bool = False,
     ) -> None:
         self._part = part
         self._sent_record = sent
         self.numel = numel
+        self._from_sent = from_sent  # whether ``part`` reads the own Δ as sent (decoded only then)
+        self._norm: float | None = None
 
     @cached_property
     def _sent(self) -> Tensor | None:
@@ -90,7 +100,8 @@ class Yardstick:
     def _target_chunks(self) -> Iterator[tuple[int, Tensor]]:
         """The dense target, ``FLOAT64_CHUNK`` values at a time (start, values)."""
         for start in range(0, self.numel, FLOAT64_CHUNK):
-            yield start, self._part(self._sent, start, min(start + FLOAT64_CHUNK, self.numel))
+            sent = self._sent if self._from_sent else None
+            yield start, self._part(sent, start, min(start + FLOAT64_CHUNK, self.numel))
 
     def _chunks(self, kept: int | None) -> Iterator[tuple[int, Tensor]]:
         """The reference for ``kept`` (``reference``), ``FLOAT64_CHUNK`` values at a time."""
@@ -165,7 +176,9 @@ class Yardstick:
 
     def norm(self) -> float:
         """‖target‖, in float64 (a finite fp32 tensor of 1e20s overflows fp32's), a chunk at a time."""
-        return math.sqrt(sum(chunk_dots(values, None)[1] for _, values in self._target_chunks()))
+        if self._norm is None:  # asked once per peer φ mixed in
+            self._norm = math.sqrt(sum(chunk_dots(values, None)[1] for _, values in self._target_chunks()))
+        return self._norm
 
 
 def _whole(chunks: Iterator[tuple[int, Tensor]], numel: int) -> Tensor:
@@ -289,7 +302,7 @@ class Sender:
             flat = own.reshape(-1)
             part = lambda _, a, b: flat[a:b]  # noqa: E731
         numel = own.numel() if own is not None else sent.numel
-        return Yardstick(part, sent, numel)
+        return Yardstick(part, sent, numel, from_sent=sent.how is _How.FED_BACK or own is None)
 
     def forget(self) -> None:
         """Drop what the old trajectory left unsent (the member adopted another state)."""
