@@ -55,7 +55,7 @@ HOST_BUFFERS = {
     ),
     "snapshots kept to serve (two own, int8)": (2 * 1.016, 2 * 1.016),
     # while --mixing late sends phi (the peers' deltas came late): the two newest versions, fp32
-    "own phi kept to measure drift at (OuterLoop._phi_published, 2 versions)": (8.0, 8.0),
+    "own phi kept to measure drift at (Mixer.published, 2 versions)": (8.0, 8.0),
     # planned: the kept phi a view of these served bytes (fp32 on the wire): one copy, not two
     "own phi as published for mixing (store, keep_versions 2, fp32)": (8.0, 0.0),
 }

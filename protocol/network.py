@@ -53,10 +53,12 @@ from cgad.protocol.loop import EventLoopThread, side_worker
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
 from cgad.protocol.reachability import (
+    FIRST_NODE,
     AnnouncedAddresses,
     DialBackServer,
     Reachability,
     ask_dial_back,
+    ask_when_peers,
     relays_in,
     same_port,
     tcp_ports,
@@ -358,7 +360,7 @@ class NetworkTransport(Transport):
             elif self.observer:
                 self.reachability = Reachability(None, detail="an observer: not checked")
             elif not options.peers:  # the swarm's first node: the one others dial first
-                self.reachability = Reachability(None, detail="the first node: no peer to ask")
+                self.reachability = Reachability(None, detail=FIRST_NODE)  # asks its first peers
             else:  # started as reachable, and again in the mode it found where it is not
                 self.p2p = await self._create_p2p(identity_path, True, listen)
                 await self._dial_back.start(self.p2p)
@@ -403,6 +405,12 @@ class NetworkTransport(Transport):
         self._publisher.dht_node = self.dht_node
         if not self.observer:
             self._runner.spawn(self._publisher.refresh_forever(self.num_fragments))
+        if self.reachability.detail == FIRST_NODE:
+            self._runner.spawn(self._learn_reach())
+
+    async def _learn_reach(self) -> None:
+        self.reachability = await ask_when_peers(self.p2p, self.live_peers)
+        logger.info("%s", self.reachability.line([]))
 
     async def _create_p2p(self, identity_path: str | None, public: bool | None, listen: list[str]) -> P2P:
         """The libp2p daemon, in the mode reachability chose: ``public`` False (behind NAT) dials

@@ -39,10 +39,12 @@ from cgad.protocol.records import MAX_ADDRESSES
 
 __all__ = [
     "DIAL_BACK",
+    "FIRST_NODE",
     "AnnouncedAddresses",
     "DialBackServer",
     "Reachability",
     "ask_dial_back",
+    "ask_when_peers",
     "relays_in",
     "same_port",
     "tcp_ports",
@@ -56,6 +58,8 @@ MIN_INTERVAL = 10.0  # seconds between two requests of one peer that are served
 MAX_CONCURRENT = 4  # requests served at once
 DIAL_TIMEOUT = 2.0  # seconds a dial back may take
 ASK_TIMEOUT = 8.0  # seconds the asking peer waits for an answer
+ASK_AGAIN = 15.0  # seconds between a first node's asks while no live peer answers (> MIN_INTERVAL)
+FIRST_NODE = "the first node: no peer to ask yet"
 ADDRESSES_REFRESH = 30.0  # seconds between two reads of this node's own addresses from its daemon
 _IP4_TCP = re.compile(r"^/ip4/(\d{1,3}(?:\.\d{1,3}){3})/tcp/(\d{1,5})$")
 
@@ -201,6 +205,20 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
         ]
         return Reachability(bool(reachable), reachable, seen, peer)
     return Reachability(None, detail="no peer answered the dial-back request (" + "; ".join(failures) + ")")
+
+
+async def ask_when_peers(p2p: P2P, live_peers: Callable[[], list[str]]) -> Reachability:
+    """A swarm's first node had nobody to ask at start: ask its live peers (three at most) as
+    soon as there are some, and again every ``ASK_AGAIN`` seconds until one answers. Its mode
+    stays (the first node serves the DHT: the others dialed it); what it learns is what it says."""
+    ports = tcp_ports([str(a) for a in await p2p.get_visible_maddrs()])
+    while True:
+        peers = live_peers()[:3]
+        if peers:
+            found = await ask_dial_back(p2p, [f"/p2p/{peer}" for peer in peers], ports)
+            if found.public is not None:
+                return found
+        await asyncio.sleep(ASK_AGAIN)
 
 
 def _reach_order(maddr: str) -> tuple[int, bool]:

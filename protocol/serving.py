@@ -224,6 +224,7 @@ class FragmentServer:
         if not self._authorized(request, FETCH_PURPOSE):
             yield self._refusal("unauthorized: this swarm is private", serialized)
             return
+        self.stats.asked += 1
         entry = self.store.get(request.content_hash)
         if entry is None:
             yield self._refusal(NOT_HELD, serialized)
@@ -272,6 +273,7 @@ class FragmentServer:
     async def _describe(self, request: pb.DescribeRequest, context: P2PContext) -> pb.DescribeResponse:
         if not self.caller_allowed(context) or not self._authorized(request, DESCRIBE_PURPOSE):
             return pb.DescribeResponse()  # an outsider learns nothing, not even the run id
+        self.stats.asked += 1
         return pb.DescribeResponse(run_id=self.options.run_id, swarm_json=self.description)
 
     async def _fetch_grpc(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> Outgoing:

@@ -71,6 +71,9 @@ class TransportStats:
     # the DHT requests this peer answered for others, by kind (find, store): where a swarm's
     # records land, and so what a DHT server carries as the swarm grows
     dht_served: Counter[str] = field(default_factory=lambda: Counter(find=0, store=0))
+    # requests other peers made of this one (its identity, a fragment, a snapshot): a sign that
+    # someone may fetch what it publishes even before it is seen live (a joiner)
+    asked: int = 0
 
 
 class Transport(abc.ABC):

@@ -77,6 +77,8 @@ def test_two_volunteers_behind_nat_apply_each_others_fragments(tmp_path, monkeyp
     assert not failed, (failed, result["log_tails"])
     final = result["final"]
     ids = {i: final[i]["peer_id"] for i in range(3)}
+    # the public (first) node asked its first peers to dial it back
+    assert final[0]["reach"]["public"] is True, final[0]["reach"]
     for volunteer, other in ((1, 2), (2, 1)):
         reach = final[volunteer]["reach"]
         assert reach["public"] is False and reach["line"].startswith("behind NAT"), reach

@@ -290,6 +290,16 @@ def test_live_peers_and_progress(netswarm: list[NetworkTransport]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_the_first_node_learns_its_reach_from_its_first_peers(netswarm: list[NetworkTransport]) -> None:
+    """The swarm's first node had nobody to ask at start; once peers are live one dials it back."""
+    p0 = netswarm[0]
+    wait_for(lambda: p0.reachability.public is not None, timeout=40, what="the first node's dial-back")
+    reach = p0.reach()
+    assert reach["public"] is True and reach["line"].startswith("reachable at /ip4/"), reach
+    assert reach["checked_by"] in {p.peer_id for p in netswarm[1:]}
+
+
+@pytest.mark.timeout(60)
 def test_what_arrives_together_is_announced_once(netswarm: list[NetworkTransport]) -> None:
     p0, p1, _, p3 = netswarm
     p3.expect(13, SMALL)

@@ -297,12 +297,12 @@ def test_phi_kept_for_mixing_is_the_newest_two_versions_and_none_goes_out_with_n
         loop.publish(0, tokens=10)
         loop.apply(0)
         assert [p.key.base_version for p in peer.receive(0, Kind.PARAMS)] == [version]
-    assert sorted(loop._phi_published[0]) == [3, 4]
+    assert sorted(loop.mixer.published[0]) == [3, 4]
     peer.close()
     loop.theta[0].add_(1.0)
     loop.publish(0, tokens=10)
     loop.apply(0)
-    assert sorted(loop._phi_published[0]) == [3, 4] and loop.counters.published == 6
+    assert sorted(loop.mixer.published[0]) == [3, 4] and loop.counters.published == 6
 
 
 @pytest.mark.parametrize("optimizer", ["cga", "sgd", "nesterov"])

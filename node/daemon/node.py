@@ -60,6 +60,11 @@ LINGER_SECONDS = 3.0  # after the last publish, so peers (polling every second) 
 TIMELINE_POINTS = 20_000  # rounds the dashboard can draw
 
 
+# the outer loop's plain counters in status ("unheard": own deltas not encoded, nobody could fetch them)
+_COUNTED = ("dropped_stale", "clipped", "tokens_capped", "clipped_params", "discarded", "replayed",
+            "held_ahead", "unheard")  # fmt: skip
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,6 +154,7 @@ class Node(MemberHooks):
                 link_budget=self.transport.round_budget,
                 error_feedback=c.error_feedback,
                 encoder=side_worker("cgad-encode"),
+                heard=bool(c.peers),  # the first node of a swarm has nobody to publish for yet
             )
             self.started_at = time.time()
             self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens
@@ -429,13 +435,7 @@ class Node(MemberHooks):
             ),
             "applied_by_age": {str(age): n for age, n in sorted(counters.applied_by_age.copy().items())},
             "rejected": rejected,
-            "dropped_stale": counters.dropped_stale,
-            "clipped": counters.clipped,
-            "tokens_capped": counters.tokens_capped,
-            "clipped_params": counters.clipped_params,
-            "discarded": counters.discarded,
-            "replayed": counters.replayed,
-            "held_ahead": counters.held_ahead,
+            **{name: getattr(counters, name) for name in _COUNTED},
             "phase_nudges": dict(self.member.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "records_stored": dict(self.transport.stats.records_stored),

@@ -45,7 +45,9 @@ def status_report(s: dict[str, Any]) -> str:
         f"speed      {s['tokens_per_second']:.0f} tokens/s",
         f"swarm      {s['peers']} live peer(s); {s['resyncs']} re-sync(s)"
         + ("" if s.get("outer_momentum") is None else f"; outer momentum {s['outer_momentum']:.2f}"),
-        f"exchange   {s['published']} published, {s['applied']} applied, {s['dropped_stale']} too old,"
+        f"exchange   {s['published']} published"
+        + (f" ({s['unheard']} not: nobody could fetch them)" if s.get("unheard") else "")
+        + f", {s['applied']} applied, {s['dropped_stale']} too old,"
         f" {s['clipped']} clipped, {s['tokens_capped']} token claims capped;"
         f" downlink {'-' if rate is None else f'{rate / 1e6:.2f} MB/s'},"
         f" {s['fetches_waiting']} fetch(es) waiting",

@@ -42,6 +42,7 @@ def layout_numels(params: list[Any], fragments: int) -> list[int]:
 @dataclass
 class Counters:
     published: int = 0
+    unheard: int = 0  # own deltas not encoded: nobody could fetch them (``audience``)
     applied: int = 0
     dropped_stale: int = 0
     clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)

@@ -39,21 +39,18 @@ import torch
 from torch import Tensor
 
 from cgad.node.config import OuterOptions
+from cgad.node.member.audience import Audience
 from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, method, unflatten
-from cgad.node.member.mixing import gossip_pull, held_phi, remember_phi
+from cgad.node.member.mixing import Mixer, remember_phi
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
-from cgad.optim import SpreadBound
 from cgad.protocol.codec import Codec, all_finite, encoded_size
-from cgad.protocol.config import SPARSE_KEPT, wire_codec
+from cgad.protocol.config import SPARSE_KEPT
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
-# --mixing late sends φ_f in a round only when the peers' deltas have been this late (1 − r):
-# below it the pull would be a quarter of --mixing-rate or less, not worth φ's bytes
-LATE_SHARE = 0.25
 TOKEN_CAP = 2  # a delivery weighs at most this many times the receiver's own block (claims are cheap)
 
 __all__ = ["OuterLoop"]
@@ -75,13 +72,16 @@ class OuterLoop:
         link_budget: Callable[[], float | None] | None = None,
         error_feedback: bool = True,
         encoder: Executor | None = None,
+        heard: bool = True,
     ) -> None:
         """``codec``, ``sparse_keep``, ``link_budget`` and ``error_feedback``: what the member's
         ``Sender`` encodes deltas with (the one owner of the codec choice and error feedback; the
         transport gets bytes). ``params_codec``: how the transport sends φ for mixing
         (``--mixing late`` sends it only where the link has room for it). ``encoder``: a
         one-thread executor that encodes and hands over each Δ while training goes on (a
-        daemon's); None: at once, on the caller's thread (the simulator's, which must repeat)."""
+        daemon's); None: at once, on the caller's thread (the simulator's, which must repeat).
+        ``heard``: whether the member starts with an audience for its deltas (``Audience``: a
+        daemon that joined through peers; the first of a swarm starts without)."""
         self.theta = params
         self.options = options
         self.method, self.transport, self.run_id = method(options.optimizer), transport, run_id
@@ -105,10 +105,8 @@ class OuterLoop:
         self._own_tokens: dict[int, int] = {}
         # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
         self._ahead: dict[int, list[Fragment]] = {}
-        # φ_f as published at each recent version (gossip measures drift against peers' φ there),
-        # and how far peers' φ_f have lain from it lately (held_params)
-        self._phi_published: dict[int, dict[int, Tensor]] = {}
-        self._phi_spread: dict[int, SpreadBound] = {}
+        self.audience = Audience(transport, int(options.cutoff) * options.fragments, heard)
+        self.mixer = Mixer(options, self.method.mixes_params, params_codec, self.counters, self.rng)
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
@@ -119,7 +117,6 @@ class OuterLoop:
             total_numel=sum(p.numel() for p in params),
             error_feedback=error_feedback,
         )
-        self._params_codec = params_codec
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -159,6 +156,11 @@ class OuterLoop:
         self._own_tokens[f] = tokens
         if share and self.method.shares:
             self._turn[f] = Fragment(key, own, tokens)
+            if not self.audience.listening():  # nobody could fetch it: not encoded, nothing owed
+                self.settle()  # a send under way (of another fragment) reads what is forgotten
+                self.sender.forget()
+                self.counters.unheard += 1
+                return
             if self._encoder is None:
                 self._send(f, key, own, tokens)
             else:  # encoding and hashing overlap the inner steps until the outer step waits for them
@@ -190,13 +192,17 @@ class OuterLoop:
             self.transport.publish(Fragment(key, own, tokens))
             sent_bytes = encoded_size(own.numel(), "fp32")
         self.counters.published += 1
-        mixing_due = self._mixing_due(f) and self._room_for_params(f, sent_bytes)
+        budget, total = self.sender.link_budget(), self.sender.total_numel
+        lateness = lambda: self._lateness(f)  # noqa: E731
+        mixing_due = self.mixer.due(self.versions[f], lateness) and self.mixer.room(
+            own.numel(), sent_bytes, budget, total
+        )
         # with no live peer a φ would reach nobody, and a kept copy is 4 bytes a parameter
         if (self.method.mixes_params or mixing_due) and self.transport.live_peers():
             params = self.flat_phi(f)
             self.transport.publish(Fragment(replace(key, kind=Kind.PARAMS), params, tokens))
             if mixing_due:  # kept to measure drift against peers' φ of this version
-                remember_phi(self._phi_published.setdefault(f, {}), self.versions[f], params)
+                remember_phi(self.mixer.published.setdefault(f, {}), self.versions[f], params)
 
     def sending(self, f: int) -> bool:
         """Whether fragment f's Δ is still being encoded and handed over on the encoder thread."""
@@ -293,8 +299,11 @@ class OuterLoop:
             taken, deliveries = self._take(f, incoming, own, yardstick)
             if taken:
                 self._step(f, taken, peer_params, yardstick)
-            if self._mixes_now(f):
-                self._gossip(f, peer_params, yardstick)
+            lateness = lambda: self._lateness(f)  # noqa: E731
+            if self.mixer.now(f, self.versions[f], lateness):
+                self.mixer.pull(
+                    f, self.fragment_phi(f), peer_params, self.versions[f], lateness, _norm_of(yardstick)
+                )
             self.versions[f] += 1
             for batch in replay:
                 taken, caught_up = self._take(f, batch, None, yardstick)
@@ -324,7 +333,7 @@ class OuterLoop:
             fragments=len(self.fragments),
             taken=taken,
             peer_phi=newest,
-            hold_phi=lambda theirs: self.held_params(f, self.flat_phi(f), theirs, yardstick),
+            hold_phi=lambda theirs: self.mixer.hold(f, self.flat_phi(f), theirs, _norm_of(yardstick)),
             live_peers=len(self.transport.live_peers()),
             rng=self.rng,
         )
@@ -399,65 +408,9 @@ class OuterLoop:
     def numel(self, f: int) -> int:
         return sum(self.phi[i].numel() for i in self.fragments[f])
 
-    def held_params(self, f: int, anchor: Tensor, theirs: Tensor, yardstick: Yardstick | None) -> Tensor:
-        """A peer's φ_f as this node mixes it in (``mixing.held_phi``: within ``clip_radius`` ×
-        ‖own Δ_f‖ of ``anchor``, this node's φ_f where the two are compared, or the peers' recent
-        spread where wider); ``anchor`` without an own Δ (``yardstick``); as sent under ``mean``."""
-        if self.options.aggregation != "clip":
-            return theirs
-        if yardstick is None:
-            return anchor
-        spread = self._phi_spread.setdefault(f, SpreadBound())
-        held, clipped = held_phi(anchor, theirs, self.options.clip_radius * yardstick.norm(), spread)
-        self.counters.clipped_params += clipped
-        return held
-
-    def _mixing_due(self, f: int) -> bool:
-        """Whether this round's φ_f goes out for mixing (decided at publish)."""
-        o = self.options
-        if o.mixing == "none" or self.method.mixes_params:
-            return False
-        if o.mixing == "late":
-            return self._lateness(f) >= LATE_SHARE
-        return self.versions[f] % o.mixing_period == 0
-
-    def _room_for_params(self, f: int, sent_bytes: int) -> bool:
-        """Under ``--mixing late``: whether fragment f's φ fits the link's round budget beside the
-        Δ just sent (``sent_bytes``). φ is several times a Δ's bytes; on a link it does not fit it
-        would delay the deltas behind it (the 10 Mbit testbed at H = 50: docs/RESULTS.md item 8),
-        so there the node sends deltas only. Gossip every round is sent regardless."""
-        if self.options.mixing != "late":
-            return True
-        budget = self.sender.link_budget()
-        if budget is None:  # not measured yet
-            return False
-        numel = self.numel(f)
-        params_bytes = encoded_size(numel, wire_codec(self._params_codec))
-        return sent_bytes + params_bytes <= budget * numel / self.sender.total_numel
-
-    def _mixes_now(self, f: int) -> bool:
-        """Whether fragment f mixes at this step: late mixing wherever its φ went out this round
-        (the step has moved the freshness since), gossip at its period."""
-        if self.options.mixing == "late":
-            return self.versions[f] in self._phi_published.get(f, {})
-        return self._mixing_due(f)
-
     def _lateness(self, f: int) -> float:
         """1 − fragment f's running freshness: how late the peers' deltas have been coming."""
         return 1.0 - self.method.freshness(self.optimizer, f)
-
-    def _gossip(self, f: int, params: list[Fragment], yardstick: Yardstick | None) -> None:
-        """Pull fragment f's φ toward one random peer's (``mixing.gossip_pull``); with
-        ``--mixing late`` scaled by the lateness 1 − r as well."""
-        o = self.options
-        rate = o.mixing_rate * (self._lateness(f) if o.mixing == "late" else 1.0)
-        mine = self._phi_published.setdefault(f, {})
-        hold = lambda anchor, theirs: self.held_params(f, anchor, theirs, yardstick)  # noqa: E731
-        if gossip_pull(
-            self.fragment_phi(f), mine, params, version=self.versions[f], rate=rate,
-            alpha=o.alpha, cutoff=o.cutoff, rng=self.rng, hold=hold,
-        ):  # fmt: skip
-            self.counters.mixed += 1
 
     # -- swarm position and state -----------------------------------------------------------
 
@@ -471,7 +424,7 @@ class OuterLoop:
 
     def forget_published_phi(self) -> None:
         """φ moved outside an outer step (to a group's mean): drift measured at older versions is gone."""
-        self._phi_published.clear()
+        self.mixer.forget()
 
     def state_dict(self, codec: str = "fp32", reference: Phi0 | None = None) -> dict[str, Any]:
         """φ, versions and the outer optimizer's state, φ in ``codec`` (``SNAPSHOT_CODECS``:
@@ -497,4 +450,9 @@ class OuterLoop:
         }
         # what the old trajectory left unsent, and the φ it published, belong to that trajectory
         self.sender.forget()
-        self._phi_published.clear()
+        self.mixer.forget()
+
+
+def _norm_of(yardstick: Yardstick | None) -> Callable[[], float | None]:
+    """The own Δ's norm, taken when asked (None without an own Δ)."""
+    return lambda: None if yardstick is None else yardstick.norm()

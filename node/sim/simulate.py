@@ -105,6 +105,7 @@ class _Peers(MemberHooks):
             return None
         source = max(offers, key=lambda o: (min(o.loop.versions), -o.index))
         snapshot = source.loop.state_dict("int8", reference=self.initial)
+        source.transport.stats.asked += 1  # a request of the source, as a daemon's download is
         wk.loop.load_state_dict(snapshot, reference=lambda seed: self.initial)
         skipped = min(source.member.round, self.c.rounds) - wk.member.round
         if skipped > 0:
