@@ -9,13 +9,14 @@ it issued itself by purpose (storing a record: hivemind's ``store`` first search
 nearest the key; a poll's lookup; anything else: routing upkeep, cache refreshes), the records it
 stored and the lookups it made.
 
-Variants (``--beams``): the beam a store's and a lookup's search keeps ("bucket": hivemind's
-default, ``bucket_size`` = 20 nodes; a number: that many, at least ``num_replicas``), so the
-growth with N can be told apart from what the search width does to it.
+Variants (``--beams``): the beam a store's and a lookup's search keeps ("cgad": what the
+transport passes, ``dhtbounds.search_beam``; "bucket": hivemind's default, a bucket of 20 nodes;
+a number: that many, at least ``num_replicas``), so the growth with N can be told apart from what
+the search width does to it.
 
 Usage:
     .venv/bin/python bench/dht_load.py [--sizes 4 8 16] [--rounds 10] [--round-seconds 8]
-        [--beams bucket 5] [--out bench/results/dht_load.json]
+        [--repeats 2] [--beams bucket cgad] [--out bench/results/dht_load.json]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from cgad.protocol.network import NetworkTransport  # noqa: E402
 from cgad.protocol.transport import Fragment, FragmentKey  # noqa: E402
 
 RUN = "dht-load"
+BUCKET = 20  # hivemind's bucket_size: its default beam
 NUMEL = 4096  # a small fragment: the records, not the bytes, are measured
 # what a find a node issues is for: set around hivemind's store and lookup calls
 _PURPOSE: contextvars.ContextVar[str] = contextvars.ContextVar("purpose", default="other")
@@ -49,7 +51,7 @@ _PURPOSE: contextvars.ContextVar[str] = contextvars.ContextVar("purpose", defaul
 
 def _instrument(transport: NetworkTransport, beam: int | None, issued: Counter[str]) -> None:
     """Count the finds ``transport``'s DHT node issues by purpose; with ``beam``, its stores and
-    lookups search with that beam instead of hivemind's default."""
+    lookups search with that beam instead of the transport's."""
     node = transport.dht_node
     assert node is not None
     protocol = node.protocol
@@ -64,7 +66,7 @@ def _instrument(transport: NetworkTransport, beam: int | None, issued: Counter[s
             token = _PURPOSE.set(purpose)
             try:
                 if beam is not None:
-                    kwargs.setdefault("beam_size", beam)
+                    kwargs["beam_size"] = beam
                 return await method(*args, **kwargs)
             finally:
                 _PURPOSE.reset(token)
@@ -110,7 +112,9 @@ def run_swarm(size: int, rounds: int, round_seconds: float, beam: int | None) ->
             for t in transports:
                 t.receive(0)
             time.sleep(max(0.0, round_seconds - (time.monotonic() - began)))
-            print(f"  N={size} beam={beam or 'bucket'}: round {version + 1}/{rounds}", flush=True)
+            print(
+                f"  N={size} beam={beam or 'cgad'}: round {version + 1}/{rounds}", file=sys.stderr, flush=True
+            )
         per_node = []
         for t, (served, stored, lookups), got, before in zip(
             transports, start, issued, issued_start, strict=True
@@ -124,7 +128,7 @@ def run_swarm(size: int, rounds: int, round_seconds: float, beam: int | None) ->
                 "issued_find": {k: v / rounds for k, v in (got - before).items()},
                 "received": t.stats.received,
             })  # fmt: skip
-        return {"size": size, "beam": beam or "bucket", "rounds": rounds, "per_node": per_node}
+        return {"size": size, "beam": beam or "cgad", "rounds": rounds, "per_node": per_node}
     finally:
         for t in transports:
             t.close()
@@ -139,15 +143,53 @@ async def _async_instrument(transport: NetworkTransport, beam: int | None, issue
 
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:
-    """Medians over the nodes of each per-round count."""
+    """Medians over the nodes of each per-round count, and the finds a lookup and a store cost
+    (issued by purpose over the lookups and records; the poll rate falls where one process holds
+    many transports, so per operation is the fairer comparison)."""
     nodes = run["per_node"]
     purposes = sorted({k for n in nodes for k in n["issued_find"]})
-    out = {
+    out: dict[str, Any] = {
         key: statistics.median(n[key] for n in nodes)
         for key in ("served_find", "served_store", "records_stored", "lookups")
     }
     out["issued_find"] = {p: statistics.median(n["issued_find"].get(p, 0.0) for n in nodes) for p in purposes}
-    return {"size": run["size"], "beam": run["beam"], **out}
+    out["finds_per_lookup"] = statistics.median(
+        n["issued_find"].get("lookup", 0.0) / n["lookups"] for n in nodes if n["lookups"]
+    )
+    out["finds_per_store"] = statistics.median(
+        n["issued_find"].get("store", 0.0) / n["records_stored"] for n in nodes if n["records_stored"]
+    )
+    return {"size": run["size"], "beam": run["beam"], "repeat": run["repeat"], **out}
+
+
+def plot(summaries: list[dict[str, Any]], path: Path) -> None:
+    """Finds served per node and round, and finds per lookup and per store, against N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, title in zip(
+        axes,
+        ("served_find", "finds_per_lookup", "finds_per_store"),
+        ("finds answered per node and round", "finds a lookup issues", "finds a store's search issues"),
+        strict=True,
+    ):
+        for beam in sorted({r["beam"] for r in summaries}):
+            rows = [r for r in summaries if r["beam"] == beam]
+            sizes = sorted({r["size"] for r in rows})
+            means = [statistics.mean(r[key] for r in rows if r["size"] == n) for n in sizes]
+            ax.plot(sizes, means, marker="o", label=f"beam {beam}")
+            ax.scatter([r["size"] for r in rows], [r[key] for r in rows], s=10, alpha=0.5)
+        ax.set_xlabel("nodes (N)")
+        ax.set_title(title)
+        ax.set_xticks(sorted({r["size"] for r in summaries}))
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("DHT load per node: hivemind's beam (a bucket, 20) against cgad's (num_replicas)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
@@ -155,32 +197,43 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--round-seconds", type=float, default=8.0)
-    parser.add_argument("--beams", nargs="+", default=["bucket", "5"], help="bucket, or a number of nodes")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--beams", nargs="+", default=["bucket", "cgad"], help="cgad, bucket or a number")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "dht_load.json"))
     args = parser.parse_args()
+    state = tree_state(ROOT)
     runs = []
-    for beam_name in args.beams:
-        beam = None if beam_name == "bucket" else int(beam_name)
-        for size in args.sizes:
-            run = run_swarm(size, args.rounds, args.round_seconds, beam)
-            runs.append(run)
-            print(json.dumps(summary(run)), flush=True)
+    for repeat in range(1, args.repeats + 1):
+        for name in args.beams:
+            beam = None if name == "cgad" else BUCKET if name == "bucket" else int(name)
+            for size in args.sizes:
+                run = {
+                    **run_swarm(size, args.rounds, args.round_seconds, beam),
+                    "beam": name,
+                    "repeat": repeat,
+                }
+                runs.append(run)
+                print(json.dumps(summary(run)), flush=True)
+    summaries = [summary(r) for r in runs]
     result = {
         "benchmark": "dht_load",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        **tree_state(ROOT),
+        **state,
         "settings": {
             "sizes": args.sizes,
             "rounds": args.rounds,
             "round_seconds": args.round_seconds,
+            "repeats": args.repeats,
             "beams": args.beams,
             "fragment_numel": NUMEL,
         },
-        "summary": [summary(r) for r in runs],
+        "summary": summaries,
         "runs": runs,
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(summaries, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

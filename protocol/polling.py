@@ -32,6 +32,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from cgad.protocol.config import NetworkOptions
+from cgad.protocol.dhtbounds import search_beam
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.receiving import Receiver
 from cgad.protocol.records import (
@@ -242,7 +243,9 @@ class Poller:
         run_id = self.options.run_id
         interest = dict(self.interest)
         keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id), state_key(run_id)]
-        found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"))
+        # asks the nodes a record is stored on, not every node of a swarm of up to 20
+        beam = search_beam(self.dht_node)
+        found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=beam)
         self.stats.dht_lookups += 1
         now = get_dht_time()
         self.state_candidates = self._parse_states(found.get(state_key(run_id)), now)

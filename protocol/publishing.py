@@ -24,6 +24,7 @@ from hivemind.utils import get_dht_time
 
 from cgad.protocol.codec import Codec, encode
 from cgad.protocol.config import NetworkOptions, wire_codec
+from cgad.protocol.dhtbounds import search_beam
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.records import Holdings, Identity, Offer, Progress, fragment_key, progress_key, state_key
@@ -186,6 +187,7 @@ class Publisher:
             holdings.dict(),
             get_dht_time() + self.options.record_ttl,
             subkey=self.identity.owner_subkey,
+            beam_size=search_beam(self.dht_node),
         )
         if not stored:
             logger.debug("announcing fragment %s reached no DHT peer", fragment)
@@ -203,6 +205,7 @@ class Publisher:
             progress.dict(),
             get_dht_time() + self.options.liveness_ttl,
             subkey=self.identity.owner_subkey,
+            beam_size=search_beam(self.dht_node),
         )
 
     async def store_farewell(self) -> None:
@@ -216,6 +219,7 @@ class Publisher:
             None,
             get_dht_time() + self.options.liveness_ttl,
             subkey=self.identity.owner_subkey,
+            beam_size=search_beam(self.dht_node),
         )
 
     async def refresh_forever(self, num_fragments: int) -> None:
