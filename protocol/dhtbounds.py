@@ -11,7 +11,7 @@ rest, where the records are held and answered:
   one key; a new subkey beyond either is refused (an owner refreshing or withdrawing its record
   always may), so records that came first stay; its expiration heaps are compacted, so refreshes
   of the same records do not grow them.
-- ``search_beam``: the nodes a store's or a poll's search keeps asking, the replicas' number.
+- ``search_beam``: the nodes a poll's search keeps asking, the replicas' number (a store's, twice).
 - ``budget_find_replies``: one ``rpc_find`` reply stays under ``MAX_FIND_REPLY_BYTES`` whatever the
   number of keys asked: a dictionary over its share keeps its smallest records (ties drawn at
   random), so a lookup of any key survives a bloated one.
@@ -45,12 +45,14 @@ MAX_FIND_REPLY_BYTES = 3 << 20  # one reply, all keys together, leaving room for
 _RESULT_OVERHEAD = 4096  # a result's neighbour ids and framing, besides its value
 
 
-def search_beam(node: DHTNode) -> int:
-    """The beam a store's or a poll's search keeps: as many nodes as a record is stored on
-    (hivemind's ``num_replicas``, 5). hivemind's default is a bucket (20): in a swarm of up to 20
-    every store and every poll then asked every node, and each node answered finds per round in
-    proportion to N (bench/dht_load.py: 3.8x from 4 to 16 nodes; 1.4x with this beam)."""
-    return node.num_replicas
+def search_beam(node: DHTNode, store: bool = False) -> int:
+    """The beam a poll's search keeps (``store``: a store's search for the nodes to store on):
+    as many nodes as a record is stored on (hivemind's ``num_replicas``, 5), twice that for a
+    store, so that a store whose nearest nodes left still finds live ones to hold the record (a
+    poll that misses a replica polls again within the round). hivemind's default is a bucket
+    (20): in a swarm of up to 20 every store and every poll then asked every node, and each node
+    answered finds per round in proportion to N (bench/dht_load.py)."""
+    return node.num_replicas * (2 if store else 1)
 
 
 def _compact(storage: TimedStorage) -> None:

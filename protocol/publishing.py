@@ -187,7 +187,7 @@ class Publisher:
             holdings.dict(),
             get_dht_time() + self.options.record_ttl,
             subkey=self.identity.owner_subkey,
-            beam_size=search_beam(self.dht_node),
+            beam_size=search_beam(self.dht_node, store=True),
         )
         if not stored:
             logger.debug("announcing fragment %s reached no DHT peer", fragment)
@@ -205,7 +205,7 @@ class Publisher:
             progress.dict(),
             get_dht_time() + self.options.liveness_ttl,
             subkey=self.identity.owner_subkey,
-            beam_size=search_beam(self.dht_node),
+            beam_size=search_beam(self.dht_node, store=True),
         )
 
     async def store_farewell(self) -> None:
@@ -219,7 +219,7 @@ class Publisher:
             None,
             get_dht_time() + self.options.liveness_ttl,
             subkey=self.identity.owner_subkey,
-            beam_size=search_beam(self.dht_node),
+            beam_size=search_beam(self.dht_node, store=True),
         )
 
     async def refresh_forever(self, num_fragments: int) -> None:

@@ -27,6 +27,7 @@ import contextlib
 import ipaddress
 import json
 import math
+import random
 import re
 import time
 from collections.abc import Callable
@@ -208,17 +209,24 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
 
 
 async def ask_when_peers(p2p: P2P, live_peers: Callable[[], list[str]]) -> Reachability:
-    """A swarm's first node had nobody to ask at start: ask its live peers (three at most) as
-    soon as there are some, and again every ``ASK_AGAIN`` seconds until one answers. Its mode
-    stays (the first node serves the DHT: the others dialed it); what it learns is what it says."""
+    """A swarm's first node had nobody to ask at start: ask three of its live peers, drawn at
+    random, as soon as there are some, and again every ``ASK_AGAIN`` seconds (doubling, up to
+    ten times that) until one answers. Its mode stays what it started in (a DHT server: the
+    others dialed it), so an answer that no port opened is said as that, not as a client's."""
     ports = tcp_ports([str(a) for a in await p2p.get_visible_maddrs()])
+    pause = ASK_AGAIN
     while True:
-        peers = live_peers()[:3]
+        peers = live_peers()
         if peers:
-            found = await ask_dial_back(p2p, [f"/p2p/{peer}" for peer in peers], ports)
-            if found.public is not None:
+            asked = random.sample(peers, min(3, len(peers)))
+            found = await ask_dial_back(p2p, [f"/p2p/{peer}" for peer in asked], ports)
+            if found.public:
                 return found
-        await asyncio.sleep(ASK_AGAIN)
+            if found.public is False:
+                detail = "the first node: no port opened when a peer dialed back (it serves the DHT still)"
+                return Reachability(None, seen_as=found.seen_as, checked_by=found.checked_by, detail=detail)
+            pause = min(2 * pause, 10 * ASK_AGAIN)
+        await asyncio.sleep(pause)
 
 
 def _reach_order(maddr: str) -> tuple[int, bool]:

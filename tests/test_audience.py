@@ -60,3 +60,18 @@ def test_a_peer_that_appears_or_asks_brings_the_deltas_back_at_the_next_round():
     assert loop.counters.published == 4
     [got] = peer.receive(0, Kind.DELTA)
     assert got.key.publisher == "me" and got.key.base_version == 5
+
+
+def test_with_fragments_the_cutoff_counts_each_fragments_publish():
+    """Two fragments, cutoff 1.5: an audience outlasts its last sign by ceil(1.5 x 2) = 3 shared
+    publishes, whichever fragments they are."""
+    network = VirtualNetwork()
+    options = OuterOptions(optimizer="sgd", outer_lr=1.0, cutoff=1.5, fragments=2)
+    params = [torch.zeros(NUMEL), torch.zeros(NUMEL)]
+    loop = OuterLoop(params, options, network.join("me"), "run", codec="sparse")
+    for turn in range(6):
+        f = turn % 2
+        loop.theta[f].add_(0.01)
+        loop.sync(f, tokens=10)
+    assert loop.audience.turns == 3
+    assert loop.counters.published == 3 and loop.counters.unheard == 3

@@ -101,7 +101,9 @@ def test_members_trade_and_an_outsider_gets_nothing(tmp_path: Path) -> None:
             [got] = collect(bob, 4, 1)
             assert got.key.publisher == alice.peer_id
             assert bob.bytes_by_path["grpc"] > 0  # the direct path, encrypted: it is the only gRPC there is
+            asked = alice.stats.asked  # a member's requests are signs that someone may fetch from alice
             assert bob.describe(alice.peer_id)[0] == RUN
+            assert alice.stats.asked == asked + 1
             [offer] = alice.store.offers(4)
             certificate = alice._server.certificate
             assert certificate is not None
@@ -129,8 +131,10 @@ def test_members_trade_and_an_outsider_gets_nothing(tmp_path: Path) -> None:
                     assert eve.dht_node is not None
                     assert eve._runner.call(eve.dht_node.get(fragment_key(RUN, 4), latest=True), 20) is None
                     # nor learn who a member is, nor fetch what it holds, even knowing the hash
+                    asked = alice.stats.asked
                     with pytest.raises(FragmentError, match="private"):
                         eve.describe(alice.peer_id)
+                    assert alice.stats.asked == asked  # an outsider's refused request is no sign
                     refused = alice.stats.rejected["unauthorized"]
                     for path in ("grpc", "libp2p"):
                         with pytest.raises(FragmentError, match="did not deliver"):

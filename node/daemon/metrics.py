@@ -26,6 +26,7 @@ COUNTERS = {  # status key -> (metric name, help); Prometheus adds the _total su
     "round": ("rounds", "outer rounds completed"),
     "inner_step": ("inner_steps", "inner steps taken"),
     "published": ("published", "pseudo-gradient fragments published"),
+    "unheard": ("unheard", "own pseudo-gradients not encoded: nobody could fetch them"),
     "applied": ("applied", "peers' fragments applied by the outer optimizer"),
     "dropped_stale": ("dropped_stale", "fragments too old to count"),
     "clipped": ("clipped", "peers' fragments clipped around this node's own"),

@@ -28,6 +28,7 @@ from another thread holds its own lock around ``sync`` and ``state_dict``.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -105,7 +106,7 @@ class OuterLoop:
         self._own_tokens: dict[int, int] = {}
         # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
         self._ahead: dict[int, list[Fragment]] = {}
-        self.audience = Audience(transport, int(options.cutoff) * options.fragments, heard)
+        self.audience = Audience(transport, math.ceil(options.cutoff * options.fragments), heard)
         self.mixer = Mixer(options, self.method.mixes_params, params_codec, self.counters, self.rng)
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
