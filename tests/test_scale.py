@@ -59,8 +59,8 @@ def test_scale_measures_a_lone_daemon_against_a_bare_loop(tmp_path, monkeypatch,
     given = {flags[i] for i in range(0, len(flags), 2)}
     assert given == {"--model", "--batch-size", "--seq-len", "--inner-steps", "--admin-port",
                      "--dashboard-port", "--maddrs-file"}  # fmt: skip
-    # what a round publishes: encoded pseudo-gradients, less than float32's 4 bytes a value
-    assert 0 < summary["published_bytes_per_round"] < 4 * numel
+    # a node alone encodes for nobody (node/member/audience.py): no pseudo-gradient published
+    assert summary["published_bytes_per_round"] is None and run["daemon"]["status"]["sent_as"] == {}
     assert summary["transport_bytes_per_round"] == 0  # alone: nobody fetched anything
     # the snapshot as its signed offer states it: phi and at most two more model-sized tensors
     assert 0.25 * numel < summary["snapshot_bytes"] < 16 * numel + (1 << 20), summary
