@@ -75,3 +75,29 @@ def test_with_fragments_the_cutoff_counts_each_fragments_publish():
         loop.sync(f, tokens=10)
     assert loop.audience.turns == 3
     assert loop.counters.published == 3 and loop.counters.unheard == 3
+
+
+def test_with_an_encoder_thread_a_send_under_way_ends_before_the_residual_is_dropped():
+    """A daemon encodes on a thread of its own: going quiet waits for the send under way, and a
+    peer that appears later gets the next Δ encoded there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    network = VirtualNetwork()
+    options = OuterOptions(optimizer="sgd", outer_lr=1.0, cutoff=1)
+    with ThreadPoolExecutor(1) as encoder:
+        loop = OuterLoop(
+            [torch.zeros(NUMEL)], options, network.join("me"), "run", codec="sparse", encoder=encoder
+        )
+        generator = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            ended = _block(loop, generator)
+            loop.sync(0, tokens=10)
+            assert torch.allclose(loop.phi[0], ended, atol=1e-6)
+        assert loop.counters.published == 1 and loop.counters.unheard == 2
+        assert not loop.sending(0) and loop.sender._unsent == {}
+        peer = network.join("peer")
+        _block(loop, generator)
+        loop.sync(0, tokens=10)
+        assert loop.counters.published == 2
+        [got] = peer.receive(0, Kind.DELTA)
+        assert got.key.base_version == 3
