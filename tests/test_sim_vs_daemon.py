@@ -97,8 +97,10 @@ def test_the_link_probe_measures_the_shaped_rate():
     from testbed import Link, Testbed
 
     with Testbed([Link(10, 10), Link(10, 10)]) as bed:
-        fast = bench.measure_link(bed, nbytes=2_000_000)
+        # the better of two transfers: the shaper's rate, not a moment when the machine was busy
+        # (one transfer at the end of a full test run measured 8.2 Mbit/s)
+        fast = max(bench.measure_link(bed, nbytes=2_000_000) for _ in range(2))
         bed.shape(1, Link(5, 10))  # node 1's uplink halved
-        slow = bench.measure_link(bed, nbytes=1_000_000)
+        slow = max(bench.measure_link(bed, nbytes=1_000_000) for _ in range(2))
     assert 8.5e6 < fast * 8 <= 10.2e6, fast
     assert 4.2e6 < slow * 8 <= 5.1e6, slow
