@@ -38,7 +38,7 @@ class Audience:
     def __init__(self, transport: Transport, turns: int, heard: bool = True) -> None:
         self.transport, self.turns = transport, max(1, turns)
         self._asked = transport.stats.asked
-        self.silent = 0 if heard else turns + 1  # turns in a row without a sign of an audience
+        self.silent = 0 if heard else self.turns + 1  # turns in a row without a sign of an audience
 
     def listening(self) -> bool:
         """Called once per publish: whether this turn's Δ may be fetched by anyone."""

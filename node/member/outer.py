@@ -193,10 +193,9 @@ class OuterLoop:
             self.transport.publish(Fragment(key, own, tokens))
             sent_bytes = encoded_size(own.numel(), "fp32")
         self.counters.published += 1
-        budget, total = self.sender.link_budget(), self.sender.total_numel
         lateness = lambda: self._lateness(f)  # noqa: E731
         mixing_due = self.mixer.due(self.versions[f], lateness) and self.mixer.room(
-            own.numel(), sent_bytes, budget, total
+            own.numel(), sent_bytes, self.sender.link_budget(), self.sender.total_numel
         )
         # with no live peer a φ would reach nobody, and a kept copy is 4 bytes a parameter
         if (self.method.mixes_params or mixing_due) and self.transport.live_peers():
