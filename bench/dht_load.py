@@ -7,7 +7,7 @@ at the end of a round; its polls and record refreshes run as in a daemon. After 
 node and round: the ``rpc_find`` and ``rpc_store`` requests it answered (``dht_served``), the finds
 it issued itself by purpose (storing a record: hivemind's ``store`` first searches for the nodes
 nearest the key; a poll's lookup; anything else: routing upkeep, cache refreshes), the records it
-stored and the lookups it made.
+stored and the lookups it made (and the keys they named: the snapshots' only where due).
 
 Variants (``--beams``): the beam a store's and a lookup's search keeps ("cgad": what the
 transport passes, ``dhtbounds.search_beam``; "bucket": hivemind's default, a bucket of 20 nodes;
@@ -98,8 +98,8 @@ def run_swarm(size: int, rounds: int, round_seconds: float, beam: int | None) ->
             if time.monotonic() > deadline:
                 raise RuntimeError("the swarm did not list every peer in 120 s")
             time.sleep(2.0)
-        start = [(Counter(t.stats.dht_served), Counter(t.stats.records_stored), t.stats.dht_lookups)
-                 for t in transports]  # fmt: skip
+        start = [(Counter(t.stats.dht_served), Counter(t.stats.records_stored), t.stats.dht_lookups,
+                  t.stats.dht_keys_looked_up) for t in transports]  # fmt: skip
         issued_start = [Counter(c) for c in issued]
         blob = bytes(2048)
         for version in range(rounds):
@@ -116,7 +116,7 @@ def run_swarm(size: int, rounds: int, round_seconds: float, beam: int | None) ->
                 f"  N={size} beam={beam or 'cgad'}: round {version + 1}/{rounds}", file=sys.stderr, flush=True
             )
         per_node = []
-        for t, (served, stored, lookups), got, before in zip(
+        for t, (served, stored, lookups, keys), got, before in zip(
             transports, start, issued, issued_start, strict=True
         ):
             served_now = Counter(t.stats.dht_served) - served
@@ -125,6 +125,7 @@ def run_swarm(size: int, rounds: int, round_seconds: float, beam: int | None) ->
                 "served_store": served_now["store"] / rounds,
                 "records_stored": sum((Counter(t.stats.records_stored) - stored).values()) / rounds,
                 "lookups": (t.stats.dht_lookups - lookups) / rounds,
+                "keys_looked_up": (t.stats.dht_keys_looked_up - keys) / rounds,
                 "issued_find": {k: v / rounds for k, v in (got - before).items()},
                 "received": t.stats.received,
             })  # fmt: skip
@@ -153,6 +154,9 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
         for key in ("served_find", "served_store", "records_stored", "lookups")
     }
     out["issued_find"] = {p: statistics.median(n["issued_find"].get(p, 0.0) for n in nodes) for p in purposes}
+    out["keys_per_lookup"] = statistics.median(
+        n["keys_looked_up"] / n["lookups"] for n in nodes if n["lookups"]
+    )
     out["finds_per_lookup"] = statistics.median(
         n["issued_find"].get("lookup", 0.0) / n["lookups"] for n in nodes if n["lookups"]
     )

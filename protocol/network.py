@@ -318,8 +318,8 @@ class NetworkTransport(Transport):
         self._publisher.publish_state(data, versions)
 
     def state_offers(self) -> list[Candidate]:
-        """Other peers' snapshots seen at the last look at the DHT, newest first."""
-        return list(self._poller.state_candidates)
+        """Other peers' snapshots seen at the last look at them, newest first (``Poller``)."""
+        return self._poller.state_offers()
 
     def fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
         """A snapshot's bytes, verified against its publisher's record; blocks the caller.

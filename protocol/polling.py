@@ -1,13 +1,14 @@
 """Polling the DHT: what the swarm's records say, read, checked and turned into fetches.
 
 Each poll gets the records under the run's keys in one request: every peer's progress record (who
-is live, and how far), every holder's record of each fragment this peer receives, and the
-snapshots on offer. Sound records of allowed peers (``--allow``) are parsed (holdings once while
-they stand, ``records.ParseCache``); faulty ones are counted once each. The selector
-(``selection``) chooses the offers to fetch, which go to the receiver's queue (``receiving``);
-then the receiver drops the fetches in flight that could no longer count and starts queued ones.
-While no peer is live, the peers this one knew are pinged, so that both sides of a healed
-partition find each other again.
+is live, and how far) and every holder's record of each fragment this peer receives; the
+snapshots on offer only where they may be wanted (``states_due``): while a joiner or a re-sync
+reads them, while this peer trails the swarm, and at least every ``STATE_REFRESH`` seconds.
+Sound records of allowed peers (``--allow``) are parsed (holdings once while they stand,
+``records.ParseCache``); faulty ones are counted once each. The selector (``selection``) chooses
+the offers to fetch, which go to the receiver's queue (``receiving``); then the receiver drops the
+fetches in flight that could no longer count and starts queued ones. While no peer is live, the
+peers this one knew are pinged, so that both sides of a healed partition find each other again.
 
 Threads: a ``Poller`` runs on the transport's event-loop thread. ``interest`` gains entries from
 the trainer's thread (read here as a copy); ``live`` is replaced whole by each poll, its own
@@ -52,7 +53,8 @@ from cgad.protocol.transport import TransportStats
 
 __all__ = [
     "KNOWN_PEERS", "MAX_ENDPOINTS_PER_HOST", "MAX_FAULTY_RECORDS", "PROGRESS_SKEW", "REJOIN_EVERY",
-    "EndpointClaims", "FaultLedger", "Poller", "live_progress",
+    "STATE_REFRESH", "STATE_WANTED", "EndpointClaims", "FaultLedger", "Poller", "live_progress",
+    "states_due",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,11 @@ MAX_FAULTY_RECORDS = 4096  # faulty records remembered (to count each once): ide
 # cannot aim every fetcher at one host:port, and at most this many ports per host
 MAX_ENDPOINTS_PER_HOST = 32
 MAX_ENDPOINTS = 1024  # endpoints (and their claimants) remembered, least recently seen forgotten
+# seconds between looks at the snapshots on offer while nothing reads them: a poll's key fewer
+# (each key is a search of its own, answered by num_replicas nodes), and offers at most this old
+# when a re-sync starts reading them (it then keeps them fresh)
+STATE_REFRESH = 30.0
+STATE_WANTED = 30.0  # seconds after a read of the offers during which every poll looks them up
 
 
 def live_progress(records: Sequence[Progress], now: float, liveness_ttl: float) -> dict[str, Progress]:
@@ -109,6 +116,30 @@ class FaultLedger:
         self._seen[record] = now
         self._seen.move_to_end(record)
         return new
+
+
+def states_due(now: float, looked_at: float, wanted_at: float, versions: Sequence[int],
+               reports: Collection[Sequence[int]]) -> bool:  # fmt: skip
+    """Whether a poll looks up the snapshots on offer too: someone read them within
+    ``STATE_WANTED`` seconds (a joiner, a re-sync), the last look is ``STATE_REFRESH`` seconds old,
+    or this peer trails the swarm's median on some fragment by more than one version (a re-sync
+    may be near: its offers should be fresh when it comes).
+
+    Args:
+        now: monotonic seconds.
+        looked_at: when the offers were last looked up (monotonic; -inf: never).
+        wanted_at: when they were last read.
+        versions: this peer's versions.
+        reports: the live peers' versions.
+    """
+    if now - wanted_at < STATE_WANTED or now - looked_at >= STATE_REFRESH:
+        return True
+    columns = list(reports)
+    for fragment, own in enumerate(versions):
+        swarm = swarm_version(columns, fragment)
+        if swarm is not None and swarm - own > 1:
+            return True
+    return False
 
 
 class EndpointClaims:
@@ -182,7 +213,9 @@ class Poller:
         self.dht_node: DHTNode | None = None  # set once the loop has started it
         self.polls = 0  # looks at the DHT completed
         self.live: dict[str, Progress] = {}
-        self.state_candidates: list[Candidate] = []  # replaced whole by each poll
+        self.state_candidates: list[Candidate] = []  # replaced whole by each look at the offers
+        self.states_looked_at = float("-inf")  # monotonic: the last look at the snapshots on offer
+        self.states_wanted_at = float("-inf")  # monotonic: the last read of them (any thread)
         self._allow = allow
         self._selector = selector
         self._receiver = receiver
@@ -197,6 +230,12 @@ class Poller:
         self._bootstrap_ids = _peer_ids(options.peers)
         self._known: OrderedDict[str, None] = OrderedDict()
         self._rejoined_at = 0.0
+
+    def state_offers(self) -> list[Candidate]:
+        """The snapshots on offer at the last look, newest first; from now on for ``STATE_WANTED``
+        seconds every poll looks them up (a float stored whole: safe from the trainer's thread)."""
+        self.states_wanted_at = time.monotonic()
+        return list(self.state_candidates)
 
     def live_peers(self) -> list[str]:
         """The other peers whose progress record is younger than ``liveness_ttl``."""
@@ -242,13 +281,21 @@ class Poller:
         assert self.dht_node is not None
         run_id = self.options.run_id
         interest = dict(self.interest)
-        keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id), state_key(run_id)]
+        versions = self._progress().versions
+        looked_at = time.monotonic()
+        reports = [p.versions for peer, p in self.live.items() if peer != self.peer_id]
+        states = states_due(looked_at, self.states_looked_at, self.states_wanted_at, versions, reports)
+        keys = [fragment_key(run_id, f) for f in interest] + [progress_key(run_id)]
+        keys += [state_key(run_id)] if states else []
         # asks the nodes a record is stored on, not every node of a swarm of up to 20
         beam = search_beam(self.dht_node)
         found = await self.dht_node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=beam)
         self.stats.dht_lookups += 1
+        self.stats.dht_keys_looked_up += len(keys)
         now = get_dht_time()
-        self.state_candidates = self._parse_states(found.get(state_key(run_id)), now)
+        if states:
+            self.state_candidates = self._parse_states(found.get(state_key(run_id)), now)
+            self.states_looked_at = looked_at
 
         records = self._records(found.get(progress_key(run_id)), "progress", now)
         live = live_progress(records, now, self.options.liveness_ttl)
@@ -260,7 +307,7 @@ class Poller:
         while len(self._known) > KNOWN_PEERS:
             self._known.popitem(last=False)
 
-        versions = self._progress().versions
+        versions = self._progress().versions  # the trainer may have gone on during the lookup
         reports = [p.versions for peer, p in live.items() if peer != self.peer_id]
         for fragment, numel in interest.items():
             holdings = self._records(found.get(fragment_key(run_id, fragment)), fragment, now)

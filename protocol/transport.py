@@ -67,7 +67,8 @@ class TransportStats:
     # progress (the heartbeat); each goes to every replica of its key, so they are what polling
     # and re-announcing cost the swarm
     records_stored: Counter[str] = field(default_factory=Counter)
-    dht_lookups: int = 0  # this peer's looks at the DHT (one poll: its fragments', progress and state keys)
+    dht_lookups: int = 0  # this peer's looks at the DHT (one poll: its fragments' and progress keys)
+    dht_keys_looked_up: int = 0  # keys over those looks (the snapshots' key only where due)
     # the DHT requests this peer answered for others, by kind (find, store): where a swarm's
     # records land, and so what a DHT server carries as the swarm grows
     dht_served: Counter[str] = field(default_factory=lambda: Counter(find=0, store=0))

@@ -30,7 +30,7 @@ from _netswarm import (  # tests/ is on sys.path under pytest
     wait_for,
 )
 
-from cgad.protocol import FragmentError
+from cgad.protocol import FragmentError, polling
 from cgad.protocol.codec import Codec, decode, encode, encoded_size
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.fetching import RETRY_SECONDS
@@ -143,6 +143,35 @@ def test_a_holder_that_libp2p_routing_does_not_know_is_dialed_at_its_records_add
     finally:
         holder_node.close()
         fetcher.close()
+
+
+@pytest.mark.timeout(90)
+def test_polls_look_at_the_snapshots_on_offer_only_while_someone_reads_them(
+    netswarm: list[NetworkTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p0, _, p2, _ = netswarm
+    monkeypatch.setattr(polling, "STATE_WANTED", 1.0)  # no read of the offers for a second: unwanted
+    monkeypatch.setattr(polling, "STATE_REFRESH", 3600.0)
+    # p0 level with the furthest report (a peer trailing the swarm looks at the offers each poll)
+    saved = p0._progress
+    furthest = max((v for p in p0.swarm_progress().values() for v in p.versions), default=0)
+    p0.report_progress([furthest] * NUM_FRAGMENTS, saved.inner_step, saved.tokens_per_second)
+    try:
+        p2.publish_state(os.urandom(1 << 16), [40] * NUM_FRAGMENTS)
+        time.sleep(1.5)
+        looks, keys = p0.stats.dht_lookups, p0.stats.dht_keys_looked_up
+        routine = len(p0._poller.interest) + 1  # each fragment's holders and the progress records
+        wait_for(lambda: p0.stats.dht_lookups >= looks + 3, what="three polls")
+        lookups = p0.stats.dht_lookups - looks
+        assert p0.stats.dht_keys_looked_up - keys == routine * lookups  # the snapshots' key left out
+
+        def offered() -> bool:  # a joiner's read: the polls look at the snapshots from now on
+            return any(c.key.publisher == p2.peer_id and c.key.base_version == 40 for c in p0.state_offers())
+
+        wait_for(offered, what="p2's snapshot, once read for")
+        assert p0.stats.dht_keys_looked_up - keys > routine * (p0.stats.dht_lookups - looks)
+    finally:
+        p0.report_progress(saved.versions, saved.inner_step, saved.tokens_per_second)
 
 
 @pytest.mark.timeout(90)
