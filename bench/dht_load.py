@@ -191,7 +191,8 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(sorted({r["size"] for r in summaries}))
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("DHT load per node: hivemind's beam (a bucket, 20) against cgad's (num_replicas)")
+    beams = ", ".join(sorted({str(r["beam"]) for r in summaries}))
+    fig.suptitle(f"DHT load per node and round (beams: {beams}; bucket = hivemind's 20, cgad = num_replicas)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
