@@ -56,8 +56,10 @@ NonNegative = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 # --eval-every auto: held-out evaluation takes at most this share of the run's time. It stops
 # training (a forward pass over every held-out batch); at 26M parameters and H = 10 one evaluation
-# costs about 13% of a round, so evaluating every round cost an eighth of the node's tokens.
-EVAL_SHARE = 0.03
+# costs about 13% of a round, so evaluating every round cost an eighth of the node's tokens. At 1%
+# it comes every 13 rounds there (about a minute): a reading for the dashboard, not a cost the
+# swarm should feel (at 3%, a round in four lost an eighth of its tokens).
+EVAL_SHARE = 0.01
 
 
 class ConfigError(ValueError):

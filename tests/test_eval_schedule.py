@@ -38,12 +38,12 @@ def test_auto_keeps_evaluation_within_its_share_of_the_run():
     assert schedule.spent <= EVAL_SHARE * clock.now + 0.13
     assert 0.8 * EVAL_SHARE * clock.now <= schedule.spent  # and it does use its share
     gaps = {b - a for a, b in itertools.pairwise(evaluated[1:])}
-    assert gaps <= {4, 5}, gaps  # 0.13 / 0.03 = 4.3 rounds apart, evenly
+    assert gaps <= {12, 13}, gaps  # 0.13 / 0.01 = 13 s of run apart (evaluations included), evenly
 
 
 def test_auto_evaluates_every_round_when_evaluation_is_cheap():
     clock = _Clock()
-    assert _run(EvalSchedule("auto", clock), clock, 50, 1.0, 0.01) == list(range(1, 51))
+    assert _run(EvalSchedule("auto", clock), clock, 50, 1.0, 0.005) == list(range(1, 51))
 
 
 def test_auto_counts_an_evaluation_made_before_the_first_round():
@@ -51,5 +51,5 @@ def test_auto_counts_an_evaluation_made_before_the_first_round():
     schedule = EvalSchedule("auto", clock)
     with schedule.timed():  # the daemon's evaluation of its starting point
         clock.now += 0.13
-    evaluated = _run(schedule, clock, 20, 1.0, 0.13)
-    assert evaluated and evaluated[0] >= 8  # (0.13 + 0.13) / 0.03 seconds of run first
+    evaluated = _run(schedule, clock, 40, 1.0, 0.13)
+    assert evaluated and evaluated[0] >= 24  # (0.13 + 0.13) / 0.01 seconds of run first
