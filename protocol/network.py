@@ -317,9 +317,9 @@ class NetworkTransport(Transport):
         (the rest is in the bytes, checked by whoever adopts them)."""
         self._publisher.publish_state(data, versions)
 
-    def state_offers(self) -> list[Candidate]:
-        """Other peers' snapshots seen at the last look at them, newest first (``Poller``)."""
-        return self._poller.state_offers()
+    def state_offers(self, fresh: float = 0.0) -> list[Candidate]:
+        """Other peers' snapshots on offer, newest first (``Poller.state_offers``: ``fresh``)."""
+        return self._poller.state_offers(fresh)
 
     def fetch_state(self, candidate: Candidate, timeout: float) -> bytearray:
         """A snapshot's bytes, verified against its publisher's record; blocks the caller.

@@ -216,6 +216,8 @@ class Poller:
         self.state_candidates: list[Candidate] = []  # replaced whole by each look at the offers
         self.states_looked_at = float("-inf")  # monotonic: the last look at the snapshots on offer
         self.states_wanted_at = float("-inf")  # monotonic: the last read of them (any thread)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the poller's, once it runs
+        self._wake: asyncio.Event | None = None  # set: poll now (a fresh read of the offers)
         self._allow = allow
         self._selector = selector
         self._receiver = receiver
@@ -231,10 +233,23 @@ class Poller:
         self._known: OrderedDict[str, None] = OrderedDict()
         self._rejoined_at = 0.0
 
-    def state_offers(self) -> list[Candidate]:
-        """The snapshots on offer at the last look, newest first; from now on for ``STATE_WANTED``
-        seconds every poll looks them up (a float stored whole: safe from the trainer's thread)."""
-        self.states_wanted_at = time.monotonic()
+    def state_offers(self, fresh: float = 0.0) -> list[Candidate]:
+        """The snapshots on offer, newest first; from now on for ``STATE_WANTED`` seconds every poll
+        looks them up. ``fresh``: wake the poller and wait up to that many seconds for a look that
+        began after this call (a re-sync reads once, and the last look may be ``STATE_REFRESH``
+        old); else those of the last look. Called from other threads, never the loop's: the
+        floats it writes are stored whole, the list is replaced whole.
+
+        Args:
+            fresh: seconds to wait for a fresh look (0: none).
+        """
+        asked = time.monotonic()
+        self.states_wanted_at = asked
+        if fresh > 0:
+            if self._loop is not None and self._wake is not None:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            while self.states_looked_at < asked and time.monotonic() < asked + fresh:
+                time.sleep(0.05)
         return list(self.state_candidates)
 
     def live_peers(self) -> list[str]:
@@ -247,7 +262,9 @@ class Poller:
         )
 
     async def poll_forever(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         while True:
+            self._wake.clear()
             try:
                 await self._poll_once()
                 self.polls += 1
@@ -257,10 +274,10 @@ class Poller:
                 raise
             except Exception:
                 logger.exception("polling the DHT failed; retrying")
-            versions = self._progress().versions
-            await asyncio.sleep(
-                poll_pause(self.options.poll_interval, self._version_clock.seconds_per_version, len(versions))
-            )
+            spv, versions = self._version_clock.seconds_per_version, self._progress().versions
+            pause = poll_pause(self.options.poll_interval, spv, len(versions))
+            with contextlib.suppress(TimeoutError):  # or sooner, woken for a fresh read of the offers
+                await asyncio.wait_for(self._wake.wait(), pause)
 
     async def _rejoin(self) -> None:
         """Ping the peers this one knew. After a partition both sides have dropped each other

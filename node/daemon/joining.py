@@ -52,6 +52,9 @@ STATE_LINK_SHARE = 0.25  # of the measured downlink a snapshot is expected at (h
 SNAPSHOT_BYTES_PER_PARAMETER = {"int8": 1.1, "fp16": 6.0, "fp32": 12.0}
 SNAPSHOT_OVERHEAD = 1 << 20
 MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays ahead
+# seconds a sync waits for a look at the snapshots on offer made after it asked: a node polls them
+# only while someone reads them (``polling.states_due``), so the last look may be half a minute old
+FRESH_OFFERS = 10.0
 # versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
 # for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
 ADOPTED_LAG = 1
@@ -327,7 +330,7 @@ class StateSync:
         ceiling, median = self._ceiling(), self._median()
         offers = [
             c
-            for c in self.transport.state_offers()
+            for c in self.transport.state_offers(fresh=FRESH_OFFERS)
             if (c.key.base_version >= mine if at_least_ours else c.key.base_version > mine)
             and c.key.base_version <= ceiling
             and c.offer.content_hash not in self._refused
