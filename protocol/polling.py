@@ -13,7 +13,9 @@ peers this one knew are pinged, so that both sides of a healed partition find ea
 Threads: a ``Poller`` runs on the transport's event-loop thread. ``interest`` gains entries from
 the trainer's thread (read here as a copy); ``live`` is replaced whole by each poll, its own
 entry set in place when it reports, and read by the trainer as a copy; ``progress`` returns a
-reference the trainer's thread replaces whole.
+reference the trainer's thread replaces whole. ``state_offers(fresh=)`` runs on a syncing thread
+(never the loop's): it wakes the loop with ``call_soon_threadsafe`` and blocks that thread for up
+to ``fresh`` seconds.
 """
 
 from __future__ import annotations
@@ -71,8 +73,7 @@ MAX_FAULTY_RECORDS = 4096  # faulty records remembered (to count each once): ide
 MAX_ENDPOINTS_PER_HOST = 32
 MAX_ENDPOINTS = 1024  # endpoints (and their claimants) remembered, least recently seen forgotten
 # seconds between looks at the snapshots on offer while nothing reads them: a poll's key fewer
-# (each key is a search of its own, answered by num_replicas nodes), and offers at most this old
-# when a re-sync starts reading them (it then keeps them fresh)
+# (each key is a search of its own, answered by num_replicas nodes); a sync asks for a fresh look
 STATE_REFRESH = 30.0
 STATE_WANTED = 30.0  # seconds after a read of the offers during which every poll looks them up
 
@@ -245,11 +246,18 @@ class Poller:
         """
         asked = time.monotonic()
         self.states_wanted_at = asked
-        if fresh > 0:
-            if self._loop is not None and self._wake is not None:
-                self._loop.call_soon_threadsafe(self._wake.set)
+        loop, wake = self._loop, self._wake
+        if fresh > 0 and loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop has closed: no look is coming
+                return list(self.state_candidates)
             while self.states_looked_at < asked and time.monotonic() < asked + fresh:
+                if self._loop is None:  # the poller stopped (the transport is closing)
+                    break
                 time.sleep(0.05)
+            if self.states_looked_at < asked:
+                logger.debug("no look at the snapshots on offer within %.0f s: the last look's", fresh)
         return list(self.state_candidates)
 
     def live_peers(self) -> list[str]:
@@ -263,8 +271,14 @@ class Poller:
 
     async def poll_forever(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            await self._poll_until_cancelled(self._wake)
+        finally:  # a reader waiting for a fresh look stops waiting
+            self._loop = self._wake = None
+
+    async def _poll_until_cancelled(self, wake: asyncio.Event) -> None:
         while True:
-            self._wake.clear()
+            wake.clear()
             try:
                 await self._poll_once()
                 self.polls += 1
@@ -276,8 +290,11 @@ class Poller:
                 logger.exception("polling the DHT failed; retrying")
             spv, versions = self._version_clock.seconds_per_version, self._progress().versions
             pause = poll_pause(self.options.poll_interval, spv, len(versions))
-            with contextlib.suppress(TimeoutError):  # or sooner, woken for a fresh read of the offers
-                await asyncio.wait_for(self._wake.wait(), pause)
+            # or sooner, woken for a fresh read of the offers (asyncio.timeout: 3.11's wait_for
+            # may swallow a cancellation that comes as the event is set)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await wake.wait()
 
     async def _rejoin(self) -> None:
         """Ping the peers this one knew. After a partition both sides have dropped each other

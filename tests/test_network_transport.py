@@ -170,6 +170,19 @@ def test_polls_look_at_the_snapshots_on_offer_only_while_someone_reads_them(
         p0.report_progress(saved.versions, saved.inner_step, saved.tokens_per_second)
 
 
+@pytest.mark.timeout(60)
+def test_a_fresh_read_of_the_offers_comes_at_once_and_never_waits_on_a_closed_transport() -> None:
+    node = make_transport()
+    try:
+        started = time.monotonic()
+        node.state_offers(fresh=10.0)  # wakes the poller: the next look is made now
+        assert node._poller.states_looked_at >= started and time.monotonic() - started < 5.0
+    finally:
+        node.close()
+    started = time.monotonic()
+    assert node.state_offers(fresh=10.0) == [] and time.monotonic() - started < 1.0  # no look coming
+
+
 @pytest.mark.timeout(90)
 def test_state_snapshots_are_offered_fetched_over_each_path_and_served_onward(
     netswarm: list[NetworkTransport],

@@ -330,7 +330,7 @@ class StateSync:
         ceiling, median = self._ceiling(), self._median()
         offers = [
             c
-            for c in self.transport.state_offers(fresh=FRESH_OFFERS)
+            for c in self.transport.state_offers(fresh=0.0 if self.leave.is_set() else FRESH_OFFERS)
             if (c.key.base_version >= mine if at_least_ours else c.key.base_version > mine)
             and c.key.base_version <= ceiling
             and c.offer.content_hash not in self._refused
