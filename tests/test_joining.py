@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -54,6 +55,16 @@ def test_the_same_version_passes_and_its_keys_name_it() -> None:
     # records of two versions never meet: their strict schemas would refuse each other's fields
     assert fragment_key(RUN, 3) == f"{RUN}_v{PROTOCOL_VERSION}_fragment3"
     assert progress_key(RUN) == f"{RUN}_v{PROTOCOL_VERSION}_progress"
+
+
+def test_a_first_nodes_resync_runs_off_its_trainers_thread() -> None:
+    # a node started without --peers never ran a start-up sync: its first sync, once it trails
+    # the swarm that grew around it, is a re-sync like any other (on "cgad-resync")
+    with make_transport() as first:
+        sync = _sync(first, [])
+        started = time.monotonic()
+        assert sync.sync(required=False) is None
+        assert time.monotonic() - started < 2.0 and sync._resync is not None
 
 
 @pytest.mark.parametrize(

@@ -140,7 +140,9 @@ class StateSync:
         self._misses: dict[str, int] = {}  # downloads per publisher that brought nothing: tried later
         self._refused: set[bytes] = set()  # snapshots (by hash) whose bytes were refused: never again
         self._refused_from: set[str] = set()  # publishers refused in this sync: none of theirs again
-        self._synced = False  # a first sync ran (the node's start: nothing trains yet)
+        # a first sync ran (at the node's start, before it trains), or none will: a swarm's first
+        # node (no --peers) starts alone, and any sync of its later is a re-sync, off its trainer
+        self._synced = not config.peers
         self._resync: threading.Thread | None = None  # a re-sync's download under way
         # a re-sync's snapshot, downloaded and checked, waiting for the next call: its offer,
         # bytes, state and when it was ready
