@@ -54,6 +54,9 @@ def test_scale_measures_a_lone_daemon_against_a_bare_loop(tmp_path, monkeypatch,
     # system (node/daemon/allocator.py) where the bare loop's allocator keeps them (0.86x at tiny)
     assert 0.5 < summary["rss_ratio"] < 5.0, summary
     assert summary["tokens_ratio"] > 0, summary  # how far below 1: the full run's question, not a test's
+    # one repeat: its own pair's ratio is the ratio of the medians
+    assert summary["tokens_ratio_pairs"] == [summary["tokens_ratio"]]
+    assert abs(summary["tokens_ratio_of_medians"] - summary["tokens_ratio"]) < 1e-9
     # the flags the daemon ran with: only batch, sequence, H and where it listens were given
     flags = run["daemon"]["flags"]
     given = {flags[i] for i in range(0, len(flags), 2)}
