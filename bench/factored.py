@@ -4,7 +4,9 @@ agreement and loss, in the simulator.
 Every run is the default member (``cga`` with late gossip, the non-blocking exchange) at the sweep
 model's scale (bench/sweep_model.json, a 1024-token BPE of the bundled corpus, batch 4 × 64, inner
 lr 1e-3, as bench/long_sweep.py, but H = 5 so that it fits two shared cores), 16 members with random
-delays of 0-4 rounds (the long sweep's random:4), and ``--consensus-every K`` for each K (0: never,
+delays of 0-4 rounds (the long sweep's random:4), each taking at most 4 peers' fragments per
+fragment and round (the daemon's ``--fan-in``; runs from before the simulator had the cap are kept
+apart as "fan-in every peer"), and ``--consensus-every K`` for each K (0: never,
 today's default), in groups of 4 with a 30 s timeout (the defaults; an inner step is one virtual
 second, a round five). The blocking step runs over the same virtual network as the deltas: each
 member's φ reaches each other member of its group after a delay drawn from the same 0-4 rounds, and
@@ -52,8 +54,10 @@ VOCAB = 1024
 # step's default 30 s timeout then covers the slowest copy (4 rounds of 5 s) and the members' skew
 BASE: dict[str, Any] = dict(
     inner_steps=5, batch_size=4, seq_len=64, eval_batches=2, inner_lr=1e-3, delay="random:4",
-    consensus_group=4, consensus_timeout=30.0,
+    consensus_group=4, consensus_timeout=30.0, fan_in=4,
 )  # fmt: skip
+# runs from before the simulator's fan-in cap carry no fan_in: every member took every peer's fragment
+UNCAPPED = "every peer"
 
 
 def config(workers: int, rounds: int, every: int, seed: int) -> Any:
@@ -65,7 +69,12 @@ def config(workers: int, rounds: int, every: int, seed: int) -> Any:
 
 
 def run_key(workers: int, rounds: int, every: int, seed: int) -> str:
-    return json.dumps({"workers": workers, "rounds": rounds, "every": every, "seed": seed}, sort_keys=True)
+    fields = {"workers": workers, "rounds": rounds, "every": every, "seed": seed, "fan_in": BASE["fan_in"]}
+    return json.dumps(fields, sort_keys=True)
+
+
+def fan_in_of(record: dict) -> int | str:
+    return record.get("fan_in", UNCAPPED)
 
 
 def _init_worker() -> None:
@@ -106,7 +115,7 @@ def run_all(jobs: list[tuple[int, int, int, int]], parallel: int) -> None:
             workers, _, every, seed = futures[future]
             record = future.result()
             record.update(key=run_key(*futures[future]), workers=workers, every=every,
-                          commit=state["commit"], clean=state["clean"])  # fmt: skip
+                          fan_in=BASE["fan_in"], commit=state["commit"], clean=state["clean"])  # fmt: skip
             log.write(json.dumps(record) + "\n")
             log.flush()
             elapsed = time.perf_counter() - started
@@ -135,9 +144,17 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(records: list[dict], workers: int, rounds: int) -> dict[str, Any]:
+def _ours(records: list[dict], workers: int, rounds: int, fan_in: int | str) -> list[dict]:
+    return [
+        r
+        for r in records
+        if r["workers"] == workers and len(r["losses"]) == rounds and fan_in_of(r) == fan_in
+    ]
+
+
+def summarize(records: list[dict], workers: int, rounds: int, fan_in: int | str) -> dict[str, Any]:
     """The table: one row per K, each metric's mean, standard deviation and range over seeds."""
-    ours = [r for r in records if r["workers"] == workers and len(r["losses"]) == rounds]
+    ours = _ours(records, workers, rounds, fan_in)
     off = {r["seed"]: r["virtual_seconds"] for r in ours if r["every"] == 0}
     rows: dict[str, dict[str, Any]] = {}
     for every in sorted({r["every"] for r in ours}):
@@ -162,10 +179,10 @@ def summarize(records: list[dict], workers: int, rounds: int) -> dict[str, Any]:
 
 
 def write_report(workers: int, rounds: int) -> dict[str, Any]:
-    records = list(load_log().values())
-    table = summarize(records, workers, rounds)
-    runs = [r for r in records if r["workers"] == workers and len(r["losses"]) == rounds]
-    lengths = {len(r["losses"]) for r in records}
+    records = [r for r in load_log().values() if r["workers"] == workers]
+    table = summarize(records, workers, rounds, BASE["fan_in"])
+    runs = _ours(records, workers, rounds, BASE["fan_in"])
+    settings = {(len(r["losses"]), fan_in_of(r)) for r in records} - {(rounds, BASE["fan_in"])}
     result = {
         "config": {**BASE, "workers": workers, "rounds": rounds, "model": MODEL.name, "vocab": VOCAB,
                    "optimizer": "cga", "mixing": "late"},
@@ -174,18 +191,22 @@ def write_report(workers: int, rounds: int) -> dict[str, Any]:
         "table": table,
         "records": runs,
         # runs of the log at other settings (another commit's BASE, named by its commit): their own tables
-        "other_runs": {f"{n} rounds": _other(records, workers, n) for n in sorted(lengths - {rounds})},
+        "other_runs": {
+            f"{n} rounds, fan-in {f}": _other(records, workers, n, f)
+            for n, f in sorted(settings, key=lambda s: (s[0], str(s[1])))
+        },
     }  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "factored.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, RESULTS / "factored.png")
+    name = "factored" if workers == 16 else f"factored_{workers}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, RESULTS / f"{name}.png")
     print_table(table)
     return result
 
 
-def _other(records: list[dict], workers: int, rounds: int) -> dict[str, Any]:
-    commits = sorted({r["commit"] for r in records if len(r["losses"]) == rounds})
-    return {"commits": commits, "table": summarize(records, workers, rounds)}
+def _other(records: list[dict], workers: int, rounds: int, fan_in: int | str) -> dict[str, Any]:
+    commits = sorted({r["commit"] for r in _ours(records, workers, rounds, fan_in)})
+    return {"commits": commits, "table": summarize(records, workers, rounds, fan_in)}
 
 
 def print_table(table: dict[str, dict[str, Any]]) -> None:
@@ -232,9 +253,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     loss.legend(fontsize=8)
     config = result["config"]
     fig.suptitle(
-        f"factored mixing: {config['workers']} members, {config['rounds']} rounds, H={config['inner_steps']},"
-        f" delay {config['delay']}; commit {', '.join(c[:10] for c in result['commits'])}"
-        + ("" if result["clean"] else " + changes"),
+        f"factored mixing: {config['workers']} members, fan-in {config['fan_in']}, {config['rounds']} rounds,"
+        f" H={config['inner_steps']}, delay {config['delay']};"
+        f" commit {', '.join(c[:10] for c in result['commits'])}" + ("" if result["clean"] else " + changes"),
         fontsize=9,
     )
     fig.tight_layout()
