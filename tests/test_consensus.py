@@ -79,12 +79,14 @@ def test_the_step_sets_phi_to_the_groups_mean_and_moves_theta_with_it():
     with torch.no_grad():
         theta[0].add_(0.05)  # inner progress carried past the outer step stays on θ
     other = torch.tensor([0.0, 0.2, 0.4, 0.6, 1.0])
-    assert member.join_group(GroupMean((phi + other) / 2, members=2))
+    assert member.join_group(GroupMean((phi + other) / 2, members=2), waited_s=1.5)
     assert member.awaiting_group is None
     expected = (torch.full((5,), 0.8) + other) / 2
     assert torch.allclose(torch.cat([p.detach().flatten() for p in member.loop.phi]), expected)
     assert torch.allclose(theta[0], expected[:3] + 0.05) and torch.allclose(theta[1], expected[3:])
-    assert member.consensus.summary() == {"every": 1, "averaged": 1, "alone": 0, "group_sizes": {"2": 1}}
+    assert member.consensus.summary() == {
+        "every": 1, "averaged": 1, "alone": 0, "group_sizes": {"2": 1}, "waited_s": 1.5
+    }  # fmt: skip
 
 
 def test_a_member_whose_group_did_not_form_goes_on_alone():
@@ -188,6 +190,8 @@ def test_every_round_keeps_the_members_phi_much_closer_than_never(corpus):
     record = every["consensus_step"]
     assert record["averaged"] == 4 * 4 and record["alone"] == 0  # every round but the last, whole groups
     assert record["group_sizes"] == {"4": 16} and record["wait_seconds"] > 0
+    # each member's own record of its waits (what a daemon's status reports) adds up to the swarm's
+    assert abs(record["members_waited_s"] - record["wait_seconds"]) < 1e-2 * 16
     assert every["utilization"] < off["utilization"] == 1.0  # the waits are time not computing
     # measured once each round's synchronisation is over (the last round has no blocking step)
     late, tight = sum(off["consensus"][:-1]) / 4, sum(every["consensus"][:-1]) / 4

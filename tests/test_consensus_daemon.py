@@ -23,13 +23,14 @@ class _Member:
     """What ``join_group`` asks of the engine: the φ offered and the group's result."""
 
     def __init__(self, phi: torch.Tensor) -> None:
-        self.phi, self.awaiting_group, self.joined = phi, 3, []
+        self.phi, self.awaiting_group, self.joined, self.waited = phi, 3, [], []
 
     def group_phi(self) -> torch.Tensor:
         return self.phi.clone()
 
-    def join_group(self, group) -> bool:
+    def join_group(self, group, waited_s: float) -> bool:
         self.joined.append(group)
+        self.waited.append(waited_s)
         return group is not None
 
 
@@ -59,6 +60,8 @@ def test_a_group_averages_its_phi_and_a_member_alone_goes_on_without_it() -> Non
         alone = _Member(torch.ones(1000))
         join_group(alone, lone)  # nobody else averages now: no group within the timeout
         assert alone.joined == [None] and lone.groups == {1: 1}
+        # the time it was blocked is its cost: at least the matchmaking wait, at most the timeout
+        assert 1.0 <= alone.waited[0] <= 3.0 + 5.0, alone.waited
     finally:
         for averager in averagers:
             averager.close()
@@ -91,4 +94,5 @@ def test_two_daemons_take_the_blocking_step_beside_the_exchange(daemons) -> None
     ]
     for status in statuses:
         assert status["consensus"]["every"] == 1 and status["applied"] > 0  # the exchange goes on beside
+        assert status["consensus"]["waited_s"] > 0  # the time the trainer was blocked for its groups
         assert status["eval_loss"] < FRESH_LOSS - 0.5, status["eval_history"]

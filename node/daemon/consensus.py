@@ -10,6 +10,7 @@ it; with no group by then the member goes on without it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,11 +46,12 @@ def consensus_averager(config: JoinConfig, numel: int) -> GroupAverager | None:
 def join_group(member: Member, averager: GroupAverager) -> None:
     """The blocking step of the round ``member`` awaits: its φ averaged with the group's, or left
     as it is when no group formed in time."""
+    started = time.monotonic()
     averaged = averager.average(member.group_phi())
     group = GroupMean(*averaged) if averaged is not None else None
     if group is None:
         logger.info("round %s: no consensus group formed in time; going on alone", member.awaiting_group)
-    member.join_group(group)
+    member.join_group(group, time.monotonic() - started)
 
 
 def start_averaging(

@@ -55,6 +55,7 @@ class ConsensusStep:
     averaged: int = 0  # steps taken with a group
     alone: int = 0  # steps whose group did not form in time: the member went on without it
     group_sizes: Counter[int] = field(default_factory=Counter)  # members per averaged step
+    waited_s: float = 0.0  # seconds blocked awaiting groups, on the driver's clock (wall or virtual)
 
     def due(self, round_: int) -> bool:
         """Whether round ``round_``, just ended, ends in the blocking step."""
@@ -64,15 +65,17 @@ class ConsensusStep:
         """Round ``round_`` awaits its group."""
         self.pending = round_
 
-    def close(self, loop: OuterLoop, group: GroupMean | None) -> bool:
+    def close(self, loop: OuterLoop, group: GroupMean | None, waited_s: float = 0.0) -> bool:
         """The group's exchange is over: move φ (and θ with it) to the group's mean, or, with no
         group (None, or a group of one), leave them alone. Whether φ moved.
 
         Args:
             loop: the member's outer loop.
             group: what the exchange gave, or None when no group formed in time.
+            waited_s: seconds the member was blocked for it (the step's cost in time).
         """
         self.pending = None
+        self.waited_s += waited_s
         if group is None or group.members < 2:
             self.alone += 1
             return False
@@ -84,7 +87,13 @@ class ConsensusStep:
     def summary(self) -> dict[str, object]:
         """The record a status document or a simulation reports."""
         sizes = {str(n): count for n, count in sorted(self.group_sizes.items())}
-        return {"every": self.every, "averaged": self.averaged, "alone": self.alone, "group_sizes": sizes}
+        return {
+            "every": self.every,
+            "averaged": self.averaged,
+            "alone": self.alone,
+            "group_sizes": sizes,
+            "waited_s": round(self.waited_s, 3),
+        }
 
 
 def flat_phi(loop: OuterLoop) -> Tensor:

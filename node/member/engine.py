@@ -266,11 +266,16 @@ class Member:
         with self.lock:
             return flat_phi(self.loop)
 
-    def join_group(self, group: GroupMean | None) -> bool:
+    def join_group(self, group: GroupMean | None, waited_s: float = 0.0) -> bool:
         """The group's exchange is over: φ becomes the group's mean, or stays with no group
-        (None). Whether φ moved."""
+        (None). Whether φ moved.
+
+        Args:
+            group: the group's mean φ, or None.
+            waited_s: seconds this member was blocked awaiting it.
+        """
         with self.lock:
-            return self.consensus.close(self.loop, group)
+            return self.consensus.close(self.loop, group, waited_s)
 
     # -- adopting a state -------------------------------------------------------------------
 

@@ -224,7 +224,9 @@ def simulate(
                 continue  # rescheduled since
             if groups is not None and groups.waiting(wk.index):
                 present = {o.index for o in workers if o.present}  # idle until now: not computing
-                wk.member.join_group(groups.resolve(wk.index, now, present))
+                before = groups.wait_seconds[wk.index]
+                group = groups.resolve(wk.index, now, present)
+                wk.member.join_group(group, groups.wait_seconds[wk.index] - before)
                 wk.clock, wk.wake_at = now, None
                 schedule(wk, now + step_seconds(wk))
                 continue
@@ -381,6 +383,7 @@ def _consensus_record(workers: list[_Worker], groups: GroupFinder | None) -> dic
         "alone": sum(s.alone for s in steps),
         "group_sizes": {str(n): k for n, k in sorted(sizes.items())},
         "wait_seconds": sum(groups.wait_seconds),
+        "members_waited_s": sum(s.waited_s for s in steps),
     }
 
 
