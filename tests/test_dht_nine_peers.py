@@ -1,12 +1,15 @@
 """Nine peers, more than the nodes a DHT record is stored on (hivemind's ``num_replicas``, 5):
-every peer finds every other one's progress record."""
+every peer finds every other one's progress record, and still does once the five nodes nearest
+the progress key, the ones holding its records, are gone."""
 
 from __future__ import annotations
 
 import pytest
 from _netswarm import SMALL, make_transport, wait_for
+from hivemind.dht.routing import DHTID
 
 from cgad.protocol.network import NetworkTransport
+from cgad.protocol.records import progress_key
 
 pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
@@ -29,6 +32,26 @@ def test_nine_peers_each_list_every_other() -> None:
         replicas = peers[1].dht_node.num_replicas
         assert beams["store"] and set(beams["store"]) == {2 * replicas}, beams
         assert beams["lookup"] and set(beams["lookup"]) == {replicas}, beams
+
+        # the replicas lost: the nodes nearest the progress key leave, and the rest go on finding
+        # each other's heartbeats (each store searches twice the replicas, so it reaches live nodes)
+        key = DHTID.generate(source=progress_key("beam-test"))
+        by_distance = sorted(peers, key=lambda p: p.dht_node.node_id.xor_distance(key))
+        nearest, rest = by_distance[:replicas], by_distance[replicas:]
+        assert any(p.dht_node.protocol.storage.get(key) is not None for p in nearest)  # they held it
+        for peer in nearest:
+            peer.close()
+        for n, peer in enumerate(rest):
+            peer.report_progress([2], 1000 + n, 1.0)
+
+        def heard_after() -> bool:
+            return all(
+                all(p.swarm_progress().get(o.peer_id) and p.swarm_progress()[o.peer_id].inner_step >= 1000
+                    for o in rest)
+                for p in rest
+            )  # fmt: skip
+
+        wait_for(heard_after, 90, "the survivors' new heartbeats, the progress key's nearest nodes gone")
     finally:
         for peer in peers:
             peer.close()
