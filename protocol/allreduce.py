@@ -16,10 +16,14 @@ group's mean around the own update with ``--aggregation clip``).
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import TypeVar
 
 import hivemind
 import torch
@@ -36,6 +40,13 @@ logger = logging.getLogger(__name__)
 
 GROUP_PUBLISHER = "all-reduce"  # who the group's share of the mean is from, in the counters
 MAX_BOOTSTRAP = 16  # averager addresses taken from one peer's description (its claim)
+# hivemind's DHT and averager are processes forked from this one, which has threads (gRPC, the
+# transport's loop, torch's); a fork taken while another thread holds a lock can leave the child
+# hung before it says it is ready, and hivemind then waits for ever (seen on the testbed: a node
+# never trained). A child starts in a few seconds; one not ready in this long is killed and
+# started again.
+START_TIMEOUT = 60.0
+START_TRIES = 3
 
 
 class AllReduceExchange(Transport):
@@ -215,19 +226,88 @@ def _start_averager(
 ) -> tuple[hivemind.DHT, DecentralizedAverager]:
     """A hivemind DHT of the averager's own and an averager of one flat tensor on it (fp16 on the
     wire unless ``compression`` says otherwise)."""
-    dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=True)
-    averager = DecentralizedAverager(
-        [torch.zeros(numel)],
-        dht=dht,
-        prefix=prefix,
-        target_group_size=group_size,
-        min_group_size=min_group_size,
-        min_matchmaking_time=matchmaking_time,
-        request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
-        compression=compression or Float16Compression(),
-        start=True,
+    dht = start_child(
+        lambda: hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=False),
+        "DHT",
     )
+    try:
+        averager = start_child(
+            lambda: DecentralizedAverager(
+                [torch.zeros(numel)],
+                dht=dht,
+                prefix=prefix,
+                target_group_size=group_size,
+                min_group_size=min_group_size,
+                min_matchmaking_time=matchmaking_time,
+                request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
+                compression=compression or Float16Compression(),
+                start=False,
+            ),
+            "averager",
+        )
+    except BaseException:
+        dht.shutdown()
+        raise
     return dht, averager
+
+
+Child = TypeVar("Child")
+
+
+def start_child(
+    make: Callable[[], Child], what: str, timeout: float = START_TIMEOUT, tries: int = START_TRIES
+) -> Child:
+    """A hivemind process (``make()``, not started) started and ready; one that is not ready within
+    ``timeout`` seconds is killed with its own children (its p2pd) and made again, up to ``tries``
+    times, then RuntimeError.
+
+    Args:
+        make: builds the process object (``start=False``); it has ``run_in_background``.
+        what: its name in the warnings.
+        timeout: seconds to wait for it to be ready.
+        tries: starts before giving up.
+    """
+    for attempt in range(1, tries + 1):
+        child = make()
+        try:
+            child.run_in_background(await_ready=True, timeout=timeout)  # type: ignore[attr-defined]
+            return child
+        except TimeoutError:
+            kill_tree(child.pid)  # type: ignore[attr-defined]
+            child.join(5.0)  # type: ignore[attr-defined]
+            logger.warning("the all-reduce's %s process was not ready within %.0f s (start %d of %d): killed",
+                           what, timeout, attempt, tries)  # fmt: skip
+    raise RuntimeError(
+        f"the all-reduce's {what} process did not start in {tries} tries of {timeout:.0f} s each"
+    )
+
+
+def kill_tree(pid: int | None) -> None:
+    """SIGKILL a process and every process under it (Linux's /proc; elsewhere the process only)."""
+    if pid is None:
+        return
+    for below in _descendants(pid):
+        _kill(below)
+    _kill(pid)
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found += [child, *_descendants(child)]
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def averager_bootstrap(description: dict[str, object]) -> list[str]:

@@ -1,0 +1,90 @@
+"""The all-reduce's hivemind processes start or are started again: a forked child that never
+says it is ready (a fork of a threaded process can hang on a lock another thread held) is killed
+with its own children, and a node never waits on it for ever."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import subprocess
+import time
+
+import pytest
+
+from cgad.protocol.allreduce import start_child
+
+
+class _Child(mp.Process):
+    """A process with hivemind's start interface (``run_in_background``, ready or not); it starts
+    a child of its own, as hivemind's DHT starts its p2pd."""
+
+    def __init__(self, ready: bool) -> None:
+        super().__init__(daemon=True)
+        self.ready, self._ready, self._grandchild = ready, mp.Event(), mp.Value("i", 0)
+
+    def run(self) -> None:
+        self._grandchild.value = subprocess.Popen(["sleep", "600"]).pid
+        if self.ready:
+            self._ready.set()
+        time.sleep(600)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        self.start()
+        if await_ready and not self._ready.wait(timeout):
+            raise TimeoutError(f"not ready within {timeout} s")
+
+    @property
+    def grandchild(self) -> int:
+        return self._grandchild.value
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] == "Z"  # a zombie: killed, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="kills the process tree through /proc")
+def test_a_child_that_never_gets_ready_is_killed_with_its_children_and_started_again(caplog) -> None:
+    made: list[_Child] = []
+
+    def make() -> _Child:
+        made.append(_Child(ready=len(made) > 0))  # the first hangs, the second starts
+        return made[-1]
+
+    with caplog.at_level(logging.WARNING, logger="cgad.protocol.allreduce"):
+        started = start_child(make, "DHT", timeout=2.0, tries=3)
+    try:
+        assert started is made[1] and started.is_alive()
+        hung = made[0]
+        deadline = time.monotonic() + 10
+        while not (_gone(hung.pid) and hung.grandchild and _gone(hung.grandchild)):
+            assert time.monotonic() < deadline, "the hung child or its own child still runs"
+            time.sleep(0.05)
+        assert any("not ready within 2 s (start 1 of 3): killed" in r.message for r in caplog.records)
+    finally:
+        for child in made:
+            child.kill()
+            if child.grandchild:
+                subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)
+
+
+def test_a_child_that_never_gets_ready_in_any_try_is_an_error() -> None:
+    made: list[_Child] = []
+
+    def make() -> _Child:
+        made.append(_Child(ready=False))
+        return made[-1]
+
+    try:
+        with pytest.raises(RuntimeError, match="averager process did not start in 2 tries of 1 s"):
+            start_child(make, "averager", timeout=1.0, tries=2)
+        assert len(made) == 2 and not any(child.is_alive() for child in made)
+    finally:
+        for child in made:
+            child.kill()
+            if child.grandchild:
+                subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)
