@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -42,9 +43,10 @@ GROUP_PUBLISHER = "all-reduce"  # who the group's share of the mean is from, in 
 MAX_BOOTSTRAP = 16  # averager addresses taken from one peer's description (its claim)
 # hivemind's DHT and averager are processes forked from this one, which has threads (gRPC, the
 # transport's loop, torch's); a fork taken while another thread holds a lock can leave the child
-# hung before it says it is ready, and hivemind then waits for ever (seen on the testbed: a node
-# never trained). A child starts in a few seconds; one not ready in this long is killed and
-# started again.
+# hung before it says it is ready, and hivemind's own start waits without limit. A child starts in
+# a few seconds; the pair not ready in this long is killed (each with its p2pd) and started again.
+# A child killed while it held one of hivemind's cross-process locks (MPFuture's) would leave the
+# next start blocked there, outside this deadline: not seen, and not guarded against.
 START_TIMEOUT = 60.0
 START_TRIES = 3
 
@@ -225,30 +227,50 @@ def _start_averager(
     compression: CompressionBase | None = None,
 ) -> tuple[hivemind.DHT, DecentralizedAverager]:
     """A hivemind DHT of the averager's own and an averager of one flat tensor on it (fp16 on the
-    wire unless ``compression`` says otherwise)."""
-    dht = start_child(
-        lambda: hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=False),
-        "DHT",
-    )
-    try:
-        averager = start_child(
-            lambda: DecentralizedAverager(
-                [torch.zeros(numel)],
-                dht=dht,
-                prefix=prefix,
-                target_group_size=group_size,
-                min_group_size=min_group_size,
-                min_matchmaking_time=matchmaking_time,
-                request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
-                compression=compression or Float16Compression(),
-                start=False,
+    wire unless ``compression`` says otherwise); the pair started again whole when either is not
+    ready in time (an averager may hang on a DHT that stopped answering)."""
+    for attempt in range(1, START_TRIES + 1):
+        dht = start_child(
+            lambda: hivemind.DHT(
+                initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=False
             ),
-            "averager",
+            "DHT",
         )
-    except BaseException:
-        dht.shutdown()
-        raise
-    return dht, averager
+        try:
+            averager = start_child(
+                lambda dht=dht: DecentralizedAverager(
+                    [torch.zeros(numel)],
+                    dht=dht,
+                    prefix=prefix,
+                    target_group_size=group_size,
+                    min_group_size=min_group_size,
+                    min_matchmaking_time=matchmaking_time,
+                    request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
+                    compression=compression or Float16Compression(),
+                    start=False,
+                ),
+                "averager",
+                tries=1,
+            )
+            return dht, averager
+        except NotReady as error:
+            _stop(dht)
+            if attempt == START_TRIES:
+                raise NotReady(f"{error} ({START_TRIES} times, with a new DHT each time)") from error
+        except BaseException:
+            _stop(dht)
+            raise
+    raise AssertionError("unreachable")
+
+
+def _stop(dht: hivemind.DHT) -> None:
+    pid = dht.pid
+    dht.shutdown()  # a wedged one is terminated, its p2pd left: kill what is left under it
+    kill_tree(pid)
+
+
+class NotReady(RuntimeError):
+    """A hivemind process was not ready within its deadline, in every try."""
 
 
 Child = TypeVar("Child")
@@ -259,7 +281,8 @@ def start_child(
 ) -> Child:
     """A hivemind process (``make()``, not started) started and ready; one that is not ready within
     ``timeout`` seconds is killed with its own children (its p2pd) and made again, up to ``tries``
-    times, then RuntimeError.
+    times, then ``NotReady``. An error the child reports (a TimeoutError of its own included) is
+    raised as it is.
 
     Args:
         make: builds the process object (``start=False``); it has ``run_in_background``.
@@ -269,17 +292,18 @@ def start_child(
     """
     for attempt in range(1, tries + 1):
         child = make()
+        began = time.monotonic()
         try:
             child.run_in_background(await_ready=True, timeout=timeout)  # type: ignore[attr-defined]
             return child
         except TimeoutError:
+            if time.monotonic() - began < timeout:
+                raise  # the child's own error, not the deadline
             kill_tree(child.pid)  # type: ignore[attr-defined]
             child.join(5.0)  # type: ignore[attr-defined]
             logger.warning("the all-reduce's %s process was not ready within %.0f s (start %d of %d): killed",
                            what, timeout, attempt, tries)  # fmt: skip
-    raise RuntimeError(
-        f"the all-reduce's {what} process did not start in {tries} tries of {timeout:.0f} s each"
-    )
+    raise NotReady(f"the all-reduce's {what} process was not ready within {timeout:.0f} s, {tries} times")
 
 
 def kill_tree(pid: int | None) -> None:
@@ -292,14 +316,20 @@ def kill_tree(pid: int | None) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    """Every process under ``pid``, from each process's parent in /proc/*/stat (no kernel option
+    needed, unlike /proc/PID/task/*/children); none where /proc is absent."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            found += [child, *_descendants(child)]
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = parents.get(todo.pop(), [])
+        found += below
+        todo += below
     return found
 
 

@@ -12,16 +12,17 @@ import time
 
 import pytest
 
-from cgad.protocol.allreduce import start_child
+from cgad.protocol.allreduce import NotReady, start_child
 
 
 class _Child(mp.Process):
     """A process with hivemind's start interface (``run_in_background``, ready or not); it starts
     a child of its own, as hivemind's DHT starts its p2pd."""
 
-    def __init__(self, ready: bool) -> None:
+    def __init__(self, ready: bool, fails: bool = False) -> None:
         super().__init__(daemon=True)
-        self.ready, self._ready, self._grandchild = ready, mp.Event(), mp.Value("i", 0)
+        self.ready, self.fails = ready, fails
+        self._ready, self._grandchild = mp.Event(), mp.Value("i", 0)
 
     def run(self) -> None:
         self._grandchild.value = subprocess.Popen(["sleep", "600"]).pid
@@ -31,6 +32,11 @@ class _Child(mp.Process):
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         self.start()
+        if self.fails:  # the child's own error, at once, of the type a deadline raises too
+            raise TimeoutError("the child's own timeout")
+        deadline = time.monotonic() + 60  # its own child started first, however loaded the machine
+        while not self._grandchild.value and time.monotonic() < deadline:
+            time.sleep(0.01)
         if await_ready and not self._ready.wait(timeout):
             raise TimeoutError(f"not ready within {timeout} s")
 
@@ -80,11 +86,30 @@ def test_a_child_that_never_gets_ready_in_any_try_is_an_error() -> None:
         return made[-1]
 
     try:
-        with pytest.raises(RuntimeError, match="averager process did not start in 2 tries of 1 s"):
+        with pytest.raises(NotReady, match="averager process was not ready within 1 s, 2 times"):
             start_child(make, "averager", timeout=1.0, tries=2)
         assert len(made) == 2 and not any(child.is_alive() for child in made)
     finally:
         for child in made:
             child.kill()
+            if child.grandchild:
+                subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)
+
+
+def test_an_error_of_the_child_itself_is_raised_not_taken_for_the_deadline() -> None:
+    made: list[_Child] = []
+
+    def make() -> _Child:
+        made.append(_Child(ready=False, fails=True))
+        return made[-1]
+
+    try:
+        with pytest.raises(TimeoutError, match="the child's own timeout"):
+            start_child(make, "DHT", timeout=30.0, tries=3)
+        assert len(made) == 1  # not started again
+    finally:
+        for child in made:
+            child.kill()
+            child.join(5)
             if child.grandchild:
                 subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)

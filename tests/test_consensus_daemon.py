@@ -3,6 +3,7 @@ group's φ, a member with no group goes on without it, and the daemon's step mov
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import pytest
@@ -96,3 +97,6 @@ def test_two_daemons_take_the_blocking_step_beside_the_exchange(daemons) -> None
         assert status["consensus"]["every"] == 1 and status["applied"] > 0  # the exchange goes on beside
         assert status["consensus"]["waited_s"] > 0  # the time the trainer was blocked for its groups
         assert status["eval_loss"] < FRESH_LOSS - 0.5, status["eval_history"]
+    # Ctrl-C still stops it: hivemind's averager start sets SIGINT to ignored in its parent
+    second.proc.send_signal(signal.SIGINT)
+    assert second.proc.wait(timeout=120) == 0, second.log.read_text()[-3000:]

@@ -258,6 +258,7 @@ class Node(MemberHooks):
         averaging = self.exchange or self.groups
         if averaging is not None:  # state where this node's averager listens when asked who it is
             maddrs = start_averaging(averaging, described, c)
+            self._install_signal_handlers()  # hivemind's averager start set SIGINT to ignored
             self.transport.describe_as(json.dumps({**self.swarm, "averager": maddrs}))
         if c.peers:
             # a fresh node starts from the swarm's model; a resumed one catches up if it lags
