@@ -352,7 +352,8 @@ def run_daemon(
         },
         "snapshot_bytes": snap,
         "seconds": time.monotonic() - started,
-        "flags": flags,
+        # as run, the run's own scratch folder named <workdir>: no path of this machine in the record
+        "flags": [flag.replace(str(workdir), "<workdir>") for flag in flags],
     }
 
 

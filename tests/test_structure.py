@@ -1,9 +1,13 @@
-"""The house rules of the code base: no file over 500 lines in node/, protocol/ or optim/, and no
+"""The house rules of the code base: no file over 500 lines in node/, protocol/ or optim/, no
 import circles between modules (the layering contracts in pyproject.toml keep the rooms' order;
-this keeps each room free of circles too)."""
+this keeps each room free of circles too), and no path of the machine a file was made on in any
+tracked file, results and their compressed logs included."""
 
 from __future__ import annotations
 
+import gzip
+import re
+import subprocess
 from pathlib import Path
 
 import grimp
@@ -62,6 +66,34 @@ def import_cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[list[str]
     return cycles
 
 
+# a checkout's or a bench's scratch folder: /work/..., /tmp/dev, /tmp/cgad-scale-XXXX, /tmp/tmpXXXX
+MACHINE_PATH = re.compile(rb"/work/\w|/tmp/(?:dev|cgad-[a-z]+-\w{6,}|tmp\w{6,})\b")
+
+
+def machine_paths(root: Path, names: list[str]) -> list[str]:
+    """Each named file (under ``root``) that holds a machine's path, with the first one found."""
+    found = []
+    for name in names:
+        path = root / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if name.endswith(".gz"):
+            data = gzip.decompress(data)
+        match = MACHINE_PATH.search(data)
+        if match:
+            found.append(f"{name}: {match.group().decode(errors='replace')}")
+    return found
+
+
+def test_no_tracked_file_holds_a_path_of_the_machine_it_was_made_on():
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    own = str(Path(__file__).resolve().relative_to(ROOT))  # its examples of what it looks for
+    names = [n for n in listed.stdout.splitlines() if not n.endswith((".png", ".pyc")) and n != own]
+    assert len(names) > 100
+    assert machine_paths(ROOT, names) == []
+
+
 def test_no_file_in_node_protocol_or_optim_is_over_500_lines():
     assert long_files(ROOT) == []
 
@@ -79,6 +111,13 @@ def test_the_rules_catch_what_they_are_for(tmp_path):
     (package / "big.py").write_text("x = 1\n" * (MAX_LINES + 1))
     (package / "small.py").write_text("x = 1\n" * MAX_LINES)
     assert long_files(tmp_path) == [f"node/big.py: {MAX_LINES + 1} lines"]
+
+    (tmp_path / "run.json").write_text('{"flags": ["--maddrs-file", "/tmp/cgad-scale-pxnlmdb_/small-0/m"]}')
+    (tmp_path / "log.jsonl.gz").write_bytes(gzip.compress(b'File "/tmp/dev/.venv/lib/x.py"'))
+    (tmp_path / "Dockerfile").write_text("RUN pip install -r /tmp/requirements.txt\n")  # inside an image
+    assert machine_paths(tmp_path, ["run.json", "log.jsonl.gz", "Dockerfile"]) == [
+        "run.json: /tmp/cgad-scale-pxnlmdb_", "log.jsonl.gz: /tmp/dev"
+    ]  # fmt: skip
 
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
 
