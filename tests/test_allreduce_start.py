@@ -53,9 +53,20 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.fixture
+def made():
+    """The children a test makes, each killed with its own child at the end, whatever happened."""
+    children: list[_Child] = []
+    yield children
+    for child in children:
+        child.kill()
+        child.join(5)
+        if child.grandchild:
+            subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="kills the process tree through /proc")
-def test_a_child_that_never_gets_ready_is_killed_with_its_children_and_started_again(caplog) -> None:
-    made: list[_Child] = []
+def test_a_child_that_never_gets_ready_is_killed_with_its_children_and_started_again(made, caplog) -> None:
 
     def make() -> _Child:
         made.append(_Child(ready=len(made) > 0))  # the first hangs, the second starts
@@ -63,53 +74,30 @@ def test_a_child_that_never_gets_ready_is_killed_with_its_children_and_started_a
 
     with caplog.at_level(logging.WARNING, logger="cgad.protocol.allreduce"):
         started = start_child(make, "DHT", timeout=2.0, tries=3)
-    try:
-        assert started is made[1] and started.is_alive()
-        hung = made[0]
-        deadline = time.monotonic() + 10
-        while not (_gone(hung.pid) and hung.grandchild and _gone(hung.grandchild)):
-            assert time.monotonic() < deadline, "the hung child or its own child still runs"
-            time.sleep(0.05)
-        assert any("not ready within 2 s (start 1 of 3): killed" in r.message for r in caplog.records)
-    finally:
-        for child in made:
-            child.kill()
-            if child.grandchild:
-                subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)
+    assert started is made[1] and started.is_alive()
+    hung = made[0]
+    deadline = time.monotonic() + 10
+    while not (_gone(hung.pid) and hung.grandchild and _gone(hung.grandchild)):
+        assert time.monotonic() < deadline, "the hung child or its own child still runs"
+        time.sleep(0.05)
+    assert any("not ready within 2 s (start 1 of 3): killed" in r.message for r in caplog.records)
 
 
-def test_a_child_that_never_gets_ready_in_any_try_is_an_error() -> None:
-    made: list[_Child] = []
-
+def test_a_child_that_never_gets_ready_in_any_try_is_an_error(made) -> None:
     def make() -> _Child:
         made.append(_Child(ready=False))
         return made[-1]
 
-    try:
-        with pytest.raises(NotReady, match="averager process was not ready within 1 s, 2 times"):
-            start_child(make, "averager", timeout=1.0, tries=2)
-        assert len(made) == 2 and not any(child.is_alive() for child in made)
-    finally:
-        for child in made:
-            child.kill()
-            if child.grandchild:
-                subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)
+    with pytest.raises(NotReady, match="averager process was not ready within 1 s, 2 times"):
+        start_child(make, "averager", timeout=1.0, tries=2)
+    assert len(made) == 2 and not any(child.is_alive() for child in made)
 
 
-def test_an_error_of_the_child_itself_is_raised_not_taken_for_the_deadline() -> None:
-    made: list[_Child] = []
-
+def test_an_error_of_the_child_itself_is_raised_not_taken_for_the_deadline(made) -> None:
     def make() -> _Child:
         made.append(_Child(ready=False, fails=True))
         return made[-1]
 
-    try:
-        with pytest.raises(TimeoutError, match="the child's own timeout"):
-            start_child(make, "DHT", timeout=30.0, tries=3)
-        assert len(made) == 1  # not started again
-    finally:
-        for child in made:
-            child.kill()
-            child.join(5)
-            if child.grandchild:
-                subprocess.run(["kill", "-9", str(child.grandchild)], capture_output=True)
+    with pytest.raises(TimeoutError, match="the child's own timeout"):
+        start_child(make, "DHT", timeout=30.0, tries=3)
+    assert len(made) == 1  # not started again
