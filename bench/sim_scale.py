@@ -205,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
-    parser.add_argument("--report-only", action="store_true", help="summarize the log; run nothing")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="summarize the log's runs at these sizes and seeds; run nothing",
+    )
     args = parser.parse_args(argv)
     jobs = plan(args.sizes, args.seeds)
-    if args.report_only:
-        done = load_log()
-        records = {run_key(*j): done[run_key(*j)] for j in jobs if run_key(*j) in done}
+    if args.report_only:  # every run of the log at these sizes, each variant included
+        logged = sorted(load_log().items(), key=lambda item: (item[1]["workers"], item[1]["seed"]))
+        records = {k: r for k, r in logged if r["workers"] in args.sizes and r["seed"] in args.seeds}
     else:
         records = run_all(jobs, args.jobs)
     summary = summarize(records)
