@@ -253,14 +253,13 @@ def _start_averager(
                 tries=1,
             )
             return dht, averager
-        except NotReady as error:
+        except NotReady as not_ready:
             _stop(dht)
-            if attempt == START_TRIES:
-                raise NotReady(f"{error} ({START_TRIES} times, with a new DHT each time)") from error
+            error = not_ready
         except BaseException:
             _stop(dht)
             raise
-    raise AssertionError("unreachable")
+    raise NotReady(f"{error} ({START_TRIES} times, with a new DHT each time)") from error
 
 
 def _stop(dht: hivemind.DHT) -> None:
@@ -307,12 +306,31 @@ def start_child(
 
 
 def kill_tree(pid: int | None) -> None:
-    """SIGKILL a process and every process under it (Linux's /proc; elsewhere the process only)."""
+    """SIGKILL a process and every process under it (Linux's /proc; elsewhere the process only),
+    and remove the unix sockets a killed p2pd listened on (it cannot remove them itself)."""
     if pid is None:
         return
-    for below in _descendants(pid):
-        _kill(below)
-    _kill(pid)
+    tree = [*_descendants(pid), pid]
+    sockets = [path for each in tree for path in _listening_sockets(each)]
+    for each in tree:
+        _kill(each)
+    for path in sockets:
+        path.unlink(missing_ok=True)  # a socket file, checked while its owner was alive
+
+
+def _listening_sockets(pid: int) -> list[Path]:
+    """The unix socket a p2pd was told to listen on (``-listen=/unix/PATH``), from its command line."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+    prefix = b"-listen=/unix/"
+    paths = [
+        Path("/" + a[len(prefix) :].decode(errors="replace").lstrip("/"))
+        for a in args
+        if a.startswith(prefix)
+    ]
+    return [path for path in paths if path.is_socket()]
 
 
 def _descendants(pid: int) -> list[int]:

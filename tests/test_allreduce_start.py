@@ -101,3 +101,28 @@ def test_an_error_of_the_child_itself_is_raised_not_taken_for_the_deadline(made)
     with pytest.raises(TimeoutError, match="the child's own timeout"):
         start_child(make, "DHT", timeout=30.0, tries=3)
     assert len(made) == 1  # not started again
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the command line through /proc")
+def test_a_killed_p2pds_unix_socket_is_removed(tmp_path) -> None:
+    """A SIGKILLed p2pd cannot remove the socket it listened on; kill_tree does (they piled up in
+    /tmp by the thousand)."""
+    import sys
+
+    from cgad.protocol.allreduce import kill_tree
+
+    path = tmp_path / "p2pd.sock"
+    listens = (
+        "import socket, sys, time; s = socket.socket(socket.AF_UNIX);"
+        " s.bind(sys.argv[1][len('-listen=/unix'):]); print(flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", listens, f"-listen=/unix{path}"], stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()
+        assert path.is_socket()
+        kill_tree(proc.pid)
+        assert proc.wait(10) == -9
+        assert not path.exists()
+    finally:
+        proc.kill()
+        proc.wait(10)
