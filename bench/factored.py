@@ -8,10 +8,12 @@ delays of 0-4 rounds (the long sweep's random:4), each taking at most 4 peers' f
 fragment and round (the daemon's ``--fan-in``; runs from before the simulator had the cap are kept
 apart as "fan-in every peer"), and ``--consensus-every K`` for each K (0: never,
 today's default), in groups of 4 with a 30 s timeout (the defaults; an inner step is one virtual
-second, a round five). The blocking step runs over the same virtual network as the deltas: each
-member's φ reaches each other member of its group after a delay drawn from the same 0-4 rounds, and
-the group's all-reduce is over when every copy has landed; its members wait, idle, until then or
-their timeout (node/sim/groups.py).
+second, a round five). Groups form as hivemind's matchmaking forms them, from whoever looks within
+the window (10 s: a third of the timeout); runs from before, whose groups were a fixed random
+partition per round, are reported apart. The blocking step runs over the same virtual network as
+the deltas: from the group's start each member's φ reaches each other member after a delay drawn
+from the same 0-4 rounds, and the all-reduce is over when every copy has landed; its members wait,
+idle, until then or their timeout (node/sim/groups.py).
 
 Per run: utilisation (the share of the members' present time spent computing), the consensus
 distance (mean over members of ‖φ_i − φ̄‖ / ‖φ̄‖, measured each round once the round's
@@ -58,6 +60,11 @@ BASE: dict[str, Any] = dict(
 )  # fmt: skip
 # runs from before the simulator's fan-in cap carry no fan_in: every member took every peer's fragment
 UNCAPPED = "every peer"
+# how the simulator forms consensus groups: from whoever looks within the matchmaking window, as
+# hivemind does (runs from before carry no groups: a fixed random partition of the members per round)
+GROUPS = "window"
+PARTITION = "partition"
+CURRENT = (BASE["fan_in"], GROUPS)
 
 
 def config(workers: int, rounds: int, every: int, seed: int) -> Any:
@@ -69,12 +76,14 @@ def config(workers: int, rounds: int, every: int, seed: int) -> Any:
 
 
 def run_key(workers: int, rounds: int, every: int, seed: int) -> str:
-    fields = {"workers": workers, "rounds": rounds, "every": every, "seed": seed, "fan_in": BASE["fan_in"]}
+    fields = {"workers": workers, "rounds": rounds, "every": every, "seed": seed, "fan_in": BASE["fan_in"],
+              "groups": GROUPS}  # fmt: skip
     return json.dumps(fields, sort_keys=True)
 
 
-def fan_in_of(record: dict) -> int | str:
-    return record.get("fan_in", UNCAPPED)
+def setting_of(record: dict) -> tuple[int | str, str]:
+    """The run's fan-in cap and how its groups formed (what runs of other commits differ in)."""
+    return record.get("fan_in", UNCAPPED), record.get("groups", PARTITION)
 
 
 def _init_worker() -> None:
@@ -115,7 +124,8 @@ def run_all(jobs: list[tuple[int, int, int, int]], parallel: int) -> None:
             workers, _, every, seed = futures[future]
             record = future.result()
             record.update(key=run_key(*futures[future]), workers=workers, every=every,
-                          fan_in=BASE["fan_in"], commit=state["commit"], clean=state["clean"])  # fmt: skip
+                          fan_in=BASE["fan_in"], groups=GROUPS, commit=state["commit"],
+                          clean=state["clean"])  # fmt: skip
             log.write(json.dumps(record) + "\n")
             log.flush()
             elapsed = time.perf_counter() - started
@@ -144,17 +154,19 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def _ours(records: list[dict], workers: int, rounds: int, fan_in: int | str) -> list[dict]:
+def _ours(records: list[dict], workers: int, rounds: int, setting: tuple[int | str, str]) -> list[dict]:
     return [
         r
         for r in records
-        if r["workers"] == workers and len(r["losses"]) == rounds and fan_in_of(r) == fan_in
+        if r["workers"] == workers and len(r["losses"]) == rounds and setting_of(r) == setting
     ]
 
 
-def summarize(records: list[dict], workers: int, rounds: int, fan_in: int | str) -> dict[str, Any]:
+def summarize(
+    records: list[dict], workers: int, rounds: int, setting: tuple[int | str, str]
+) -> dict[str, Any]:
     """The table: one row per K, each metric's mean, standard deviation and range over seeds."""
-    ours = _ours(records, workers, rounds, fan_in)
+    ours = _ours(records, workers, rounds, setting)
     off = {r["seed"]: r["virtual_seconds"] for r in ours if r["every"] == 0}
     rows: dict[str, dict[str, Any]] = {}
     for every in sorted({r["every"] for r in ours}):
@@ -180,19 +192,19 @@ def summarize(records: list[dict], workers: int, rounds: int, fan_in: int | str)
 
 def write_report(workers: int, rounds: int) -> dict[str, Any]:
     records = [r for r in load_log().values() if r["workers"] == workers]
-    table = summarize(records, workers, rounds, BASE["fan_in"])
-    runs = _ours(records, workers, rounds, BASE["fan_in"])
-    settings = {(len(r["losses"]), fan_in_of(r)) for r in records} - {(rounds, BASE["fan_in"])}
+    table = summarize(records, workers, rounds, CURRENT)
+    runs = _ours(records, workers, rounds, CURRENT)
+    settings = {(len(r["losses"]), setting_of(r)) for r in records} - {(rounds, CURRENT)}
     result = {
         "config": {**BASE, "workers": workers, "rounds": rounds, "model": MODEL.name, "vocab": VOCAB,
-                   "optimizer": "cga", "mixing": "late"},
+                   "optimizer": "cga", "mixing": "late", "groups": GROUPS},
         "commits": sorted({r["commit"] for r in runs}),
         "clean": all(r["clean"] for r in runs),
         "table": table,
         "records": runs,
         # runs of the log at other settings (another commit's BASE, named by its commit): their own tables
         "other_runs": {
-            f"{n} rounds, fan-in {f}": _other(records, workers, n, f)
+            f"{n} rounds, fan-in {f[0]}, groups: {f[1]}": _other(records, workers, n, f)
             for n, f in sorted(settings, key=lambda s: (s[0], str(s[1])))
         },
     }  # fmt: skip
@@ -204,9 +216,9 @@ def write_report(workers: int, rounds: int) -> dict[str, Any]:
     return result
 
 
-def _other(records: list[dict], workers: int, rounds: int, fan_in: int | str) -> dict[str, Any]:
-    commits = sorted({r["commit"] for r in _ours(records, workers, rounds, fan_in)})
-    return {"commits": commits, "table": summarize(records, workers, rounds, fan_in)}
+def _other(records: list[dict], workers: int, rounds: int, setting: tuple[int | str, str]) -> dict[str, Any]:
+    commits = sorted({r["commit"] for r in _ours(records, workers, rounds, setting)})
+    return {"commits": commits, "table": summarize(records, workers, rounds, setting)}
 
 
 def print_table(table: dict[str, dict[str, Any]]) -> None:
@@ -254,6 +266,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     config = result["config"]
     fig.suptitle(
         f"factored mixing: {config['workers']} members, fan-in {config['fan_in']}, {config['rounds']} rounds,"
+        f" groups: {config.get('groups', PARTITION)},"
         f" H={config['inner_steps']}, delay {config['delay']};"
         f" commit {', '.join(c[:10] for c in result['commits'])}" + ("" if result["clean"] else " + changes"),
         fontsize=9,

@@ -30,6 +30,7 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.utils import get_dht_time
 
 from cgad.protocol.codec import Codec, all_finite, decode
 from cgad.protocol.config import check_multiaddr
@@ -145,10 +146,12 @@ class AllReduceExchange(Transport):
 class GroupAverager:
     """The mean of one flat tensor over a group of peers (hivemind's all-reduce, fp32 on the wire:
     φ itself is averaged, and fp16's rounding would move every weight by up to 1/2048 of itself at
-    each step): factored mixing's blocking step averages φ with it. ``average`` blocks until a group of
-    up to ``group_size`` peers (at least two) formed within ``matchmaking_time`` seconds and
-    averaged, or ``timeout`` seconds passed; with no group the caller goes on alone. ``start``
-    joins the averager's DHT, as ``AllReduceExchange.start``."""
+    each step): factored mixing's blocking step averages φ with it. ``average`` blocks until a group
+    of up to ``group_size`` peers (at least two; a full one at once, else once its window ended)
+    averaged, or its search for a group ran out, or the formed group's all-reduce took longer than
+    ``timeout`` seconds; with no group the caller goes on alone. ``matchmaking_time``: the default
+    window, and each further one of a peer that found nobody (hivemind's). ``start`` joins the
+    averager's DHT, as ``AllReduceExchange.start``."""
 
     def __init__(
         self, numel: int, *, prefix: str, group_size: int, matchmaking_time: float, timeout: float
@@ -159,32 +162,49 @@ class GroupAverager:
         self._prefix = prefix
         self._group_size = group_size
         self._matchmaking_time = matchmaking_time
-        self._timeout = timeout
+        self.timeout = timeout
         self.dht: hivemind.DHT | None = None
         self.averager: DecentralizedAverager | None = None
         self.groups: Counter[int] = Counter()  # sizes of the groups each step averaged in; 1: none
+        self.finished_at: float | None = None  # time.monotonic() when the last ``average`` returned
 
     def start(self, initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> None:
         # whoever matched within the window averages (at least two): a member never waits on
         # one that is slow or gone for longer than the window
         self.dht, self.averager = _start_averager(
             initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, 2,
-            self._matchmaking_time, NoCompression(),
+            self._matchmaking_time, NoCompression(), allreduce_timeout=self.timeout,
         )  # fmt: skip
 
     def maddrs(self) -> list[str]:
         """Where the averager's DHT can be reached: what this node states in ``Describe``."""
         return [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
 
-    def average(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    def average(
+        self, tensor: torch.Tensor, window: float | None = None, timeout: float | None = None
+    ) -> tuple[torch.Tensor, int] | None:
         """The group's mean of ``tensor`` and how many peers it is over (this one included), or
-        None when no group formed in time or its mean is not finite (blocking)."""
+        None when no group formed in time or its mean is not finite (blocking).
+
+        Args:
+            tensor: what this peer offers.
+            window: seconds a new group gathers members unless it fills first (None: the
+                constructor's ``matchmaking_time``).
+            timeout: seconds this peer looks for a group before it goes on without one (None:
+                the constructor's ``timeout``).
+        """
         if self.averager is None:
             raise RuntimeError("GroupAverager.average before start")
+        window = window if window is not None else self._matchmaking_time
+        timeout = timeout if timeout is not None else self.timeout
+        if not 0 < window < timeout:
+            raise ValueError(f"a matchmaking window of {window} s within a timeout of {timeout} s")
         mean, members = _average_once(
-            self.averager, tensor.detach().float().flatten(), self._timeout, "going on without it"
-        )
+            self.averager, tensor.detach().float().flatten(), timeout, "going on without it",
+            scheduled_time=get_dht_time() + window,
+        )  # fmt: skip
         self.groups[members] += 1
+        self.finished_at = time.monotonic()
         return (mean, members) if mean is not None and all_finite(mean) else None
 
     def close(self) -> None:
@@ -197,15 +217,20 @@ class GroupAverager:
 
 
 def _average_once(
-    averager: DecentralizedAverager, tensor: torch.Tensor, timeout: float, otherwise: str
+    averager: DecentralizedAverager,
+    tensor: torch.Tensor,
+    timeout: float,
+    otherwise: str,
+    scheduled_time: float | None = None,
 ) -> tuple[torch.Tensor | None, int]:
     """One all-reduce of ``tensor`` (flat, float32) with whatever group forms: the group's mean (a
     copy) and its size, or None and 1 when no group of two or more averaged (``otherwise`` says
-    what the caller does then, in the warning of a failed step)."""
+    what the caller does then, in the warning of a failed step). ``scheduled_time`` (DHT time):
+    when a group short of members starts (None: the averager's matchmaking time from now)."""
     with averager.get_tensors() as tensors:
         tensors[0].copy_(tensor)
     try:
-        gathered = averager.step(timeout=timeout)
+        gathered = averager.step(timeout=timeout, scheduled_time=scheduled_time)
     except Exception as exc:  # hivemind raises whatever a failed group provokes
         logger.warning("all-reduce failed: %r; %s", exc, otherwise)
         gathered = None
@@ -225,11 +250,14 @@ def _start_averager(
     min_group_size: int,
     matchmaking_time: float,
     compression: CompressionBase | None = None,
+    allreduce_timeout: float | None = None,
 ) -> tuple[hivemind.DHT, DecentralizedAverager]:
     """A hivemind DHT of the averager's own and an averager of one flat tensor on it (fp16 on the
-    wire unless ``compression`` says otherwise); the pair started again whole when either is not
+    wire unless ``compression`` says otherwise; a formed group's all-reduce limited to
+    ``allreduce_timeout`` seconds, none: no limit); the pair started again whole when either is not
     ready in time (an averager may hang on a DHT that stopped answering)."""
-    for attempt in range(1, START_TRIES + 1):
+    error: NotReady | None = None
+    for _ in range(START_TRIES):
         dht = start_child(
             lambda: hivemind.DHT(
                 initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=False
@@ -247,6 +275,7 @@ def _start_averager(
                     min_matchmaking_time=matchmaking_time,
                     request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
                     compression=compression or Float16Compression(),
+                    allreduce_timeout=allreduce_timeout,
                     start=False,
                 ),
                 "averager",

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import pytest
 import torch
 
 from cgad.node.daemon.consensus import join_group
 from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
+from cgad.node.member.consensus import ConsensusStep
 from cgad.protocol.allreduce import GroupAverager
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -25,6 +27,7 @@ class _Member:
 
     def __init__(self, phi: torch.Tensor) -> None:
         self.phi, self.awaiting_group, self.joined, self.waited = phi, 3, [], []
+        self.consensus = ConsensusStep(every=1)
 
     def group_phi(self) -> torch.Tensor:
         return self.phi.clone()
@@ -35,33 +38,51 @@ class _Member:
         return group is not None
 
 
+def _step_all(members: list[_Member], averagers: list[GroupAverager], late: dict[int, float]) -> None:
+    """Each member's blocking step at once on threads, member i ``late[i]`` seconds after the others."""
+
+    def step(i: int) -> None:
+        time.sleep(late.get(i, 0.0))
+        join_group(members[i], averagers[i])
+
+    threads = [threading.Thread(target=step, args=(i,)) for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_group_averages_its_phi_and_a_member_alone_goes_on_without_it() -> None:
-    averagers = [_averager(group=2, wait=2.0, timeout=20) for _ in range(2)]
+    averagers = [_averager(group=3, wait=2.0, timeout=20) for _ in range(3)]
     try:
         averagers[0].start([], LOOPBACK)
-        averagers[1].start(averagers[0].maddrs(), LOOPBACK)
-        members = [_Member(torch.randn(1000, generator=torch.Generator().manual_seed(i))) for i in range(2)]
-        threads = [
-            threading.Thread(target=join_group, args=(m, a)) for m, a in zip(members, averagers, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        mean = (members[0].phi + members[1].phi) / 2
+        for averager in averagers[1:]:
+            averager.start(averagers[0].maddrs(), LOOPBACK)
+        members = [_Member(torch.randn(1000, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+        _step_all(members, averagers, late={})
+        mean = sum(m.phi for m in members) / 3
         for member, averager in zip(members, averagers, strict=True):
             (group,) = member.joined
-            assert group is not None and group.members == 2 and averager.groups == {2: 1}
+            assert group is not None and group.members == 3 and averager.groups == {3: 1}
             assert torch.allclose(group.mean, mean, atol=1e-6)  # fp32 on the wire
+        # rounds of 12 s: a new group gathers for a round, and a member 8 s late (past a third of
+        # the 20 s timeout, the window at short rounds, when the other two would start without it)
+        # still joins theirs
+        for member, averager in zip(members, averagers, strict=True):
+            averager.finished_at = time.monotonic() - 12.0
+            member.consensus.rounds_since = 1
+        _step_all(members, averagers, late={2: 8.0})
+        assert [m.joined[1] and m.joined[1].members for m in members] == [3, 3, 3]
+        assert members[0].waited[1] >= 7.0  # it waited for the late one
         lone = _averager(group=2, wait=1.0, timeout=3)
         averagers.append(lone)
         lone.start(averagers[0].maddrs(), LOOPBACK)
         alone = _Member(torch.ones(1000))
-        join_group(alone, lone)  # nobody else averages now: no group within the timeout
+        join_group(alone, lone)  # nobody else averages now: no group within the search
         assert alone.joined == [None] and lone.groups == {1: 1}
-        # the time it was blocked is its cost: at least the matchmaking wait, at most the timeout
+        # the time it was blocked is its cost: at least the window, at most the search and slack
         assert 1.0 <= alone.waited[0] <= 3.0 + 5.0, alone.waited
     finally:
         for averager in averagers:

@@ -3,8 +3,9 @@
 Every K rounds (``--consensus-every``) the member engine asks for its group (``group_due``); the
 daemon then averages its whole φ with a group of up to ``--consensus-group`` peers through
 hivemind's all-reduce (``protocol.allreduce.GroupAverager``), blocking the trainer, and hands the
-mean to the engine. Matchmaking gets a third of ``--consensus-timeout``, the whole step all of
-it; with no group by then the member goes on without it.
+mean to the engine. A new group gathers for a third of ``--consensus-timeout`` or a round, the
+longer (the timeout at most); a member looks for a group for that and two thirds of the timeout,
+and a group's all-reduce may take the timeout; past either the member goes on without it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cgad.node.config import JoinConfig
-from cgad.node.member.consensus import GroupMean
+from cgad.node.member.consensus import GroupMean, matchmaking
 from cgad.node.member.engine import Member
 from cgad.protocol.allreduce import AllReduceExchange, GroupAverager, averager_bootstrap, listen_anywhere
 from cgad.protocol.records import run_prefix
@@ -45,9 +46,14 @@ def consensus_averager(config: JoinConfig, numel: int) -> GroupAverager | None:
 
 def join_group(member: Member, averager: GroupAverager) -> None:
     """The blocking step of the round ``member`` awaits: its φ averaged with the group's, or left
-    as it is when no group formed in time."""
+    as it is when no group formed in time. A new group gathers for a round at least
+    (``matchmaking``), a round's length taken from the time since the last step over the rounds
+    between."""
     started = time.monotonic()
-    averaged = averager.average(member.group_phi())
+    since, rounds = averager.finished_at, member.consensus.rounds_since
+    round_seconds = (started - since) / rounds if since is not None and rounds else None
+    window, search = matchmaking(averager.timeout, round_seconds)
+    averaged = averager.average(member.group_phi(), window, search)
     group = GroupMean(*averaged) if averaged is not None else None
     if group is None:
         logger.info("round %s: no consensus group formed in time; going on alone", member.awaiting_group)

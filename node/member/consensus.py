@@ -2,11 +2,13 @@
 
 The non-blocking exchange (pseudo-gradients every round, and gossip) never waits for a peer, so
 members drift apart where deliveries come late or not at all. The blocking step tightens
-agreement: at the end of every K-th round (``--consensus-every K``) the member stops training,
-finds a group of up to ``--consensus-group`` peers, and sets φ to the group's mean φ (the Factored
-Gossip seed's blocking mix; torchft's ``LocalSGD`` averages parameters the same way, every
-``sync_every`` steps). A member whose group does not form within ``--consensus-timeout`` seconds
-goes on without it: the step never blocks for ever. The time spent waiting is time not training:
+agreement: at the end of a round in which its round, or the swarm's, reached a multiple of K
+(``--consensus-every K``) the member stops training, finds a group of up to ``--consensus-group``
+peers, and sets φ to the group's mean φ (the Factored Gossip seed's blocking mix; torchft's
+``LocalSGD`` averages parameters the same way, every ``sync_every`` steps). A member whose group
+does not form within its search (``matchmaking``: a window of a third of ``--consensus-timeout``
+or a round, and two thirds of the timeout) or does not finish within the timeout goes on without
+it: the step never blocks for ever. The time spent waiting is time not training:
 K is the knob between utilisation (large K, or 0: never) and agreement (small K).
 
 The step's state is explicit (``ConsensusStep``): when it is due, the round that awaits its
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from cgad.node.member.outer import OuterLoop
 
-__all__ = ["ConsensusStep", "GroupMean", "flat_phi", "move_phi"]
+__all__ = ["ConsensusStep", "GroupMean", "flat_phi", "matchmaking", "move_phi"]
 
 
 @dataclass(frozen=True)
@@ -52,18 +54,42 @@ class ConsensusStep:
 
     every: int = 0
     pending: int | None = None  # the round whose step awaits its group (the member is blocked)
+    last_mark: int | None = None  # the multiple of K the last step was for (None: not looked yet)
+    rounds_since: int | None = None  # rounds between the step awaited and the one before (None: first)
     averaged: int = 0  # steps taken with a group
     alone: int = 0  # steps whose group did not form in time: the member went on without it
     group_sizes: Counter[int] = field(default_factory=Counter)  # members per averaged step
     waited_s: float = 0.0  # seconds blocked awaiting groups, on the driver's clock (wall or virtual)
+    last_round: int | None = None  # the round the last step was taken at
 
-    def due(self, round_: int) -> bool:
-        """Whether round ``round_``, just ended, ends in the blocking step."""
-        return self.every > 0 and round_ > 0 and round_ % self.every == 0
+    def due(self, round_: int, lag: int = 0) -> int | None:
+        """The mark (a multiple of K) whose step round ``round_``, just ended, ends in; None when
+        none is due. A step is due when this member's round, or the swarm's where it is ``lag``
+        rounds further on, reaches a multiple of K past the last step's. Groups form from whoever
+        looks at the same time (hivemind's matchmaking window), so a member a round or two behind
+        that stepped at its own multiples would look after its peers' group had formed, every
+        time, and wait each step out alone (seen on the testbed); keyed by the swarm's round it
+        looks with them, a round late at most (reports lag one). The lag counts up to K: peers'
+        reports are their claim, and a claim far ahead moves this member's steps by one at most.
 
-    def open(self, round_: int) -> None:
-        """Round ``round_`` awaits its group."""
+        Args:
+            round_: this member's round, just ended.
+            lag: how many rounds the swarm's versions are past this member's (``Member.behind``).
+        """
+        if self.every <= 0 or round_ <= 0:
+            return None
+        ahead = min(max(lag, 0), self.every)
+        if self.last_mark is None:  # the first look (a start, a resume): only a crossing from here on
+            self.last_mark = (round_ - 1 + ahead) // self.every * self.every
+        mark = (round_ + ahead) // self.every * self.every
+        return mark if mark > self.last_mark else None
+
+    def open(self, round_: int, mark: int) -> None:
+        """Round ``round_`` awaits the group of the step at ``mark``."""
+        self.rounds_since = round_ - self.last_round if self.last_round is not None else None
+        self.last_round = round_
         self.pending = round_
+        self.last_mark = mark
 
     def close(self, loop: OuterLoop, group: GroupMean | None, waited_s: float = 0.0) -> bool:
         """The group's exchange is over: move φ (and θ with it) to the group's mean, or, with no
@@ -94,6 +120,23 @@ class ConsensusStep:
             "group_sizes": sizes,
             "waited_s": round(self.waited_s, 3),
         }
+
+
+def matchmaking(timeout: float, round_seconds: float | None) -> tuple[float, float]:
+    """How long a new group gathers members before its all-reduce starts, and how long a member
+    looks for a group in all: a third of ``--consensus-timeout`` and the timeout, or, where a round
+    is longer than that third, a round (the timeout at most) and the timeout's other two thirds
+    after it. Members reach a step within a round of each other (``ConsensusStep.due``), so a
+    window shorter than a round (H = 50, larger models) would split them into groups of one. A
+    group that fills starts at once: only a group short of members waits its window out. Rounds
+    longer than the timeout want a longer timeout.
+
+    Args:
+        timeout: ``--consensus-timeout``, seconds.
+        round_seconds: how long this member's rounds take (None: not known yet).
+    """
+    window = min(max(timeout / 3, round_seconds or 0.0), timeout)
+    return window, window + timeout * 2 / 3
 
 
 def flat_phi(loop: OuterLoop) -> Tensor:

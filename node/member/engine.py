@@ -40,7 +40,7 @@ from cgad.node.member.consensus import ConsensusStep, GroupMean, flat_phi
 from cgad.node.member.ledger import Delivery
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
-from cgad.node.member.swarm import SwarmView, behind, swarm_versions
+from cgad.node.member.swarm import SwarmView, behind, rounds_behind, swarm_versions
 
 __all__ = ["Member", "MemberHooks", "Schedule"]
 
@@ -362,8 +362,10 @@ class Member:
             self.hooks.round_ended(self.round)
             if not self.done:
                 self.sync_if_behind()
-                if self.consensus.due(self.round):
-                    self.consensus.open(self.round)
+                lag = rounds_behind(self.swarm.reports(), self.loop.versions) if self.consensus.every else 0
+                mark = self.consensus.due(self.round, lag)
+                if mark is not None:
+                    self.consensus.open(self.round, mark)
                     self.hooks.group_due(self.round)
         self.hooks.stepped(fragment, deliveries, round_ended)
         return deliveries

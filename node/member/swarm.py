@@ -13,7 +13,7 @@ from typing import Protocol
 
 from cgad.protocol.selection import swarm_version
 
-__all__ = ["SwarmView", "behind", "snapshot_ceiling", "swarm_versions"]
+__all__ = ["SwarmView", "behind", "rounds_behind", "snapshot_ceiling", "swarm_versions"]
 
 
 class SwarmView(Protocol):
@@ -68,6 +68,19 @@ def behind(reports: Mapping[str, Sequence[int]], versions: Sequence[int]) -> int
     if swarm is None:
         return 0
     return max(s - v for s, v in zip(swarm, versions, strict=True))
+
+
+def rounds_behind(reports: Mapping[str, Sequence[int]], versions: Sequence[int]) -> int:
+    """How many whole rounds the swarm is past this member: its slowest fragment's version against
+    this member's slowest (a peer part-way through its round counts as the round it is in); 0
+    with no report, negative when this member is ahead.
+
+    Args:
+        reports: live peers' reported versions, by peer id.
+        versions: this member's own versions.
+    """
+    swarm = swarm_versions(reports, len(versions))
+    return min(swarm) - min(versions) if swarm else 0
 
 
 def snapshot_ceiling(reports: Mapping[str, Sequence[int]], versions: Sequence[int], cutoff: int) -> int:

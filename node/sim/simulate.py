@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cgad.node.config import SimConfig
+from cgad.node.member.consensus import matchmaking
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import Delivery
 from cgad.node.member.outer import OuterLoop
@@ -189,23 +190,26 @@ def simulate(
     for wk in workers:
         schedule(wk, step_seconds(wk))
     # factored mixing's blocking step: groups found on the virtual clock, over the same delays
+    # (the daemon's windows and timeouts, its round the nominal one: H inner steps of ``step_time``)
+    window, search = matchmaking(c.consensus_timeout, c.inner_steps * c.step_time)
     groups = (
         GroupFinder(
-            c.workers, c.consensus_group, c.consensus_timeout, Delay.parse(c.delay), c.drop,
+            c.workers, c.consensus_group, timeout=search, window=window, retry=c.consensus_timeout / 3,
+            allreduce_timeout=c.consensus_timeout, delay=Delay.parse(c.delay), drop=c.drop,
             round_seconds=c.inner_steps * c.step_time, seed=c.seed * 104_729 + 3,
         )
         if c.consensus_every
         else None
     )  # fmt: skip
+    offer_order = random.Random(c.seed * 7_919 + 5)  # who meets whom among those looking at once
 
     def rewake(now: float) -> None:
         """(Re)schedule each waiting worker's end of wait: offers and departures move it."""
         if groups is None:
             return
-        present = {o.index for o in workers if o.present}
         for o in workers:
             if groups.waiting(o.index):
-                wake = max(now, groups.wake_time(o.index, present))
+                wake = max(now, groups.wake_time(o.index))
                 if wake != o.wake_at:
                     o.wake_at = wake
                     schedule(o, wake)
@@ -217,24 +221,31 @@ def simulate(
     while events:
         now = events[0][0]
         due: list[_Worker] = []
+        offering: list[_Worker] = []
         while events and events[0][0] == now:
             _, index, event = heapq.heappop(events)
             wk = workers[index]
             if event != wk.event:
                 continue  # rescheduled since
             if groups is not None and groups.waiting(wk.index):
-                present = {o.index for o in workers if o.present}  # idle until now: not computing
-                before = groups.wait_seconds[wk.index]
-                group = groups.resolve(wk.index, now, present)
+                before = groups.wait_seconds[wk.index]  # idle until now: not computing
+                group = groups.resolve(wk.index, now)
                 wk.member.join_group(group, groups.wait_seconds[wk.index] - before)
                 wk.clock, wk.wake_at = now, None
                 schedule(wk, now + step_seconds(wk))
+                continue
+            if groups is not None and wk.member.awaiting_group is not None:  # its blocking step: it looks
+                offering.append(wk)
                 continue
             if wk.away_since is None:
                 due.append(wk)
                 continue
             _rejoin(wk, now)  # back from churn; its next step follows
             schedule(wk, wk.clock + step_seconds(wk))
+        if groups is not None and offering:  # hivemind pairs those looking at once by chance
+            offer_order.shuffle(offering)
+            for wk in offering:
+                groups.offer(wk.index, now, wk.member.group_phi())
         network.hold()  # what is published at this instant lands once all due have published
         blocked_before: dict[int, float] = {}
         for wk in due:  # the inner step that ends now, and the block's publish if it is over
@@ -262,8 +273,8 @@ def simulate(
                 wk.transport.set_alive(False)  # it leaves: peers stop waiting for it
                 continue
             if groups is not None and wk.member.awaiting_group is not None:
-                groups.offer(wk.index, wk.member.awaiting_group, wk.clock, wk.member.group_phi())
-                continue  # idle until its group is found or its deadline (``rewake``)
+                schedule(wk, wk.clock)  # it offers at its own clock (past ``now`` after a blocked upload)
+                continue  # then idle until its group is found or its search ends (``rewake``)
             if wk.member.round > round_before and c.churn and rng.random() < c.churn:
                 # away for 1-4 rounds: neither sending nor receiving; back via a rejoin event
                 wk.transport.set_alive(False)
@@ -273,8 +284,6 @@ def simulate(
                 continue
             schedule(wk, wk.clock + step_seconds(wk))
         rewake(now)
-        if groups is not None and due:
-            groups.forget_before(min((o.member.round for o in workers if o.present), default=0))
         # the slowest honest worker has finished another round, and no honest worker awaits that
         # round's consensus group any more: the round's synchronisation, both steps, is over
         while len(swarm.consensus) < min(len(wk.losses) for wk in honest) and not any(
@@ -383,7 +392,6 @@ def _consensus_record(workers: list[_Worker], groups: GroupFinder | None) -> dic
         "alone": sum(s.alone for s in steps),
         "group_sizes": {str(n): k for n, k in sorted(sizes.items())},
         "wait_seconds": sum(groups.wait_seconds),
-        "members_waited_s": sum(s.waited_s for s in steps),
     }
 
 
