@@ -518,8 +518,10 @@ def plot(record: dict[str, Any], path: Path) -> Path:
     def values(key: str, scale: float = 1.0) -> list[float]:
         return [(p["summary"][key] or 0) * scale for p in presets]
 
-    ax.bar([x - width / 2 for x in xs], values("tokens_ratio"), width, label="tokens/s, daemon / bare (median of each repeat's ratio)")
-    ax.bar([x + width / 2 for x in xs], values("rss_ratio"), width, label="peak RSS, daemon / bare (ratio of the medians)")
+    tokens_label = "tokens/s, daemon / bare (median of each repeat's ratio)"
+    ax.bar([x - width / 2 for x in xs], values("tokens_ratio"), width, label=tokens_label)
+    rss_label = "peak RSS, daemon / bare (ratio of the medians)"
+    ax.bar([x + width / 2 for x in xs], values("rss_ratio"), width, label=rss_label)
     ax.axhline(GOALS["tokens_ratio_min"], color="tab:blue", ls="--", lw=1, label="goal: tokens/s >= 0.95x")
     ax.axhline(GOALS["rss_ratio_max"], color="tab:orange", ls="--", lw=1, label="goal: peak RSS <= 1.5x")
     stalls = [p["summary"]["stall_fraction"] for p in presets]
