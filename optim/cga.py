@@ -16,8 +16,8 @@ own θ exactly (training alone, never worse), and with every delivery fresh it i
 Momentum helps where a round's deliveries are fresh and hurts where they come late: asynchrony
 already acts as momentum (a delivery τ rounds old repeats a direction the step took before), and
 the two compound into overshoot. So μ' follows how fresh the rounds are. A step given
-``fresh_share`` (the share of the live peers whose Δ of this round arrived at age 0) updates a
-running freshness r ← ρ·r + (1 − ρ)·share, and every step takes μ' = μ·r. r starts at
+``fresh_share`` (the share of the peers it could take whose Δ of this round arrived at age 0)
+updates a running freshness r ← ρ·r + (1 − ρ)·share, and every step takes μ' = μ·r. r starts at
 ``freshness`` (1: μ' = μ for as long as no share is given; the daemon starts at 0: no momentum
 before any peer has been seen on time, and none for a peer alone). The buffer b is made at the
 first step with μ' > 0, from zero: while μ' = 0 it would hold only the last Δ̄.

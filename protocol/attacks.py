@@ -110,6 +110,7 @@ class ForgingTransport(Transport):
         self.attack = attack
         self.peer_id = inner.peer_id
         self.stats = inner.stats
+        self.fan_in = inner.fan_in
         self._generator = torch.Generator().manual_seed(seed)
         self._direction_seed = direction_seed
 

@@ -193,6 +193,7 @@ class MemoryTransport(Transport):
 
     def __init__(self, network: VirtualNetwork, peer_id: str) -> None:
         self.network = network
+        self.fan_in = network.fan_in
         self.peer_id = peer_id
         self.stats = TransportStats()
         self.alive = True

@@ -107,8 +107,7 @@ class NetworkTransport(Transport):
     ) -> None:
         fields = set(NetworkOptions.model_fields)
         self.options = NetworkOptions.model_validate(options.model_dump(include=fields))
-        self.num_fragments = num_fragments
-        self.observer = observer
+        self.num_fragments, self.observer, self.fan_in = num_fragments, observer, self.options.fan_in
         if identity is None:
             identity = Identity.load_or_create(self.options.identity) if self.options.identity else Identity()
         self.identity = identity

@@ -82,6 +82,7 @@ class Transport(abc.ABC):
 
     peer_id: str
     stats: TransportStats
+    fan_in: int | None = None  # peers' fragments taken per fragment and round at most; None: all
 
     @abc.abstractmethod
     def publish(self, fragment: Fragment) -> None:

@@ -491,6 +491,26 @@ def test_late_mixing_sends_phi_while_peers_come_late_and_pulls_by_how_late():
     assert round_(fresh=True)
 
 
+def test_momentum_follows_the_peers_the_fan_in_lets_in_and_late_mixing_every_live_peer():
+    """Three live peers, all on time, and a fan-in of one: CGA's momentum follows the share of
+    the one peer it may take (all of it: the full momentum), late mixing the share of all three
+    (a third heard: lateness ⅔). Over all three, the momentum sat at a third of its setting."""
+    network = VirtualNetwork(fan_in=1, seed=0)
+    me = network.join("me")
+    peers = [network.join(name) for name in ("a", "b", "c")]
+    loop = OuterLoop([torch.zeros(4)], OuterOptions(optimizer="cga", cga_momentum=0.9), me, "run")
+    for _ in range(12):
+        version = loop.versions[0]
+        loop.theta[0].copy_(loop.phi[0] + 1.0)
+        loop.publish(0, tokens=10)
+        for peer in peers:
+            peer.publish(Fragment(FragmentKey("run", 0, version, peer.peer_id), -torch.ones(4), tokens=10))
+        loop.apply(0)
+    assert me.stats.skipped["fan_in"] == 2 * 12
+    assert loop.method.momentum_now(loop.optimizer) == pytest.approx(0.9, abs=1e-3)
+    assert loop._lateness(0) == pytest.approx(2 / 3, abs=1e-3)
+
+
 def test_late_mixing_needs_cga_and_says_so():
     with pytest.raises(ValueError, match="--mixing late follows cga's running freshness"):
         SimConfig(optimizer="nesterov", mixing="late")

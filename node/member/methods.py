@@ -64,6 +64,7 @@ class StepInput:
         peer_phi: peers' newest φ_f (flat) that arrived, by publisher (NoLoCo averages with one).
         hold_phi: a peer's φ_f as this member may mix it in (within the clip radius of its own).
         live_peers: how many peers this member sees live now.
+        takeable_peers: how many of them it may take a Δ from this round (the fan-in caps it).
         rng: this member's random stream (NoLoCo's partner).
     """
 
@@ -74,6 +75,7 @@ class StepInput:
     peer_phi: Mapping[str, Tensor] = field(default_factory=dict)
     hold_phi: Callable[[Tensor], Tensor] = lambda theirs: theirs
     live_peers: int = 0
+    takeable_peers: int = 0
     rng: random.Random = field(default_factory=random.Random)
 
 
@@ -130,11 +132,6 @@ class OuterMethod:
         """The momentum the next step takes where it follows the run (CGA), else None."""
         return None
 
-    def freshness(self, optimizer: Optimizer, f: int) -> float:
-        """Fragment f's running share of peers heard fresh (CGA keeps it; ``--mixing late``
-        follows it)."""
-        raise NotImplementedError(f"{self.name} keeps no running freshness")
-
     def step(self, optimizer: Optimizer, step: StepInput) -> None:
         """One outer step on ``step.params`` from the round's deliveries: the token- and
         age-weighted mean (``merge``), taken by ``optimizer``. The caller has cleared every
@@ -180,10 +177,6 @@ class CGAMethod(OuterMethod):
         assert isinstance(optimizer, CGA)
         return optimizer.momentum_now()
 
-    def freshness(self, optimizer: Optimizer, f: int) -> float:
-        assert isinstance(optimizer, CGA)
-        return optimizer.freshness(f)
-
     def step(self, optimizer: Optimizer, step: StepInput) -> None:
         assert isinstance(optimizer, CGA)
         # each delivery added where it lies: no model-sized sum beside the deliveries at the step
@@ -192,21 +185,29 @@ class CGAMethod(OuterMethod):
             [unflatten(step.params, c.delta) for c in step.taken],
             ages=[c.age for c in step.taken],
             weights=[max(c.tokens, 1) for c in step.taken],
-            fresh_share=fresh_share(step.taken, step.live_peers),
+            fresh_share=fresh_share(step.taken, step.takeable_peers),
         )
 
 
-def fresh_share(taken: Sequence[Contribution], live_peers: int) -> float | None:
-    """The share of the live peers whose Δ of this round arrived at age 0, what CGA's momentum
-    follows; None for a step without the own Δ (a replayed version: peers' deltas relabelled as
-    fresh, not a round this node saw). Every live peer counts, those the fan-in leaves out too:
-    members that each take another 4 of 7 peers' deltas drift apart as delayed ones do, and the
-    late mixing this share sets off removes that drift (counted against min(live, fan-in), 8
-    workers without delay ended at 3.938 instead of 3.609, bench/defence_tax.py's setting, seed 0)."""
+def fresh_share(taken: Sequence[Contribution], peers: int) -> float | None:
+    """The share of ``peers`` whose Δ of this round arrived at age 0; None for a step without the
+    own Δ (a replayed version: peers' deltas relabelled as fresh, not a round this node saw).
+
+    CGA's momentum follows it over the peers this member may take a Δ from (the fan-in caps them:
+    with 15 live peers and a fan-in of 4, a share over all 15 held the momentum at 0.27 of its
+    setting, 16 testbed nodes all fresh); late mixing follows it over every live peer (members
+    that each take another 4 of 7 peers' deltas drift apart as delayed ones do, and the mixing
+    this share sets off removes that drift: counted against min(live, fan-in) for both, 8 workers
+    without delay ended at 3.938 instead of 3.609, bench/defence_tax.py's setting, seed 0).
+
+    Args:
+        taken: the round's deliveries, the own Δ among them.
+        peers: the peers the share is of.
+    """
     if not any(c.own for c in taken):
         return None
     fresh = len({c.publisher for c in taken if not c.own and c.age == 0})
-    expected = max(live_peers, fresh)
+    expected = max(peers, fresh)
     return fresh / expected if expected else 0.0
 
 

@@ -43,10 +43,11 @@ from cgad.node.config import OuterOptions
 from cgad.node.member.audience import Audience
 from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
-from cgad.node.member.methods import Contribution, StepInput, method, unflatten
+from cgad.node.member.methods import Contribution, StepInput, fresh_share, method, unflatten
 from cgad.node.member.mixing import Mixer, remember_phi
 from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
+from cgad.optim.cga import running_freshness
 from cgad.protocol.codec import Codec, all_finite, encoded_size
 from cgad.protocol.config import SPARSE_KEPT
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
@@ -108,6 +109,9 @@ class OuterLoop:
         self._ahead: dict[int, list[Fragment]] = {}
         self.audience = Audience(transport, math.ceil(options.cutoff * options.fragments), heard)
         self.mixer = Mixer(options, self.method.mixes_params, params_codec, self.counters, self.rng)
+        # per fragment, the running share of every live peer heard fresh: what late mixing follows
+        # (CGA's momentum follows the share of the peers the fan-in lets it take: methods.fresh_share)
+        self._heard = [0.0] * len(self.fragments)
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
@@ -327,6 +331,7 @@ class OuterLoop:
             for p in sorted(peer_params, key=lambda p: p.key.base_version)
             if p.tensor.numel() == numel
         }
+        live, fan_in = len(self.transport.live_peers()), self.transport.fan_in
         step = StepInput(
             params=self.fragment_phi(f),
             fragment=f,
@@ -334,10 +339,14 @@ class OuterLoop:
             taken=taken,
             peer_phi=newest,
             hold_phi=lambda theirs: self.mixer.hold(f, self.flat_phi(f), theirs, _norm_of(yardstick)),
-            live_peers=len(self.transport.live_peers()),
+            live_peers=live,
+            takeable_peers=live if fan_in is None else min(live, fan_in),
             rng=self.rng,
         )
         self.method.step(self.optimizer, step)
+        heard = fresh_share(taken, live)
+        if heard is not None:
+            self._heard[f] = running_freshness(self._heard[f], heard)
         for p in step.params:  # spent: a model-sized buffer not to hold until the next step
             p.grad = None
 
@@ -409,8 +418,9 @@ class OuterLoop:
         return sum(self.phi[i].numel() for i in self.fragments[f])
 
     def _lateness(self, f: int) -> float:
-        """1 − fragment f's running freshness: how late the peers' deltas have been coming."""
-        return 1.0 - self.method.freshness(self.optimizer, f)
+        """1 − fragment f's running share of live peers heard fresh: how late (or, past the
+        fan-in, how seldom) the peers' deltas have been coming."""
+        return 1.0 - self._heard[f]
 
     # -- swarm position and state -----------------------------------------------------------
 
