@@ -146,7 +146,8 @@ class OuterOptions(_Part):
     mixing: Literal["auto", "none", "gossip", "late"] = Field(
         "auto",
         description="gossip: also pull φ toward a random peer's, by their drift at a common version; "
-        "late (cga): the same, by as much as the peers' deltas come late (1 − cga's running freshness), "
+        "late (cga): the same, by as much as the peers' deltas come late or not at all (1 − the running "
+        "share of live peers heard on time), "
         "with φ sent only in rounds where they do and the link has room for it; auto: late with cga "
         "(and --sync exchange), none otherwise",
     )
@@ -180,7 +181,7 @@ class OuterOptions(_Part):
     def _late_mixing_follows_cga(self) -> Any:
         if self.mixing == "late" and self.optimizer != "cga":
             raise ValueError(
-                f"--mixing late follows cga's running freshness; with --optimizer {self.optimizer} "
+                f"--mixing late is made and measured for cga's steps; with --optimizer {self.optimizer} "
                 "use --mixing gossip"
             )
         if self.consensus_every and self.optimizer == "local":

@@ -76,6 +76,7 @@ class AllReduceExchange(Transport):
             raise ValueError(f"an all-reduce group of {group_size}: at least 2")
         self.peer_id = peers.peer_id
         self.stats = TransportStats()
+        self.fan_in = group_size - 1  # a group brings the other members' deliveries, no more
         self._peers = peers
         self._numel = numel
         self._prefix = prefix
@@ -292,9 +293,11 @@ def _start_averager(
 
 
 def _stop(dht: hivemind.DHT) -> None:
-    pid = dht.pid
-    dht.shutdown()  # a wedged one is terminated, its p2pd left: kill what is left under it
-    kill_tree(pid)
+    # listed first: a wedged DHT is terminated by its shutdown, and its p2pd, left behind, is
+    # then no longer under it
+    tree = _tree(dht.pid) if dht.pid is not None else ([], [])
+    dht.shutdown()
+    _kill_listed(*tree)
 
 
 class NotReady(RuntimeError):
@@ -337,11 +340,18 @@ def start_child(
 def kill_tree(pid: int | None) -> None:
     """SIGKILL a process and every process under it (Linux's /proc; elsewhere the process only),
     and remove the unix sockets a killed p2pd listened on (it cannot remove them itself)."""
-    if pid is None:
-        return
+    if pid is not None:
+        _kill_listed(*_tree(pid))
+
+
+def _tree(pid: int) -> tuple[list[int], list[Path]]:
+    """``pid``, the processes under it, and the unix sockets p2pds among them listen on."""
     tree = [*_descendants(pid), pid]
-    sockets = [path for each in tree for path in _listening_sockets(each)]
-    for each in tree:
+    return tree, [path for each in tree for path in _listening_sockets(each)]
+
+
+def _kill_listed(pids: list[int], sockets: list[Path]) -> None:
+    for each in pids:
         _kill(each)
     for path in sockets:
         path.unlink(missing_ok=True)  # a socket file, checked while its owner was alive

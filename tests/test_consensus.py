@@ -210,6 +210,11 @@ def test_a_member_behind_the_swarm_steps_with_it():
     assert liar.due(1) is None and liar.due(2, lag=1000) == 4  # the lag counts up to K
     resumed = ConsensusStep(every=4)
     assert resumed.due(37) is None and resumed.due(38) is None and resumed.due(40) == 40
+    # a member that adopts a state jumps rounds: the jump is no crossing (nobody else steps there)
+    adopting = ConsensusStep(every=4)
+    adopting.open(8, adopting.due(8) or 8)
+    adopting.restart()
+    assert adopting.due(19) is None and adopting.due(20) == 20
 
 
 @pytest.mark.parametrize(

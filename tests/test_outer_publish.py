@@ -270,6 +270,19 @@ def test_the_running_freshness_is_state_a_resumed_node_keeps() -> None:
     claimed["optimizer"]["param_groups"][0]["freshness"] = 1e9  # a peer's claim, held to [0, 1]
     resumed.load_state_dict(claimed)
     assert resumed.optimizer.param_groups[0]["freshness"] == 1.0
+    # so is the share of every live peer heard fresh that late mixing follows; a state without it
+    # (from before it existed) leaves the resumed node's own
+    source.optimizer.param_groups[0]["heard"] = 0.5
+    resumed.load_state_dict(source.state_dict())
+    assert resumed._lateness(0) == 0.5
+    older = source.state_dict()
+    del older["optimizer"]["param_groups"][0]["heard"]
+    resumed.optimizer.param_groups[0]["heard"] = 0.25
+    resumed.load_state_dict(older)
+    assert resumed._lateness(0) == 0.75
+    older["optimizer"]["param_groups"][0]["heard"] = -3.0  # a claim, held to [0, 1]
+    resumed.load_state_dict(older)
+    assert resumed._lateness(0) == 1.0
 
 
 def test_a_diverged_block_resets_every_fragments_non_finite_theta() -> None:

@@ -512,7 +512,7 @@ def test_momentum_follows_the_peers_the_fan_in_lets_in_and_late_mixing_every_liv
 
 
 def test_late_mixing_needs_cga_and_says_so():
-    with pytest.raises(ValueError, match="--mixing late follows cga's running freshness"):
+    with pytest.raises(ValueError, match="--mixing late is made and measured for cga"):
         SimConfig(optimizer="nesterov", mixing="late")
 
 

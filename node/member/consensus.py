@@ -84,6 +84,11 @@ class ConsensusStep:
         mark = (round_ + ahead) // self.every * self.every
         return mark if mark > self.last_mark else None
 
+    def restart(self) -> None:
+        """Count crossings from the next look on (after adopting a state whose round jumped past
+        a multiple of K: a step there would look for a group nobody else is in)."""
+        self.last_mark = self.last_round = self.rounds_since = None
+
     def open(self, round_: int, mark: int) -> None:
         """Round ``round_`` awaits the group of the step at ``mark``."""
         self.rounds_since = round_ - self.last_round if self.last_round is not None else None

@@ -290,6 +290,7 @@ class Member:
             return None
         source, round_ = adopted
         self.round = max(self.round, round_)
+        self.consensus.restart()  # a jump in rounds is no crossing: only those from here on count
         self._adopted_from = source
         self._unshared = self.schedule.fragments
         self._adopted_block = self.schedule.align_after_adopting

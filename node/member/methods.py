@@ -197,8 +197,10 @@ def fresh_share(taken: Sequence[Contribution], peers: int) -> float | None:
     with 15 live peers and a fan-in of 4, a share over all 15 held the momentum at 0.27 of its
     setting, 16 testbed nodes all fresh); late mixing follows it over every live peer (members
     that each take another 4 of 7 peers' deltas drift apart as delayed ones do, and the mixing
-    this share sets off removes that drift: counted against min(live, fan-in) for both, 8 workers
-    without delay ended at 3.938 instead of 3.609, bench/defence_tax.py's setting, seed 0).
+    this share sets off removes that drift). At bench/defence_tax.py's setting (8 workers without
+    delay, seed 0), on an earlier tree, one share against min(live, fan-in) for both ended at 3.938
+    and one over every live peer for both at 3.609; the split, against the latter on the same
+    tree, 3.609 against 3.618 (docs/RESULTS.md).
 
     Args:
         taken: the round's deliveries, the own Δ among them.

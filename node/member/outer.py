@@ -45,7 +45,7 @@ from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, fresh_share, method, unflatten
 from cgad.node.member.mixing import Mixer, remember_phi
-from cgad.node.member.outer_state import Phi0, Reference, load_checked_state, snapshot_state
+from cgad.node.member.outer_state import HEARD, Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
 from cgad.optim.cga import running_freshness
 from cgad.protocol.codec import Codec, all_finite, encoded_size
@@ -109,9 +109,6 @@ class OuterLoop:
         self._ahead: dict[int, list[Fragment]] = {}
         self.audience = Audience(transport, math.ceil(options.cutoff * options.fragments), heard)
         self.mixer = Mixer(options, self.method.mixes_params, params_codec, self.counters, self.rng)
-        # per fragment, the running share of every live peer heard fresh: what late mixing follows
-        # (CGA's momentum follows the share of the peers the fan-in lets it take: methods.fresh_share)
-        self._heard = [0.0] * len(self.fragments)
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
@@ -344,9 +341,12 @@ class OuterLoop:
             rng=self.rng,
         )
         self.method.step(self.optimizer, step)
-        heard = fresh_share(taken, live)
+        # the running share of every live peer heard fresh, what late mixing follows (CGA's momentum
+        # follows the share of the peers the fan-in lets it take): kept in the optimizer's param
+        # group so that it travels with the outer state, as the momentum's freshness does
+        heard, group = fresh_share(taken, live), self.optimizer.param_groups[f]
         if heard is not None:
-            self._heard[f] = running_freshness(self._heard[f], heard)
+            group[HEARD] = running_freshness(group.get(HEARD, 0.0), heard)
         for p in step.params:  # spent: a model-sized buffer not to hold until the next step
             p.grad = None
 
@@ -420,7 +420,7 @@ class OuterLoop:
     def _lateness(self, f: int) -> float:
         """1 − fragment f's running share of live peers heard fresh: how late (or, past the
         fan-in, how seldom) the peers' deltas have been coming."""
-        return 1.0 - self._heard[f]
+        return 1.0 - self.optimizer.param_groups[f].get(HEARD, 0.0)
 
     # -- swarm position and state -----------------------------------------------------------
 

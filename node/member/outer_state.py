@@ -31,6 +31,7 @@ from cgad.protocol.codec import Codec, all_finite, decode, encode, encoded_size
 from cgad.protocol.errors import FragmentError
 
 __all__ = [
+    "HEARD",
     "SNAPSHOT_CODECS",
     "STATE_DTYPES",
     "Phi0",
@@ -41,6 +42,10 @@ __all__ = [
     "load_checked_state",
     "snapshot_state",
 ]
+
+# the optimizer param group's key for the running share of every live peer heard fresh, which
+# late mixing follows (``OuterLoop``); the outer state carries it beside CGA's "freshness"
+HEARD = "heard"
 
 # how a state's φ travels: fp32 (a checkpoint: everything as held), fp16 (φ in float16, the
 # optimizer's float state in bfloat16: ~4 bytes per parameter once a momentum exists), int8
@@ -173,15 +178,21 @@ def load_checked_state(
         if q.dtype not in STATE_DTYPES or not all_finite(q.to(p.dtype)):
             raise ValueError(f"outer state tensor of {q.dtype} holds NaN or Inf, or is not a float")
     # moments and step counts from the state; hyperparameters stay this peer's own, but the
-    # running freshness is state (a resumed node kept it at 0 and lost its momentum)
-    ours = [{k: v for k, v in g.items() if k not in ("params", "freshness")} for g in optimizer.param_groups]
+    # running shares are state (a resumed node kept the freshness at 0 and lost its momentum);
+    # a state from before the heard share existed leaves this peer's own
+    running = ("freshness", HEARD)
+    ours = [{k: v for k, v in g.items() if k not in ("params", *running)} for g in optimizer.param_groups]
+    heard = [g.get(HEARD) for g in optimizer.param_groups]
     saved = optimizer.state_dict()
     try:
         optimizer.load_state_dict(state["optimizer"])
-        for group, hyper in zip(optimizer.param_groups, ours, strict=True):
+        for group, hyper, own in zip(optimizer.param_groups, ours, heard, strict=True):
             group.update(hyper)
-            if "freshness" in group:
-                group["freshness"] = _share(group["freshness"])
+            if HEARD not in group and own is not None:
+                group[HEARD] = own
+            for share in running:
+                if share in group:
+                    group[share] = _share(group[share])
         _check_optimizer_state(optimizer, max(versions, default=0))
     except Exception as exc:  # torch raises whatever the malformed part provokes
         optimizer.load_state_dict(saved)
