@@ -19,7 +19,10 @@ where it stopped (a run cut short is run again whole); a bar shows inner steps d
 method's final held-out loss and its gain over training alone, per condition; the commit each run
 was made at) and seed_claim.png (held-out loss by round, mean over seeds).
 
-    .venv/bin/python bench/seed_claim.py [--rounds 20] [--threads 2] [--report]
+    .venv/bin/python bench/seed_claim.py [--rounds 20] [--threads 2] [--part K/N] [--report]
+
+``--part K/N`` runs every N-th run left, from the K-th (1-based): N processes of one thread each
+share two cores better than one process of two threads; they append to the same log under a lock.
 """
 
 from __future__ import annotations
@@ -63,8 +66,16 @@ def config(method: str, condition: str, seed: int, rounds: int) -> SimConfig:
     return SimConfig(**BASE, rounds=rounds, delay=CONDITIONS[condition], optimizer=method, seed=seed)
 
 
-def run(rounds: int, threads: int) -> None:
-    """Run what the log does not hold yet, one run at a time on ``threads`` torch threads."""
+def run(rounds: int, threads: int, part: tuple[int, int] = (1, 1)) -> None:
+    """Run what the log does not hold yet, one run at a time on ``threads`` torch threads.
+
+    Args:
+        rounds: outer rounds of every run.
+        threads: torch threads of this process.
+        part: (K, N): this process runs the K-th of every N runs left (1-based).
+    """
+    import fcntl
+
     import torch
 
     from cgad.node.sim.simulate import simulate
@@ -73,7 +84,7 @@ def run(rounds: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     done = load_runs(LOG)
-    todo = [j for j in jobs(rounds) if run_key(*j, rounds) not in done]
+    todo = [j for j in jobs(rounds) if run_key(*j, rounds) not in done][part[0] - 1 :: part[1]]
     print(f"{len(done)} run(s) in the log, {len(todo)} to go")
     if not todo:
         return
@@ -95,7 +106,8 @@ def run(rounds: int, threads: int) -> None:
             took = time.monotonic() - started
             record.update(key=key, method=method, condition=condition, seed=seed, rounds=rounds,
                           commit=commit, wall_seconds=took)  # fmt: skip
-            with LOG.open("a") as log:
+            with LOG.open("a") as log:  # other parts append to the same log
+                fcntl.flock(log, fcntl.LOCK_EX)
                 log.write(json.dumps(record) + "\n")
             bar.write(f"{method} {condition} seed {seed}: final held-out loss {record['final_loss']:.4f}")
             bar.update()
@@ -183,10 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20, help="outer rounds of every run")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (one run at a time)")
+    parser.add_argument("--part", default="1/1", help="K/N: run the K-th of every N runs left")
     parser.add_argument("--report", action="store_true", help="only write the JSON and PNG from the log")
     args = parser.parse_args(argv)
     if not args.report:
-        run(args.rounds, args.threads)
+        k, n = (int(x) for x in args.part.split("/"))
+        if not 1 <= k <= n:
+            parser.error("--part K/N needs 1 <= K <= N")
+        run(args.rounds, args.threads, (k, n))
     result = report(args.rounds)
     out = RESULTS / "seed_claim.json"
     out.write_text(json.dumps(result, indent=1))
