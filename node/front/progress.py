@@ -39,7 +39,10 @@ class LineProgress:
             self._show()
 
     def set_postfix_str(self, text: str) -> None:
+        # a long item (a run of minutes) shows its own progress here: a line at most every `every`
         self.postfix = text
+        if time.monotonic() - self.shown >= self.every:
+            self._show()
 
     def write(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
