@@ -19,7 +19,13 @@ where it stopped (a run cut short is run again whole); a bar shows inner steps d
 method's final held-out loss and its gain over training alone, per condition; the commit each run
 was made at) and seed_claim.png (held-out loss by round, mean over seeds).
 
-    .venv/bin/python bench/seed_claim.py [--rounds 20] [--threads 2] [--part K/N] [--report]
+``--model tiny`` runs the same table at the `tiny` preset (1.9M parameters, the scale of the
+daemon's earlier figures; about a tenth of a `small` run's time), logged apart
+(seed_claim_tiny.runs.jsonl): the two side by side say whether the ranking moves with scale in one
+setting, not across benches that differ in more than the model. ``--report`` reports every model
+with a log.
+
+    .venv/bin/python bench/seed_claim.py [--model small] [--rounds 20] [--threads 2] [--part K/N] [--report]
 
 ``--part K/N`` runs every N-th run left, from the K-th (1-based): N processes of one thread each
 share two cores better than one process of two threads; they append to the same log under a lock.
@@ -43,8 +49,8 @@ sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
 from provenance import describe, tree_state  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-LOG = RESULTS / "seed_claim.runs.jsonl"
-BASE: dict[str, Any] = {"model": "small", "workers": 4, "inner_steps": 10, "batch_size": 4, "seq_len": 128}
+MODELS = ("tiny", "small")  # the scale of the earlier figures here, and the claim's
+BASE: dict[str, Any] = {"workers": 4, "inner_steps": 10, "batch_size": 4, "seq_len": 128}
 METHODS = ("local", "cga", "cgad", "adam-decay", "nesterov")
 CONDITIONS = {"τ=0": "0", "random:8": "random:8"}
 SEEDS = (0, 1)
@@ -62,14 +68,22 @@ def jobs(rounds: int) -> list[tuple[str, str, int]]:
     return list({run_key(m, c, s, rounds): (m, c, s) for m, c, s in cells}.values())
 
 
-def config(method: str, condition: str, seed: int, rounds: int) -> SimConfig:
-    return SimConfig(**BASE, rounds=rounds, delay=CONDITIONS[condition], optimizer=method, seed=seed)
+def log_path(model: str) -> Path:
+    """Where ``model``'s runs are logged (`small`'s under the bench's own name, as first run)."""
+    return RESULTS / ("seed_claim.runs.jsonl" if model == "small" else f"seed_claim_{model}.runs.jsonl")
 
 
-def run(rounds: int, threads: int, part: tuple[int, int] = (1, 1)) -> None:
-    """Run what the log does not hold yet, one run at a time on ``threads`` torch threads.
+def config(model: str, method: str, condition: str, seed: int, rounds: int) -> SimConfig:
+    return SimConfig(
+        **BASE, model=model, rounds=rounds, delay=CONDITIONS[condition], optimizer=method, seed=seed
+    )
+
+
+def run(model: str, rounds: int, threads: int, part: tuple[int, int] = (1, 1)) -> None:
+    """Run what ``model``'s log does not hold yet, one run at a time on ``threads`` torch threads.
 
     Args:
+        model: the model preset.
         rounds: outer rounds of every run.
         threads: torch threads of this process.
         part: (K, N): this process runs the K-th of every N runs left (1-based).
@@ -83,30 +97,31 @@ def run(rounds: int, threads: int, part: tuple[int, int] = (1, 1)) -> None:
     from cgad.node.training.tokenizer import load_tokenizer
 
     torch.set_num_threads(threads)
-    done = load_runs(LOG)
+    log_file = log_path(model)
+    done = load_runs(log_file)
     todo = [j for j in jobs(rounds) if run_key(*j, rounds) not in done][part[0] - 1 :: part[1]]
     print(f"{len(done)} run(s) in the log, {len(todo)} to go")
     if not todo:
         return
-    first = config(*todo[0], rounds)
+    first = config(model, *todo[0], rounds)
     tokenizer = load_tokenizer(first.tokenizer)
     dataset = load_dataset(tokenizer, first.data)
     commit = describe(tree_state(ROOT), short=True)  # runs may span sessions: each says its code
     steps_per_run = first.workers * first.inner_steps * rounds
-    LOG.parent.mkdir(parents=True, exist_ok=True)
-    with progress_bar(len(todo), "seed claim at small", "run") as bar:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with progress_bar(len(todo), f"seed claim at {model}", "run") as bar:
         for method, condition, seed in todo:
             started, what = time.monotonic(), f"{method} {condition} seed {seed}"
             progress = _StepCount(bar, what, steps_per_run)
 
-            c = config(method, condition, seed, rounds)
+            c = config(model, method, condition, seed, rounds)
             record = simulate(c, dataset, tokenizer.vocab_size, progress=progress)
             record.pop("config", None)
             key = run_key(method, condition, seed, rounds)
             took = time.monotonic() - started
             record.update(key=key, method=method, condition=condition, seed=seed, rounds=rounds,
                           commit=commit, wall_seconds=took)  # fmt: skip
-            with LOG.open("a") as log:  # other parts append to the same log
+            with log_file.open("a") as log:  # other parts append to the same log
                 fcntl.flock(log, fcntl.LOCK_EX)
                 log.write(json.dumps(record) + "\n")
             bar.write(f"{method} {condition} seed {seed}: final held-out loss {record['final_loss']:.4f}")
@@ -124,38 +139,50 @@ class _StepCount:
         self.bar.set_postfix_str(f"{self.what}: {self.done} of ~{self.expected} inner steps")
 
 
-def report(rounds: int) -> dict[str, Any]:
-    """The table of what the log holds at ``rounds``: per condition, each method's final held-out
-    loss (mean, standard deviation, per seed) and its gain over training alone."""
-    done = load_runs(LOG)
+def table_of(model: str, rounds: int) -> dict[str, Any]:
+    """What ``model``'s log holds at ``rounds``: per condition, each method's final held-out loss
+    (mean, standard deviation, per seed), its gain over training alone (of the means, and per
+    seed against the same seed's floor) and the methods ranked by mean."""
+    done = load_runs(log_path(model))
     table: dict[str, dict[str, Any]] = {}
     for condition in CONDITIONS:
-        floor = [
-            done[k]["final_loss"] for s in SEEDS if (k := run_key("local", condition, s, rounds)) in done
-        ]
-        floor_mean = summarize(floor)[0] if floor else None
+        floors = {
+            s: done[k]["final_loss"] for s in SEEDS if (k := run_key("local", condition, s, rounds)) in done
+        }
+        floor_mean = summarize(floors.values())[0] if floors else None
         for method in METHODS:
             runs = [done[k] for s in SEEDS if (k := run_key(method, condition, s, rounds)) in done]
             if not runs:
                 continue
             finals = [r["final_loss"] for r in runs]
             mean, std = summarize(finals)
+            alone = method == "local"
             table.setdefault(condition, {})[method] = {
                 "final_loss": mean,
                 "std": std,
                 "per_seed": finals,
                 "seeds": [r["seed"] for r in runs],
                 "diverged": sum(bool(r["diverged"]) for r in runs),
-                "gain_over_alone": None if floor_mean is None or method == "local" else floor_mean - mean,
+                "gain_over_alone": None if floor_mean is None or alone else floor_mean - mean,
+                "gain_per_seed": None
+                if alone
+                else [floors[r["seed"]] - r["final_loss"] for r in runs if r["seed"] in floors],
                 "mean_age": summarize([r["mean_age"] for r in runs])[0],
                 "losses": [sum(v) / len(v) for v in zip(*(r["losses"] for r in runs), strict=True)],
                 "commits": sorted({r["commit"] for r in runs}),
             }
+    ranking = {c: sorted(rows, key=lambda m: rows[m]["final_loss"]) for c, rows in table.items()}
+    runs = len({run_key(*job, rounds) for job in jobs(rounds)} & set(done))
+    return {"runs": runs, "of": len(jobs(rounds)), "table": table, "ranking": ranking}
+
+
+def report(rounds: int) -> dict[str, Any]:
+    """Every model's table (those with a log), the smallest model first."""
+    models = {m: table_of(m, rounds) for m in MODELS if load_runs(log_path(m))}
     return {
-        "what": "the outer methods at the small preset in the simulator, at their defaults (issue 28)",
+        "what": "the outer methods at their defaults in the simulator, by model size (issue 28)",
         "settings": {**BASE, "rounds": rounds, "conditions": CONDITIONS, "seeds": list(SEEDS)},
-        "runs": len({run_key(*job, rounds) for job in jobs(rounds)} & set(done)),
-        "table": table,
+        "models": models,
     }
 
 
@@ -165,34 +192,43 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    conditions = list(result["table"])
+    models = list(result["models"])
+    conditions = list(CONDITIONS)
     fig, axes = plt.subplots(
-        1, max(1, len(conditions)), figsize=(6.5 * max(1, len(conditions)), 5), squeeze=False
-    )
-    for ax, condition in zip(axes[0], conditions, strict=False):
-        for method, row in result["table"][condition].items():
-            gain = row["gain_over_alone"]
-            label = f"{method}: {row['final_loss']:.3f}" + (
-                "" if gain is None else f" ({gain:+.3f} vs alone)"
+        max(1, len(models)), len(conditions), figsize=(6.5 * len(conditions), 4.8 * max(1, len(models))),
+        squeeze=False,
+    )  # fmt: skip
+    for row, model in zip(axes, models, strict=False):
+        for ax, condition in zip(row, conditions, strict=True):
+            part = result["models"][model]
+            for method, cell in part["table"].get(condition, {}).items():
+                gain = cell["gain_over_alone"]
+                label = f"{method}: {cell['final_loss']:.3f}" + (
+                    "" if gain is None else f" (gain over alone {gain:+.3f})"
+                )
+                style = "--" if method == "local" else "-"
+                ax.plot(range(1, len(cell["losses"]) + 1), cell["losses"], lw=1.8, ls=style, label=label)
+            ax.set(
+                title=f"{model}, {condition} ({part['runs']} of {part['of']} runs)",
+                xlabel="outer round",
+                ylabel="held-out loss (mean over seeds)",
             )
-            style = "--" if method == "local" else "-"
-            ax.plot(range(1, len(row["losses"]) + 1), row["losses"], lw=1.8, ls=style, label=label)
-        ax.set(title=f"{condition}", xlabel="outer round", ylabel="held-out loss (mean over seeds)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     s = result["settings"]
     fig.suptitle(
-        f"outer methods at {s['model']} ({s['workers']} workers, H = {s['inner_steps']}, batch "
+        f"outer methods by model size ({s['workers']} workers, H = {s['inner_steps']}, batch "
         f"{s['batch_size']} x {s['seq_len']}, {s['rounds']} rounds), every method at its defaults"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="small", help="the model preset to run")
     parser.add_argument("--rounds", type=int, default=20, help="outer rounds of every run")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (one run at a time)")
     parser.add_argument("--part", default="1/1", help="K/N: run the K-th of every N runs left")
@@ -202,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         k, n = (int(x) for x in args.part.split("/"))
         if not 1 <= k <= n:
             parser.error("--part K/N needs 1 <= K <= N")
-        run(args.rounds, args.threads, (k, n))
+        run(args.model, args.rounds, args.threads, (k, n))
     result = report(args.rounds)
     out = RESULTS / "seed_claim.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out} ({result['runs']} runs) and {plot(result, out.with_suffix('.png'))}")
+    runs = ", ".join(f"{m}: {t['runs']} of {t['of']} runs" for m, t in result["models"].items())
+    print(f"wrote {out} ({runs}) and {plot(result, out.with_suffix('.png'))}")
     return 0
 
 
