@@ -6,12 +6,15 @@ alone. This runs the simulator (the daemon's member engine on a virtual clock) a
 preset (26M parameters): `cga` (the default), `cgad`, `adam-decay`, `nesterov` and `local` (each
 worker training alone: the floor), without delay and with random delays of 0-8 rounds, 2 seeds.
 
-Every method at the daemon's defaults (outer lr `auto`: derived from H x inner lr for the Adam
-family, the method's own otherwise), no per-method tuning at this scale: what a volunteer who
-picks `--optimizer X` would run. The scale: 4 workers, H = 10, batch 4 x 128 (the daemon's
-sequence length; batch as in bench/scale.py), the daemon's inner lr and warm-up, disjoint data
-shards, ``--rounds`` outer rounds (20 by default: 200 inner steps per worker, about 15 CPU-minutes
-a run on two cores).
+Every method at its defaults (outer lr `auto`: derived from H x inner lr for the Adam family,
+the method's own otherwise; late mixing for `cga` only), no per-method tuning at this scale: what a
+volunteer who picks `--optimizer X` would run, with the simulator's defaults where they differ
+from the daemon's (deltas sent as fp32, where the daemon sends 4-bit; H = 10, the daemon's 50).
+The scale: 4 workers, batch 4 x 128 (the daemon's sequence length; batch as in bench/scale.py),
+the daemon's inner lr and warm-up, disjoint data shards, ``--rounds`` outer rounds (20 by default:
+200 inner steps per worker, about 9 minutes a run on two cores, or 18 on one thread).
+Cells that are one run by construction run once: training alone under either condition, and
+Adam-Decay without delay (CGAD bit for bit when every delivery is fresh).
 
 Runs are appended to bench/results/seed_claim.runs.jsonl as they finish, so the sweep resumes
 where it stopped (a run cut short is run again whole); a bar shows inner steps done and left.
@@ -25,10 +28,14 @@ daemon's earlier figures; about a tenth of a `small` run's time), logged apart
 setting, not across benches that differ in more than the model. ``--report`` reports every model
 with a log.
 
-    .venv/bin/python bench/seed_claim.py [--model small] [--rounds 20] [--threads 2] [--part K/N] [--report]
+    .venv/bin/python bench/seed_claim.py [--model small] [--rounds 20] [--threads 2] [--part K/N]
+        [--condition C] [--report]
 
-``--part K/N`` runs every N-th run left, from the K-th (1-based): N processes of one thread each
-share two cores better than one process of two threads; they append to the same log under a lock.
+``--part K/N`` runs every N-th run left, from the K-th (1-based), and ``--condition C`` only that
+condition's: processes of one thread each share two cores as well as one of two threads does, and
+append to the same log under a lock. A run under random delays holds the deltas in flight (~12 GB
+at `small`, ~7 GB without delay): on 24 GB run one such beside one without
+(``--condition random:8`` beside ``--condition τ=0``), never two.
 """
 
 from __future__ import annotations
@@ -57,15 +64,23 @@ SEEDS = (0, 1)
 
 
 def run_key(method: str, condition: str, seed: int, rounds: int) -> str:
+    """The run a table cell reads: cells that are the same run by construction share one."""
     # a worker training alone does the same steps whatever the network does: run once, at τ = 0
     condition = "τ=0" if method == "local" else condition
+    # with every delivery fresh Adam-Decay is CGAD bit for bit (both weigh age 0 by 1 and never
+    # reach the cutoff; the two runs at seed 0 agree in every field): run once, as CGAD
+    method = "cgad" if method == "adam-decay" and condition == "τ=0" else method
     return json.dumps([method, condition, seed, rounds])
 
 
 def jobs(rounds: int) -> list[tuple[str, str, int]]:
-    """Every (method, condition, seed) the table needs, each run once (local only at τ = 0)."""
+    """Every (method, condition, seed) the table needs, each run once: the first cell of a
+    shared run is the one run."""
     cells = [(m, c, s) for s in SEEDS for c in CONDITIONS for m in METHODS]
-    return list({run_key(m, c, s, rounds): (m, c, s) for m, c, s in cells}.values())
+    unique: dict[str, tuple[str, str, int]] = {}
+    for m, c, s in cells:
+        unique.setdefault(run_key(m, c, s, rounds), (m, c, s))
+    return list(unique.values())
 
 
 def log_path(model: str) -> Path:
@@ -79,7 +94,9 @@ def config(model: str, method: str, condition: str, seed: int, rounds: int) -> S
     )
 
 
-def run(model: str, rounds: int, threads: int, part: tuple[int, int] = (1, 1)) -> None:
+def run(
+    model: str, rounds: int, threads: int, part: tuple[int, int] = (1, 1), condition: str | None = None
+) -> None:
     """Run what ``model``'s log does not hold yet, one run at a time on ``threads`` torch threads.
 
     Args:
@@ -87,6 +104,9 @@ def run(model: str, rounds: int, threads: int, part: tuple[int, int] = (1, 1)) -
         rounds: outer rounds of every run.
         threads: torch threads of this process.
         part: (K, N): this process runs the K-th of every N runs left (1-based).
+        condition: only this condition's runs (None: all). A run under delay holds the deltas in
+            flight, ~12 GB at `small` against ~7 GB without: two at once do not fit in 24 GB, one
+            beside a run without delay does.
     """
     import fcntl
 
@@ -99,7 +119,8 @@ def run(model: str, rounds: int, threads: int, part: tuple[int, int] = (1, 1)) -
     torch.set_num_threads(threads)
     log_file = log_path(model)
     done = load_runs(log_file)
-    todo = [j for j in jobs(rounds) if run_key(*j, rounds) not in done][part[0] - 1 :: part[1]]
+    todo = [j for j in jobs(rounds) if run_key(*j, rounds) not in done and condition in (None, j[1])]
+    todo = todo[part[0] - 1 :: part[1]]
     print(f"{len(done)} run(s) in the log, {len(todo)} to go")
     if not todo:
         return
@@ -149,7 +170,6 @@ def table_of(model: str, rounds: int) -> dict[str, Any]:
         floors = {
             s: done[k]["final_loss"] for s in SEEDS if (k := run_key("local", condition, s, rounds)) in done
         }
-        floor_mean = summarize(floors.values())[0] if floors else None
         for method in METHODS:
             runs = [done[k] for s in SEEDS if (k := run_key(method, condition, s, rounds)) in done]
             if not runs:
@@ -157,16 +177,17 @@ def table_of(model: str, rounds: int) -> dict[str, Any]:
             finals = [r["final_loss"] for r in runs]
             mean, std = summarize(finals)
             alone = method == "local"
+            # each seed against the same seed's floor: the same data shards and initial model
+            paired = [floors[r["seed"]] - r["final_loss"] for r in runs if r["seed"] in floors]
             table.setdefault(condition, {})[method] = {
                 "final_loss": mean,
                 "std": std,
                 "per_seed": finals,
                 "seeds": [r["seed"] for r in runs],
                 "diverged": sum(bool(r["diverged"]) for r in runs),
-                "gain_over_alone": None if floor_mean is None or alone else floor_mean - mean,
-                "gain_per_seed": None
-                if alone
-                else [floors[r["seed"]] - r["final_loss"] for r in runs if r["seed"] in floors],
+                "gain_over_alone": None if alone or not paired else summarize(paired)[0],
+                "gain_per_seed": None if alone else paired,
+                "runs_of": runs[0]["method"],  # another method's where the two are one run
                 "mean_age": summarize([r["mean_age"] for r in runs])[0],
                 "losses": [sum(v) / len(v) for v in zip(*(r["losses"] for r in runs), strict=True)],
                 "commits": sorted({r["commit"] for r in runs}),
@@ -232,13 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20, help="outer rounds of every run")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (one run at a time)")
     parser.add_argument("--part", default="1/1", help="K/N: run the K-th of every N runs left")
+    parser.add_argument("--condition", choices=CONDITIONS, help="only this condition's runs")
     parser.add_argument("--report", action="store_true", help="only write the JSON and PNG from the log")
     args = parser.parse_args(argv)
     if not args.report:
         k, n = (int(x) for x in args.part.split("/"))
         if not 1 <= k <= n:
             parser.error("--part K/N needs 1 <= K <= N")
-        run(args.model, args.rounds, args.threads, (k, n))
+        run(args.model, args.rounds, args.threads, (k, n), args.condition)
     result = report(args.rounds)
     out = RESULTS / "seed_claim.json"
     out.write_text(json.dumps(result, indent=1))
