@@ -82,6 +82,12 @@ class TrainingOptions(_Part):
     )
     inner_steps: Positive = Field(50, description="H: inner steps per outer round")
     inner_lr: PositiveFloat = Field(4e-4, description="inner AdamW learning rate")
+    inner_lr_scaling: Literal["sqrt", "none"] = Field(
+        "sqrt",
+        description="sqrt: the inner lr is multiplied by the square root of how many members' deltas the "
+        "outer steps average (1 alone; Adam's square-root rule for the swarm's batch, docs/DESIGN.md); "
+        "none: the inner lr as given",
+    )
     warmup_steps: int = Field(0, ge=0, description="inner lr warm-up steps")
     batch_size: Positive = Field(8, description="sequences per inner step")
     seq_len: Positive = Field(128, description="tokens per sequence")

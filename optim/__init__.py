@@ -32,6 +32,9 @@ _HOME = {
     "chunk_dots": "robust",
     "verdict": "robust",
     "cosine_gate": "staleness",
+    "effective_count": "averaging",
+    "inner_lr_scale": "averaging",
+    "running_count": "averaging",
     "staleness_weight": "staleness",
 }
 

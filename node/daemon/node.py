@@ -40,7 +40,7 @@ from cgad.node.daemon.status import cpu_seconds_by_thread, status_line
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import layout_numels
 from cgad.node.member.methods import method
-from cgad.node.member.outer import OuterLoop
+from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model, model_fingerprint
@@ -95,9 +95,8 @@ class Node(MemberHooks):
         }
         self.identity = Identity.load_or_create(c.identity) if c.identity else Identity()
         self.peer_id = self.identity.peer_id
-        # no coordinator assigns shards: each peer draws windows from the whole training split
-        # with a stream seeded by its own id, so peers' batches differ (or by --data-seed, so that
-        # runs compared with each other, and a swarm with its floor, see the same data order)
+        # no coordinator assigns shards: each peer draws from the whole split with a stream of its own
+        # id (or --data-seed, so that compared runs, and a swarm with its floor, see one data order)
         digest = hashlib.sha256(self.peer_id.encode()).digest()[:4]
         seed = c.data_seed if c.data_seed is not None else int.from_bytes(digest, "little")
         self.batches = self.dataset.shard(0, 1).batches(c.batch_size, c.seq_len, seed=seed)
@@ -156,6 +155,7 @@ class Node(MemberHooks):
                 encoder=side_worker("cgad-encode"),
                 heard=bool(c.peers),  # the first node of a swarm has nobody to publish for yet
             )
+            self.trainer.lr_scale = inner_lr_scale(c, self.loop)  # the swarm's √N (--inner-lr-scaling)
             self.started_at = time.time()
             self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens
             self._reported: list[int] = []  # the versions of the last progress record

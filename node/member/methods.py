@@ -105,6 +105,7 @@ class OuterMethod:
     age_aware = False  # scales each delivery by σ(τ); a scale of 0 drops it as stale
     mixes_params = False  # averages with peers' φ itself: needs them every round; no gossip on top
     shares = True  # publishes its pseudo-gradients and takes its peers'
+    averages = True  # its step takes the round's mean: the inner lr may follow how many it averages
 
     @property
     def family(self) -> str:
@@ -305,6 +306,7 @@ class DelayedNesterovMethod(OuterMethod):
     """Liu et al.'s async baseline: each delivery is one arrival; momentum updates every N."""
 
     name = "delayed-nesterov"
+    averages = False  # each delivery is a step of its own, not a share of a mean
 
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         # N = the arrivals expected per round: this peer and the peers it sees now
@@ -324,6 +326,7 @@ class NoLoCoMethod(OuterMethod):
 
     name = "noloco"
     mixes_params = True
+    averages = False  # a pair's mean, one random peer: the count it would give is not its noise
 
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         return NoLoCo(groups, lr=self.lr(options), beta=options.noloco_beta)
@@ -354,6 +357,7 @@ class LocalMethod(OuterMethod):
     name = "local"
     default_lr = 1.0
     shares = False
+    averages = False
 
     def build(self, groups: list[dict[str, Any]], options: OuterOptions, peers: int) -> Optimizer:
         return OuterNesterov(groups, lr=1.0, momentum=0.0)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cgad.node.config import OuterOptions
+from cgad.node.config import OuterOptions, TrainingOptions
 from cgad.node.member.audience import Audience
 from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
@@ -47,6 +47,8 @@ from cgad.node.member.methods import Contribution, StepInput, fresh_share, metho
 from cgad.node.member.mixing import Mixer, remember_phi
 from cgad.node.member.outer_state import HEARD, Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
+from cgad.optim.averaging import effective_count, running_count
+from cgad.optim.averaging import inner_lr_scale as sqrt_scale
 from cgad.optim.cga import running_freshness
 from cgad.protocol.codec import Codec, all_finite, encoded_size
 from cgad.protocol.config import SPARSE_KEPT
@@ -55,7 +57,7 @@ from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 HISTORY = 100_000
 TOKEN_CAP = 2  # a delivery weighs at most this many times the receiver's own block (claims are cheap)
 
-__all__ = ["OuterLoop"]
+__all__ = ["OuterLoop", "inner_lr_scale"]
 
 
 class OuterLoop:
@@ -107,6 +109,9 @@ class OuterLoop:
         self._own_tokens: dict[int, int] = {}
         # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
         self._ahead: dict[int, list[Fragment]] = {}
+        # the running count of members whose deltas a fresh step averages (1: alone); the inner lr
+        # follows it (``inner_lr_scale``); not outer state: a joiner counts its own from 1
+        self.averaged = 1.0
         self.audience = Audience(transport, math.ceil(options.cutoff * options.fragments), heard)
         self.mixer = Mixer(options, self.method.mixes_params, params_codec, self.counters, self.rng)
         # with an encoder (a daemon's thread), each fragment's send under way
@@ -347,8 +352,22 @@ class OuterLoop:
         heard, group = fresh_share(taken, live), self.optimizer.param_groups[f]
         if heard is not None:
             group[HEARD] = running_freshness(group.get(HEARD, 0.0), heard)
+            # a step of this round (the own Δ among the taken): how many members it averaged
+            self.averaged = running_count(self.averaged, self._averaged_now(taken))
         for p in step.params:  # spent: a model-sized buffer not to hold until the next step
             p.grad = None
+
+    def _averaged_now(self, taken: list[Contribution]) -> float:
+        """The effective count of the step's mean (``cgad.optim.averaging``); 1 for a method
+        that does not average (NoLoCo's pair and the floor take no mean of the round)."""
+        if not self.method.averages:
+            return 1.0
+        return effective_count([max(c.tokens, 1) * c.scale for c in taken])
+
+    def inner_lr_scale(self) -> float:
+        """√N of the running count of members averaged: what the inner lr is multiplied by under
+        ``--inner-lr-scaling sqrt`` (1 alone, or with every peer late)."""
+        return sqrt_scale(self.averaged)
 
     def _take(
         self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None, yardstick: Yardstick | None
@@ -461,6 +480,13 @@ class OuterLoop:
         # what the old trajectory left unsent, and the φ it published, belong to that trajectory
         self.sender.forget()
         self.mixer.forget()
+
+
+def inner_lr_scale(options: TrainingOptions, loop: OuterLoop) -> Callable[[], float] | None:
+    """What a trainer's lr follows (``InnerTrainer(lr_scale=)``): the loop's √N under
+    ``--inner-lr-scaling sqrt``, None (the lr as given) otherwise. One place decides it for the
+    daemon and the simulator alike."""
+    return loop.inner_lr_scale if options.inner_lr_scaling == "sqrt" else None
 
 
 def _norm_of(yardstick: Yardstick | None) -> Callable[[], float | None]:

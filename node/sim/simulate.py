@@ -32,7 +32,7 @@ from cgad.node.config import SimConfig
 from cgad.node.member.consensus import matchmaking
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import Delivery
-from cgad.node.member.outer import OuterLoop
+from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
 from cgad.node.member.swarm import snapshot_ceiling
 from cgad.node.sim.groups import GroupFinder
@@ -150,7 +150,6 @@ def simulate(
     for w in range(c.workers):
         model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
         batches = worker_batches(dataset, c, w)
-        trainer = InnerTrainer(model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps)
         hostile = attack is not None and w >= c.workers - c.attackers  # the last K workers
         transport = (
             ForgingTransport(transports[w], attack, seed=c.seed * 17 + w, direction_seed=c.seed)
@@ -167,6 +166,9 @@ def simulate(
             codec=c.codec,
             sparse_keep=c.sparse_keep,
             link_budget=transports[w].round_budget,
+        )
+        trainer = InnerTrainer(
+            model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps, lr_scale=inner_lr_scale(c, loop)
         )
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
     # a delay in whole rounds is lateness, not a phase offset: nudging blocks against it would only

@@ -32,7 +32,11 @@ class InnerTrainer:
         warmup_steps: int = 0,
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
+        lr_scale: Callable[[], float] | None = None,
     ) -> None:
+        """``lr_scale``: read before every step, the factor on the lr (the swarm's √N,
+        ``OuterLoop.inner_lr_scale``); the weight decay per step, lr × weight decay, stays the
+        base lr's, so that a larger step does not also shrink the weights faster. None: 1."""
         if not lr > 0:
             raise ValueError(f"inner lr must be > 0, got {lr}")
         self.model = model
@@ -41,6 +45,8 @@ class InnerTrainer:
         self.autocast_dtype = autocast_dtype
         self.clip_norm = clip_norm
         self.base_lr = lr
+        self.weight_decay = weight_decay
+        self.lr_scale = lr_scale
         self.warmup_steps = warmup_steps
         self.steps = 0
         self.tokens = 0
@@ -55,9 +61,12 @@ class InnerTrainer:
 
     def step(self) -> float:
         """One inner step; returns its training loss."""
-        if self.warmup_steps:
+        if self.warmup_steps or self.lr_scale is not None:
+            scale = 1.0 if self.lr_scale is None else self.lr_scale()
+            warm = min(1.0, (self.steps + 1) / self.warmup_steps) if self.warmup_steps else 1.0
             for group in self.optimizer.param_groups:
-                group["lr"] = self.base_lr * min(1.0, (self.steps + 1) / self.warmup_steps)
+                group["lr"] = self.base_lr * warm * scale
+                group["weight_decay"] = self.weight_decay / scale
         input_ids = next(self.batches).to(self.device, non_blocking=True)
         self.model.train()
         with self._autocast():

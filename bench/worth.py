@@ -1,0 +1,337 @@
+"""What N volunteers are worth: the swarm between each member alone and a datacenter.
+
+Two measures, at equal inner steps per member, each per round (curves, not one point):
+
+- **G, the gain captured**: (floor − swarm) / (floor − ceiling). The floor is each member training
+  alone on its own shard (the mean over members); the ceiling the same N machines synchronised at
+  every inner step: data-parallel AdamW on the N members' batches at once (``node/sim/ceiling.py``),
+  at the members' own inner lr. G = 1: the swarm is as good as a datacenter. The ceiling at its own
+  best inner lr (of ``CEILING_LRS`` × the members', the lowest mean final loss) is reported beside
+  it as ``G_best``, and never chosen to make G larger.
+- **W, the worth**: the inner steps one member alone (the whole training split, the members' inner
+  lr) needs to reach the swarm's held-out loss, over the swarm's inner steps per member. W = N:
+  every volunteer counts in full. Where the lone member does not get there within its
+  ``ALONE_ROUNDS`` × N rounds, W is a lower bound (``w_at_least``).
+
+The swarm runs the simulator (the daemon's member engine on a virtual clock) with every flag at
+its default but the scale's: the sweep scale (bench/sweep_model.json, a 1024-token BPE, H = 10,
+batch 4 × 64, inner lr 1e-3) at N = 4, 8 and 16, and `tiny` at N = 4 (H, batch and lr at their
+defaults). Conditions: τ = 0, random delays of 0-4 and 0-8 rounds, stragglers (half the members
+2-3× slower) and churn (5% a round, 10% of deliveries lost); every size runs τ = 0, ``--full``
+every condition at every size (8 runs them all by default). Ablations beside the default at N = 8,
+τ = 0: the inner lr as given (``--inner-lr-scaling none``: the tree before the square-root rule)
+and every peer's delta taken (``--fan-in`` unbounded). 3 seeds.
+
+Runs go to bench/results/worth.runs.jsonl (``bench/runner/sweep.py``), so the sweep resumes where it
+stopped; ``--report`` writes bench/results/worth.json and worth.png from what the log holds.
+
+    .venv/bin/python bench/worth.py [--scale sweep|tiny] [--jobs 2] [--full] [--report]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from cgad.node.config import SimConfig
+from cgad.node.front.report import load_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runner"))
+from sweep import Run, run_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+LOG = RESULTS / "worth.runs.jsonl"
+SWEEP_MODEL = str(ROOT / "bench" / "sweep_model.json")
+
+SCALES: dict[str, dict[str, Any]] = {
+    "sweep": {
+        "vocab": 1024,
+        "base": dict(
+            model=SWEEP_MODEL, inner_steps=10, batch_size=4, seq_len=64, eval_batches=4, inner_lr=1e-3
+        ),
+        "sizes": (4, 8, 16),
+        "rounds": 60,
+    },
+    "tiny": {"vocab": None, "base": {}, "sizes": (4,), "rounds": 20},
+}
+CONDITIONS: dict[str, Any] = {
+    "τ=0": lambda n: {"delay": "0"},
+    "random:4": lambda n: {"delay": "random:4"},
+    "random:8": lambda n: {"delay": "random:8"},
+    "stragglers": lambda n: {"stragglers": [1.0] * (n - n // 2) + [2.0 + (i % 2) for i in range(n // 2)]},
+    "churn": lambda n: {"churn": 0.05, "drop": 0.1},
+}
+ALL_CONDITIONS_AT = 8  # the size every condition runs at by default
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "inner lr as given": {"inner_lr_scaling": "none"},
+    "every peer's delta": {"fan_in": None},
+}
+CEILING_LRS = (1.0, 2.0, 3.0)  # × the members' inner lr
+ALONE_ROUNDS = 1  # the lone member trains N × rounds × this many rounds
+SEEDS = (0, 1, 2)
+
+
+def base_config(scale: str, n: int, seed: int, **extra: Any) -> SimConfig:
+    s = SCALES[scale]
+    return SimConfig(**{**s["base"], **extra}, workers=n, rounds=s["rounds"], seed=seed)
+
+
+def _data(scale: str, c: SimConfig) -> tuple[Any, int]:
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(c.tokenizer, vocab_size=SCALES[scale]["vocab"])
+    return load_dataset(tokenizer, c.data), tokenizer.vocab_size
+
+
+def swarm_run(scale: str, n: int, seed: int, settings: dict[str, Any]) -> dict:
+    """The simulator's record of N members (``optimizer: local`` is the floor)."""
+    from cgad.node.sim.simulate import simulate
+
+    c = base_config(scale, n, seed, **settings)
+    dataset, vocab = _data(scale, c)
+    record = simulate(c, dataset, vocab)
+    keep = ("initial_loss", "losses", "final_loss", "worker_final_losses", "rejected", "mean_age", "applied",
+            "mean_outer_momentum", "diverged", "bytes_sent", "utilization")  # fmt: skip
+    return {k: record[k] for k in keep}
+
+
+def ceiling_run(scale: str, n: int, seed: int, lr_factor: float) -> dict:
+    from cgad.node.sim.ceiling import ceiling_curve
+
+    c = base_config(scale, n, seed)
+    dataset, vocab = _data(scale, c)
+    return ceiling_curve(c, dataset, vocab, lr=c.inner_lr * lr_factor)
+
+
+def alone_run(scale: str, rounds: int, seed: int) -> dict:
+    from cgad.node.sim.ceiling import alone_curve
+
+    c = base_config(scale, 1, seed)
+    dataset, vocab = _data(scale, c)
+    return alone_curve(c, dataset, vocab, rounds)
+
+
+def conditions_at(n: int, full: bool) -> list[str]:
+    return list(CONDITIONS) if full or n == ALL_CONDITIONS_AT else ["τ=0"]
+
+
+def key(scale: str, *parts: Any) -> str:
+    return json.dumps([scale, *parts])
+
+
+def runs(scale: str, full: bool) -> list[Run]:
+    """Every run the report needs, the headline's first."""
+    s = SCALES[scale]
+    sizes, rounds = s["sizes"], s["rounds"]
+    steps = rounds * (s["base"].get("inner_steps") or SimConfig.model_fields["inner_steps"].default)
+    alone = max(sizes) * rounds * ALONE_ROUNDS
+    first, later = [], []
+
+    def swarm(kind: str, n: int, name: Any, seed: int, settings: dict[str, Any]) -> Run:
+        args = dict(scale=scale, n=n, seed=seed, settings=settings)
+        return Run(key(scale, kind, n, name, seed), swarm_run, args, n * steps)
+
+    def ceiling(n: int, factor: float, seed: int) -> Run:
+        args = dict(scale=scale, n=n, seed=seed, lr_factor=factor)
+        return Run(key(scale, "ceiling", n, factor, seed), ceiling_run, args, n * steps)
+
+    for seed in SEEDS:
+        for n in sizes:
+            first.append(Run(key(scale, "floor", n, seed), swarm_run, dict(scale=scale, n=n, seed=seed,
+                             settings={"optimizer": "local"}), n * steps))  # fmt: skip
+            first += [swarm("swarm", n, "τ=0", seed, {}), ceiling(n, 1.0, seed)]
+        lone = dict(scale=scale, rounds=alone, seed=seed)
+        first.append(Run(key(scale, "alone", alone, seed), alone_run, lone, alone * steps / rounds))
+        for n in sizes:
+            later += [swarm("swarm", n, c, seed, CONDITIONS[c](n)) for c in conditions_at(n, full)[1:]]
+            later += [ceiling(n, factor, seed) for factor in CEILING_LRS[1:]]
+        n = ALL_CONDITIONS_AT if ALL_CONDITIONS_AT in sizes else sizes[0]
+        later += [swarm("ablation", n, name, seed, settings) for name, settings in ABLATIONS.items()]
+    return first + later
+
+
+# -- the measures ----------------------------------------------------------------------------
+
+
+def gain_captured(floor: list[float], swarm: list[float], ceiling: list[float]) -> list[float | None]:
+    """G per round: (floor − swarm) / (floor − ceiling); None where the ceiling is not below the floor."""
+    return [(f - s) / (f - c) if f - c > 0 else None for f, s, c in zip(floor, swarm, ceiling, strict=True)]
+
+
+def worth(swarm: list[float], alone: list[float], initial: float) -> list[tuple[float, bool]]:
+    """W per round: the rounds the lone member needs to reach each swarm loss (linear between its
+    evaluations, on its running best), over the swarm's rounds; (W, exact). Where it never gets
+    there, (its rounds / the swarm's, False): W is at least that."""
+    best, envelope = initial, []
+    for loss in alone:
+        best = min(best, loss)
+        envelope.append(best)
+    out = []
+    for r, target in enumerate(swarm, start=1):
+        previous, reached = initial, None
+        for k, loss in enumerate(envelope, start=1):
+            if loss <= target:
+                share = (previous - target) / (previous - loss) if previous > loss else 1.0
+                reached = k - 1 + share
+                break
+            previous = loss
+        out.append((reached / r, True) if reached is not None else (len(envelope) / r, False))
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def _curve_spread(curves: list[list[float | None]]) -> list[dict[str, float] | None]:
+    out = []
+    for values in zip(*curves, strict=True):
+        finite = [v for v in values if v is not None and math.isfinite(v)]
+        out.append(_spread(finite) if len(finite) == len(values) else None)
+    return out
+
+
+def _mean_curve(curves: list[list[float]]) -> list[float]:
+    return [statistics.fmean(v) for v in zip(*curves, strict=True)]
+
+
+def report(scale: str, full: bool) -> dict[str, Any]:
+    """G and W per round and condition, per size, from what the log holds (complete seeds only)."""
+    done = load_runs(LOG)
+    s = SCALES[scale]
+    alone_rounds = max(s["sizes"]) * s["rounds"] * ALONE_ROUNDS
+    out: dict[str, Any] = {"scale": scale, "rounds": s["rounds"], "settings": s["base"], "sizes": {}}
+    commits = set()
+    for n in s["sizes"]:
+        floors = {seed: done.get(key(scale, "floor", n, seed)) for seed in SEEDS}
+        alones = {seed: done.get(key(scale, "alone", alone_rounds, seed)) for seed in SEEDS}
+        ceilings = {
+            f: {seed: done.get(key(scale, "ceiling", n, f, seed)) for seed in SEEDS} for f in CEILING_LRS
+        }
+        complete = {f: all(ceilings[f].values()) for f in CEILING_LRS}
+        finals = {
+            f: statistics.fmean(r["final_loss"] for r in ceilings[f].values())
+            for f in CEILING_LRS
+            if complete[f]
+        }
+        best = min(finals, key=finals.get) if finals else None
+        size: dict[str, Any] = {
+            "floor": _mean_curve([r["losses"] for r in floors.values()]) if all(floors.values()) else None,
+            "ceiling": _mean_curve([r["losses"] for r in ceilings[1.0].values()]) if complete[1.0] else None,
+            "ceiling_final_by_lr_factor": {str(f): v for f, v in finals.items()},
+            "ceiling_best_lr_factor": best,
+            "alone": _mean_curve([r["losses"] for r in alones.values()]) if all(alones.values()) else None,
+            "conditions": {},
+        }
+        named = [("swarm", c) for c in conditions_at(n, full)] + [("ablation", a) for a in ABLATIONS]
+        for kind, condition in named:
+            swarms = {seed: done.get(key(scale, kind, n, condition, seed)) for seed in SEEDS}
+            if not all(swarms.values()) or not all(floors.values()) or not complete[1.0]:
+                continue
+            commits |= {r["commit"] for r in swarms.values()}
+            g = [
+                gain_captured(floors[sd]["losses"], swarms[sd]["losses"], ceilings[1.0][sd]["losses"])
+                for sd in SEEDS
+            ]
+            row: dict[str, Any] = {
+                "kind": kind,
+                "loss": _mean_curve([r["losses"] for r in swarms.values()]),
+                "final_loss": _spread([r["final_loss"] for r in swarms.values()]),
+                "G": _curve_spread(g),
+            }
+            if best is not None:
+                gb = [gain_captured(floors[sd]["losses"], swarms[sd]["losses"], ceilings[best][sd]["losses"])
+                      for sd in SEEDS]  # fmt: skip
+                row["G_best"] = _curve_spread(gb)
+            if all(alones.values()):
+                w = [
+                    worth(swarms[sd]["losses"], alones[sd]["losses"], alones[sd]["initial_loss"])
+                    for sd in SEEDS
+                ]
+                row["W"] = _curve_spread([[v for v, _ in seed_w] for seed_w in w])
+                row["w_at_least"] = [
+                    not all(exact for _, exact in per_round) for per_round in zip(*w, strict=True)
+                ]
+            size["conditions"][condition] = row
+        out["sizes"][str(n)] = size
+    out["commits"] = sorted(commits)
+    out["seeds"] = list(SEEDS)
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """Per size: held-out loss against inner steps per member (floor, swarm at τ = 0, ceiling,
+    one member alone), and G by round for each condition."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [n for n, v in result["sizes"].items() if v["conditions"]]
+    fig, axes = plt.subplots(2, max(len(sizes), 1), figsize=(5 * max(len(sizes), 1), 8), squeeze=False)
+    h = result["settings"].get("inner_steps") or SimConfig.model_fields["inner_steps"].default
+    for col, n in enumerate(sizes):
+        size, ax, gx = result["sizes"][n], axes[0][col], axes[1][col]
+        steps = lambda curve: [h * (r + 1) for r in range(len(curve))]  # noqa: E731
+        lines = [
+            ("each member alone (floor)", size["floor"], "grey"),
+            ("data-parallel (ceiling)", size["ceiling"], "black"),
+        ]
+        lines.append(("swarm, τ = 0", size["conditions"].get("τ=0", {}).get("loss"), "tab:blue"))
+        for label, curve, color in lines:
+            if curve:
+                ax.plot(steps(curve), curve, label=label, color=color)
+        if size["alone"]:
+            alone = size["alone"][: len(size["floor"] or []) * int(n)]
+            ax.plot(steps(alone), alone, label="one member alone, longer", color="tab:orange", linestyle="--")
+        ax.set_xscale("log")
+        ax.set_title(f"N = {n}")
+        ax.set_xlabel("inner steps per member")
+        ax.set_ylabel("held-out loss (mean of 3 seeds)")
+        ax.legend(fontsize=8)
+        for condition, row in size["conditions"].items():
+            g = [(r + 1, p["mean"]) for r, p in enumerate(row["G"]) if p is not None]
+            if g:
+                ablation = row["kind"] == "ablation"
+                label = condition + (" (ablation)" if ablation else "")
+                gx.plot(*zip(*g, strict=True), label=label, linestyle="--" if ablation else "-")
+        gx.axhline(1.0, color="black", linewidth=0.5)
+        gx.axhline(0.0, color="grey", linewidth=0.5)
+        gx.set_xlabel("round")
+        gx.set_ylabel("G: share of the ceiling's gain (mean of 3 seeds)")
+        gx.legend(fontsize=7)
+    fig.suptitle(
+        f"What N volunteers are worth ({result['scale']} scale, commits {', '.join(result['commits'])})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=SCALES, default="sweep")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--full", action="store_true", help="every condition at every size")
+    parser.add_argument("--report", action="store_true", help="only write the JSON and PNG from the log")
+    args = parser.parse_args(argv)
+    if not args.report:
+        run_sweep(LOG, runs(args.scale, args.full), args.jobs, f"worth at the {args.scale} scale")
+    result = report(args.scale, args.full)
+    name = "worth" if args.scale == "sweep" else f"worth_{args.scale}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / name}.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
