@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from cgad.node.config import SimConfig
-from cgad.node.front.report import load_runs
+from cgad.node.front.report import load_runs, rounds_to_reach
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runner"))
 from sweep import Run, run_sweep
@@ -166,23 +166,14 @@ def gain_captured(floor: list[float], swarm: list[float], ceiling: list[float]) 
 
 
 def worth(swarm: list[float], alone: list[float], initial: float) -> list[tuple[float, bool]]:
-    """W per round: the rounds the lone member needs to reach each swarm loss (linear between its
-    evaluations, on its running best), over the swarm's rounds; (W, exact). Where it never gets
-    there, (its rounds / the swarm's, False): W is at least that."""
-    best, envelope = initial, []
-    for loss in alone:
-        best = min(best, loss)
-        envelope.append(best)
+    """W per round: the rounds the lone member needs to reach each swarm loss (``rounds_to_reach``:
+    on its running best, linear between evaluations), over the swarm's rounds; (W, exact). Where
+    it never gets there, (its rounds / the swarm's, False): W is at least that."""
+    curve = {0: initial, **{k: loss for k, loss in enumerate(alone, start=1)}}
     out = []
     for r, target in enumerate(swarm, start=1):
-        previous, reached = initial, None
-        for k, loss in enumerate(envelope, start=1):
-            if loss <= target:
-                share = (previous - target) / (previous - loss) if previous > loss else 1.0
-                reached = k - 1 + share
-                break
-            previous = loss
-        out.append((reached / r, True) if reached is not None else (len(envelope) / r, False))
+        reached = rounds_to_reach(curve, target)
+        out.append((reached / r, True) if reached is not None else (len(alone) / r, False))
     return out
 
 
@@ -302,6 +293,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
                 ablation = row["kind"] == "ablation"
                 label = condition + (" (ablation)" if ablation else "")
                 gx.plot(*zip(*g, strict=True), label=label, linestyle="--" if ablation else "-")
+        gx.set_ylim(-0.5, 1.5)  # the first rounds' ratios of small differences swing far
         gx.axhline(1.0, color="black", linewidth=0.5)
         gx.axhline(0.0, color="grey", linewidth=0.5)
         gx.set_xlabel("round")
@@ -314,6 +306,78 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+TABLE_ROUNDS = (10, 20, 30, 60)
+README = ROOT / "README.md"
+RESULTS_MD = ROOT / "docs" / "RESULTS.md"
+
+
+def _cell(curve: list[dict[str, float] | None] | None, r: int, at_least: list[bool] | None = None) -> str:
+    if not curve or r > len(curve) or curve[r - 1] is None:
+        return "–"
+    p = curve[r - 1]
+    bound = "≥ " if at_least and at_least[r - 1] else ""
+    return f"{bound}{p['mean']:.2f} [{p['min']:.2f}-{p['max']:.2f}]"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The Markdown table of G, G against the ceiling at its best lr, and W, by round."""
+    rounds = [r for r in TABLE_ROUNDS if r <= result["rounds"]]
+    heads = (
+        [f"G@{r}" for r in rounds] + [f"G_best@{r}" for r in rounds[-2:]] + [f"W@{r}" for r in rounds[-2:]]
+    )
+    lines = ["| N | run | " + " | ".join(heads) + " |", "|---" * (len(heads) + 2) + "|"]
+    for n, size in result["sizes"].items():
+        for condition, row in size["conditions"].items():
+            name = condition if row["kind"] == "swarm" else f"{condition} (τ = 0)"
+            cells = [_cell(row["G"], r) for r in rounds] + [_cell(row.get("G_best"), r) for r in rounds[-2:]]
+            cells += [_cell(row.get("W"), r, row.get("w_at_least")) for r in rounds[-2:]]
+            lines.append(f"| {n} | {name} | " + " | ".join(cells) + " |")
+    best = ", ".join(f"N = {n}: {v['ceiling_best_lr_factor']}×" for n, v in result["sizes"].items())
+    lines.append("")
+    lines.append(
+        f"Means over seeds {result['seeds']} with [min-max]; commits {', '.join(result['commits'])}. "
+        f"G against the ceiling at the members' inner lr; G_best against it at its own best of "
+        f"{list(CEILING_LRS)} × that lr ({best}); W ≥ where one member alone did not get there in "
+        "its rounds."
+    )
+    return "\n".join(lines)
+
+
+def headline(result: dict[str, Any]) -> str:
+    """The README's first figure: what N volunteers are worth, at τ = 0, at the last round."""
+    r = result["rounds"]
+    sizes, worths, gains = [], [], []
+    for n, size in result["sizes"].items():
+        row = size["conditions"].get("τ=0")
+        if row and row.get("W") and row["G"][r - 1]:
+            sizes.append(n)
+            worths.append(
+                ("more than " if row["w_at_least"][r - 1] else "") + f"{row['W'][r - 1]['mean']:.1f}"
+            )
+            gains.append(f"{row['G'][r - 1]['mean']:.2f}")
+    return (
+        f"**What a volunteer gets**: in the simulator at the sweep scale, after {r} rounds without delay,"
+        f" {_listed(sizes)} volunteers are worth {_listed(worths)} of them training alone, and their swarm"
+        f" captures {_listed(gains)} of a datacenter's gain (the same machines synchronised at every"
+        " step); means of 3 seeds, with ranges, delays, stragglers and churn in"
+        " [docs/RESULTS.md](docs/RESULTS.md#what-n-volunteers-are-worth)."
+    )
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def write_between(path: Path, name: str, text: str) -> None:
+    """Replace what lies between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in ``path``."""
+    begin, end = f"<!-- {name}:begin (generated by bench/worth.py --report) -->", f"<!-- {name}:end -->"
+    content = path.read_text()
+    if begin not in content or end not in content:
+        raise SystemExit(f"{path} has no {begin} ... {end} block")
+    head, rest = content.split(begin, 1)
+    path.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     name = "worth" if args.scale == "sweep" else f"worth_{args.scale}"
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, RESULTS / f"{name}.png")
+    if args.scale == "sweep":
+        write_between(RESULTS_MD, "worth", table(result))
+        write_between(README, "worth", headline(result))
     print(f"wrote {RESULTS / name}.json and .png")
     return 0
 

@@ -21,7 +21,7 @@ HOSTILE = {
 STATUS_KEYS = {
     "peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
     "published", "applied", "rejected", "dropped_stale", "mean_age", "clipped", "skipped",
-    "cpu_seconds_by_thread", "outer_momentum", "tokens_capped",
+    "cpu_seconds_by_thread", "outer_momentum", "tokens_capped", "inner_lr",
 }  # fmt: skip
 
 
@@ -62,6 +62,8 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
             # and keep up with it: near a's loss, far below an untrained model's
             a_loss = a.status()["eval_loss"]
             assert end < FRESH_LOSS - 1.0 and end < a_loss + 0.3, (node.name, a_loss, status["eval_history"])
+        # its outer steps average its peers' deltas: it trains above the given lr (2e-3), at most √3 ×
+        assert 2.2e-3 < status["inner_lr"] <= 2e-3 * 3**0.5 + 1e-9, status["inner_lr"]
         # peers run at about the same cadence: fragments arrive well inside the cutoff (4 rounds)
         assert 0 <= status["mean_age"] < 4, status
         # honest peers: fetches may time out ("unavailable"), but nothing is malformed or forged

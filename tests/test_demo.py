@@ -37,7 +37,9 @@ def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path, token_ca
     assert {"round", "minute"} <= {v[0] for v in versus}, result.stdout
     for _, swarm, lone, gain in versus:
         assert float(gain) == pytest.approx(float(lone) - float(swarm), abs=2e-3)
-    assert re.search(r"the swarm is (ahead by|behind by|level)", result.stdout), result.stdout
+    # a swarm behind its floor at equal inner steps is a failure of the swarm, not a case to print
+    assert "the swarm is ahead by" in result.stdout, result.stdout
+    assert re.search(r"the 2 nodes were worth (more than )?[\d.]+ nodes alone", result.stdout), result.stdout
     png = tmp_path / "demo_loss.png"
     assert str(png.resolve()) in result.stdout and png.stat().st_size > 10_000
     # the swarm's dashboards were told where the lone node's loss is, and it is there

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cgad.node.front.report import by_round, by_time, gain_in_words, plot_demo, thin
+from cgad.node.front.report import by_round, by_time, gain_in_words, plot_demo, rounds_to_reach, thin
 
 
 def test_by_round_means_the_swarm_where_the_lone_node_evaluated_too() -> None:
@@ -39,6 +39,19 @@ def test_the_gain_in_words_says_ahead_behind_or_level() -> None:
     assert "behind by 0.200" in gain_in_words([(4, 5.2, 5.0)], [], nodes=2)
     assert "level" in gain_in_words([(4, 5.0, 5.0)], [], nodes=2)
     assert "nothing to compare" in gain_in_words([], [], nodes=2)
+
+
+def test_the_worth_is_the_rounds_one_node_alone_took_to_get_there() -> None:
+    alone = {0: 8.0, 1: 6.0, 2: 5.5, 3: 5.0, 4: 5.2, 5: 4.6}
+    assert rounds_to_reach(alone, 5.75) == pytest.approx(1.5)
+    assert rounds_to_reach(alone, 5.0) == 3.0
+    # its running best: a worse evaluation after a better one is not where it first got there
+    assert rounds_to_reach(alone, 4.8) == pytest.approx(4.5)
+    assert rounds_to_reach(alone, 4.0) is None
+    words = gain_in_words([(2, 5.0, 5.5)], [], nodes=3, alone=alone)
+    assert "one node alone got there after 3.0 rounds: the 3 nodes were worth 1.5 nodes alone" in words
+    more = gain_in_words([(2, 4.0, 5.5)], [], nodes=3, alone=alone)
+    assert "has not reached 4.000 in its 5 rounds: the 3 nodes were worth more than 2.5 nodes alone" in more
 
 
 def test_the_picture_shows_both_by_round_and_by_wall_clock(tmp_path) -> None:

@@ -443,14 +443,14 @@ class Node(MemberHooks):
             "dht_lookups": self.transport.stats.dht_lookups,
             "dht_served": dict(self.transport.stats.dht_served),
             "downlink_bytes_per_second": self.transport.downlink_rate,
-            # --codec auto: the bytes per round each fetching peer can get, and what was sent
-            "send_budget_bytes": self.transport.round_budget(),
+            "send_budget_bytes": self.transport.round_budget(),  # --codec auto: bytes per round per fetcher
             "sent_as": dict(counters.sent_as.copy()),
             "bytes_in": self.transport.stats.bytes_received,
             "bytes_out": self.transport.stats.bytes_sent,
             "fetches_waiting": self.transport.fetches_waiting,
             "mean_age": self.loop.counters.mean_age(),
             "outer_momentum": self.loop.method.momentum_now(self.loop.optimizer),
+            "inner_lr": self.trainer.optimizer.param_groups[0]["lr"],  # × √N averaged (--inner-lr-scaling)
             "resyncs": self.member.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
             "consensus": self.member.consensus.summary() if self.groups is not None else None,

@@ -23,6 +23,7 @@ __all__ = [
     "plot_demo",
     "plot_long_sweep",
     "plot_records",
+    "rounds_to_reach",
     "summarize",
     "thin",
 ]
@@ -246,24 +247,70 @@ def _gain(swarm: float, alone: float) -> str:
     return f"{side} by {abs(gain):.3f} ({100 * abs(gain) / alone:.1f}% {'lower' if gain > 0 else 'higher'})"
 
 
+def rounds_to_reach(curve: dict[int, float], target: float) -> float | None:
+    """The round at which a held-out loss curve first gets down to ``target``: on its running
+    best, linear between evaluations (so noise never makes it reach a loss early and then lose
+    it); None where it never does. Round 0 is the initial loss where the curve has one.
+
+    Args:
+        curve: held-out loss by round.
+        target: the loss to reach.
+    """
+    previous: tuple[int, float] | None = None
+    best = math.inf
+    for round_ in sorted(curve):
+        loss = min(best, curve[round_])
+        if loss <= target:
+            if previous is None or previous[1] <= loss:
+                return float(round_)
+            return previous[0] + (round_ - previous[0]) * (previous[1] - target) / (previous[1] - loss)
+        previous, best = (round_, loss), loss
+    return None
+
+
+def worth_in_words(round_: int, swarm: float, alone: dict[int, float], nodes: int) -> str:
+    """What the swarm's N nodes were worth: how many rounds one node alone took to reach the
+    loss the swarm had at ``round_``, over ``round_`` (or at least its rounds so far, over it)."""
+    if round_ <= 0:
+        return ""
+    reached = rounds_to_reach(alone, swarm)
+    if reached is None:
+        most = max(alone, default=0)
+        return (
+            f"; one node alone has not reached {swarm:.3f} in its {most} rounds: the {nodes} nodes were worth"
+            f" more than {most / round_:.1f} nodes alone"
+        )
+    return (
+        f"; one node alone got there after {reached:.1f} rounds: the {nodes} nodes were worth"
+        f" {reached / round_:.1f} nodes alone"
+    )
+
+
 def gain_in_words(
-    rounds: list[tuple[int, float, float]], times: list[tuple[float, float, float]], nodes: int
+    rounds: list[tuple[int, float, float]],
+    times: list[tuple[float, float, float]],
+    nodes: int,
+    alone: dict[int, float] | None = None,
 ) -> str:
-    """What the swarm bought, in a sentence or two: at the last round both evaluated, and at the
-    last moment of wall-clock.
+    """What the swarm bought, in a sentence or two: at the last round both evaluated (equal inner
+    steps), what that was worth in nodes alone (with ``alone``, the lone node's whole curve), and
+    at the last moment of wall-clock.
 
     Args:
         rounds: ``by_round``'s rows.
         times: ``by_time``'s rows.
         nodes: how many nodes the swarm had.
+        alone: the lone node's held-out loss by round, every round it evaluated.
     """
     if not rounds:
         return "the swarm and the lone node have no evaluated round in common: nothing to compare yet"
-    round_, swarm, alone = rounds[-1]
+    round_, swarm, lone = rounds[-1]
     text = (
-        f"after {round_} rounds the swarm's held-out loss is {swarm:.3f} (the mean of {nodes} nodes), a node"
-        f" alone's {alone:.3f}: the swarm is {_gain(swarm, alone)}"
+        f"after {round_} rounds (equal inner steps) the swarm's held-out loss is {swarm:.3f} (the mean of"
+        f" {nodes} nodes), a node alone's {lone:.3f}: the swarm is {_gain(swarm, lone)}"
     )
+    if alone:
+        text += worth_in_words(round_, swarm, alone, nodes)
     if times:
         seconds, swarm, alone = times[-1]
         text += f"; after {seconds / 60:.1f} minutes, {swarm:.3f} against {alone:.3f}: {_gain(swarm, alone)}"
