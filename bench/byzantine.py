@@ -12,7 +12,7 @@ held-out loss at the end. Runs go to bench/results/byzantine.runs.jsonl as they 
 resumes where it stopped); the summary to byzantine.json and byzantine.png; docs/SECURITY.md
 quotes the table.
 
-    python bench/byzantine.py [--jobs 2] [--seeds 0 1 2] [--report]
+    python bench/byzantine.py [--jobs 2] [--seeds 0 1 2] [--aggregations clip ...] [--name NAME] [--report]
 """
 
 from __future__ import annotations
@@ -117,13 +117,20 @@ def _commit() -> str:
 
 
 def main() -> None:
+    global OUT, LOG
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only write the summary from the log")
+    parser.add_argument("--aggregations", nargs="+", choices=AGGREGATIONS, default=list(AGGREGATIONS))
+    parser.add_argument(
+        "--name", default=OUT.stem, help="results as bench/results/NAME.{runs.jsonl,json,png} (a rerun apart)"
+    )
     args = parser.parse_args()
+    OUT = OUT.with_name(f"{args.name}.json")
+    LOG = OUT.with_suffix(".runs.jsonl")
     cells = [("local", None, 0, DEFAULT, seed) for seed in args.seeds]
-    cells += [("cga", attack, n, agg, seed) for seed in args.seeds for agg in AGGREGATIONS
+    cells += [("cga", attack, n, agg, seed) for seed in args.seeds for agg in args.aggregations
               for attack, n in [(None, 0), *ATTACKS]
               if agg != "clip, no screen" or attack in SCREEN_MATTERS]  # fmt: skip
     done = load_runs(LOG)

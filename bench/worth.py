@@ -198,7 +198,9 @@ def report(scale: str, full: bool) -> dict[str, Any]:
     done = load_runs(LOG)
     s = SCALES[scale]
     alone_rounds = max(s["sizes"]) * s["rounds"] * ALONE_ROUNDS
-    out: dict[str, Any] = {"scale": scale, "rounds": s["rounds"], "settings": s["base"], "sizes": {}}
+    settings = {k: (str(Path(v).relative_to(ROOT)) if k == "model" and Path(v).is_absolute() else v)
+                for k, v in s["base"].items()}  # fmt: skip
+    out: dict[str, Any] = {"scale": scale, "rounds": s["rounds"], "settings": settings, "sizes": {}}
     commits = set()
     for n in s["sizes"]:
         floors = {seed: done.get(key(scale, "floor", n, seed)) for seed in SEEDS}
