@@ -86,7 +86,8 @@ def _data(scale: str, c: SimConfig) -> tuple[Any, int]:
     from cgad.node.training.data import load_dataset
     from cgad.node.training.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(c.tokenizer, vocab_size=SCALES[scale]["vocab"])
+    vocab = SCALES[scale]["vocab"]  # None: the default tokenizer's own
+    tokenizer = load_tokenizer(c.tokenizer, **({"vocab_size": vocab} if vocab else {}))
     return load_dataset(tokenizer, c.data), tokenizer.vocab_size
 
 
