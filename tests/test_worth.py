@@ -34,7 +34,8 @@ def test_w_reads_the_lone_curve_and_says_where_it_is_only_a_bound(worth):
 def test_the_table_and_the_headline_come_from_the_result(worth):
     point = {"mean": 0.6, "min": 0.5, "max": 0.7}
     w = {"mean": 2.0, "min": 1.8, "max": 2.2}
-    row = {"kind": "swarm", "G": [point] * 60, "G_best": [point] * 60, "W": [w] * 60, "w_at_least": [False] * 60}
+    row = {"kind": "swarm", "G": [point] * 60, "G_best": [point] * 60, "W": [w] * 60}
+    row["w_at_least"] = [False] * 60
     result = {"rounds": 60, "seeds": [0, 1, 2], "commits": ["abc"], "settings": {},
               "sizes": {"8": {"conditions": {"τ=0": row}, "ceiling_best_lr_factor": 2.0}}}  # fmt: skip
     table = worth.table(result)
