@@ -13,6 +13,8 @@ def test_by_round_means_the_swarm_where_the_lone_node_evaluated_too() -> None:
     alone = {0: 8.0, 1: 7.0, 2: 6.0}
     assert by_round(swarm, alone) == [(0, 8.0, 8.0), (1, 6.25, 7.0), (2, 5.25, 6.0)]
     assert by_round(swarm, {}) == [] and by_round([], alone) == []
+    # the words take only rounds the whole swarm evaluated: never one node standing for the mean
+    assert by_round(swarm, {**alone, 3: 5.5}, every=True) == [(1, 6.25, 7.0), (2, 5.25, 6.0)]
 
 
 def test_by_time_takes_each_nodes_latest_loss_at_evenly_spaced_moments() -> None:

@@ -285,7 +285,9 @@ def _versus(swarm: list[_Proc], alone: _Proc | None) -> None:
         for at, mean, lone in rows:
             shown = f"{at}" if label == "round" else f"{at / 60:.1f}"
             print(f"{label:>7} {shown:>6} {mean:>7.3f} {lone:>7.3f} {lone - mean:>+7.3f}")
-    print(gain_in_words(rounds, times, len(swarm), alone.evals()))
+    # the words compare at the last round every node evaluated: equal inner steps, the whole swarm
+    every = by_round([p.evals() for p in swarm], alone.evals(), every=True)
+    print(gain_in_words(every, times, len(swarm), alone.evals()))
 
 
 def _timed(p: _Proc) -> list[tuple[float, float]]:

@@ -182,18 +182,22 @@ def plot_long_sweep(result: dict, path: str | Path) -> Path:
 # ---------------------------------------------------------------- the demo: the swarm and its floor
 
 
-def by_round(swarm: list[dict[int, float]], alone: dict[int, float]) -> list[tuple[int, float, float]]:
+def by_round(
+    swarm: list[dict[int, float]], alone: dict[int, float], every: bool = False
+) -> list[tuple[int, float, float]]:
     """``(round, the swarm's mean, the lone node's)`` held-out loss at every round the lone node
     and at least one swarm node evaluated (the mean over those that did).
 
     Args:
         swarm: each swarm node's held-out loss by round.
         alone: the lone node's held-out loss by round.
+        every: only the rounds every swarm node evaluated, so that a mean is never one node's
+            loss standing for the swarm's (the last round is often reached by one node first).
     """
     rows = []
     for round_ in sorted(alone):
         losses = [node[round_] for node in swarm if round_ in node]
-        if losses:
+        if losses and (not every or len(losses) == len(swarm)):
             rows.append((round_, statistics.fmean(losses), alone[round_]))
     return rows
 
