@@ -19,8 +19,8 @@ batch 4 × 64, inner lr 1e-3) at N = 4, 8 and 16, and `tiny` at N = 4 (H, batch 
 defaults). Conditions: τ = 0, random delays of 0-4 and 0-8 rounds, stragglers (half the members
 2-3× slower) and churn (5% a round, 10% of deliveries lost); every size runs τ = 0, ``--full``
 every condition at every size (8 runs them all by default). Ablations beside the default at N = 8,
-τ = 0: the inner lr as given (``--inner-lr-scaling none``: the tree before the square-root rule)
-and every peer's delta taken (``--fan-in`` unbounded). 3 seeds.
+τ = 0: the defaults before the square-root rule (the inner lr as given, CGA's momentum 0.5), the
+rule with that momentum, and every peer's delta taken (``--fan-in`` unbounded). 3 seeds.
 
 Runs go to bench/results/worth.runs.jsonl (``bench/runner/sweep.py``), so the sweep resumes where it
 stopped; ``--report`` writes bench/results/worth.json and worth.png from what the log holds.
@@ -69,7 +69,9 @@ CONDITIONS: dict[str, Any] = {
 }
 ALL_CONDITIONS_AT = 8  # the size every condition runs at by default
 ABLATIONS: dict[str, dict[str, Any]] = {
-    "inner lr as given": {"inner_lr_scaling": "none"},
+    # the defaults before the square-root rule: the inner lr as given, CGA's momentum 0.5
+    "inner lr as given": {"inner_lr_scaling": "none", "cga_momentum": 0.5},
+    "CGA momentum 0.5": {"cga_momentum": 0.5},
     "every peer's delta": {"fan_in": None},
 }
 CEILING_LRS = (1.0, 2.0, 3.0)  # × the members' inner lr

@@ -133,11 +133,12 @@ class OuterOptions(_Part):
     beta2: float = Field(0.95, ge=0, lt=1, description="Adam family: second-moment decay")
     momentum: float = Field(0.9, ge=0, lt=1, description="Nesterov family: momentum")
     cga_momentum: float = Field(
-        0.5,
+        0.0,
         ge=0,
         lt=1,
         description="CGA: Nesterov momentum on the averaged step, scaled by the running share of peers "
-        "whose deltas arrive fresh (0: plain averaging)",
+        "whose deltas arrive fresh (0, the default: plain averaging; the inner lr's square-root rule "
+        "already gives the step its length)",
     )
     noloco_beta: float = Field(0.5, ge=0, lt=1, description="NoLoCo: momentum β")
     restart_every: int = Field(

@@ -53,7 +53,9 @@ def test_scale_measures_a_lone_daemon_against_a_bare_loop(tmp_path, monkeypatch,
     # the same order as a bare loop: below it too, as the daemon gives freed buffers back to the
     # system (node/daemon/allocator.py) where the bare loop's allocator keeps them (0.86x at tiny)
     assert 0.5 < summary["rss_ratio"] < 5.0, summary
-    assert summary["tokens_ratio"] > 0, summary  # how far below 1: the full run's question, not a test's
+    # how close to 1 is the full run's question (its goal is 0.95); that a lone daemon trains at
+    # half the bare loop's rate or worse, on any machine, is a defect this catches
+    assert summary["tokens_ratio"] > 0.5, summary
     # one repeat: its own pair's ratio is the ratio of the medians
     assert summary["tokens_ratio_pairs"] == [summary["tokens_ratio"]]
     assert abs(summary["tokens_ratio_of_medians"] - summary["tokens_ratio"]) < 1e-9
@@ -67,10 +69,10 @@ def test_scale_measures_a_lone_daemon_against_a_bare_loop(tmp_path, monkeypatch,
     assert summary["transport_bytes_per_round"] == 0  # alone: nobody fetched anything
     # the snapshot as its signed offer states it: phi and at most two more model-sized tensors
     assert 0.25 * numel < summary["snapshot_bytes"] < 16 * numel + (1 << 20), summary
-    stall = run["daemon"]["stall"]
-    if stall is not None:  # the status document's stall, where the daemon reports one
-        assert 0 <= stall["fraction"] <= 1 and stall["per_outer_step_s"] >= 0
-        assert summary["stall_fraction"] == stall["fraction"]
+    stall = run["daemon"]["stall"]  # the status document's stall: blocks ended, so it is reported
+    assert stall is not None, run["daemon"]
+    assert 0 <= stall["fraction"] <= 1 and stall["per_outer_step_s"] >= 0
+    assert summary["stall_fraction"] == stall["fraction"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -628,8 +628,9 @@ def test_shared_data_gives_each_worker_the_whole_corpus_and_its_own_stream(corpu
 
 
 def test_cga_momentum_is_on_where_deliveries_are_fresh_and_off_where_every_one_is_late(corpus):
-    fresh = run(corpus, optimizer="cga", rounds=3)
-    late = run(corpus, optimizer="cga", delay="2", rounds=3)  # every peer's delta two rounds old
+    fresh = run(corpus, optimizer="cga", cga_momentum=0.5, rounds=3)
+    # every peer's delta two rounds old
+    late = run(corpus, optimizer="cga", cga_momentum=0.5, delay="2", rounds=3)
     assert 0.2 < fresh["mean_outer_momentum"] <= 0.5 and late["mean_outer_momentum"] == 0.0
     assert run(corpus, optimizer="sgd", rounds=1)["mean_outer_momentum"] is None
 
