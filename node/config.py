@@ -309,9 +309,9 @@ class SimOptions(_Part):
     drop: float = Field(0.0, ge=0, lt=1, description="probability a delivery is lost")
     bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
     codec: CodecName = Field(
-        "fp32",
-        description="pseudo-gradient encoding on the virtual wire, with error feedback for the lossy "
-        "ones as a daemon's (fp32: exact; a daemon sends 4bit by default)",
+        "auto",
+        description="pseudo-gradient encoding on the virtual wire, chosen and fed back as a daemon's "
+        "(auto: what the link carries in time; fp32: exact)",
     )
     sparse_keep: int = Field(
         SPARSE_KEPT, ge=1, le=SPARSE_MAX_KEPT, description="sparse: values sent per block of 256"
@@ -434,7 +434,7 @@ class DemoConfig(_Schedule, TrainingOptions, OuterOptions):
     nodes: Positive = Field(3, description="nodes to start")
     minutes: PositiveFloat = Field(5.0, description="how long they train")
     out: str = Field(".", description="folder for the PNG and the nodes' logs and checkpoints")
-    codec: CodecName = Field("fp16", description="pseudo-gradient encoding")
+    codec: CodecName = Field("fp16", description="pseudo-gradient encoding (preset here; join: auto)")
     inner_steps: Positive = Field(20, description="H: inner steps per outer round")
     inner_lr: PositiveFloat = Field(1e-3, description="inner AdamW learning rate")
     batch_size: Positive = Field(4, description="sequences per inner step")

@@ -134,6 +134,9 @@ def test_one_attacker_hurts_the_plain_mean_and_not_the_robust_default(corpus) ->
     assert len(robust["worker_final_losses"]) == 3  # judged by the honest workers only
     assert robust["clipped"] > 0
     assert robust["final_loss"] == pytest.approx(clean["final_loss"], rel=0.05)
+    # and the honest workers end below the same three training alone: the least a swarm owes them
+    alone = _swarm(corpus, optimizer="local")["worker_final_losses"][:3]
+    assert robust["final_loss"] < sum(alone) / 3, (robust["final_loss"], alone)
     # the plain mean takes the scaled Δ whole: the honest workers' model blows up (their own
     # next pseudo-gradients come out non-finite) or their loss climbs far above the clean run's
     assert (

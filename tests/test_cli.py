@@ -21,6 +21,36 @@ def test_help_lists_subcommands():
     assert "info" in out.stdout
 
 
+def test_join_help_lists_what_a_volunteer_sets_and_help_all_every_option():
+    import re
+
+    from cgad.node.config import JoinConfig
+
+    short, everything = cli("join", "--help"), cli("join", "--help-all")
+    assert short.returncode == 0 and everything.returncode == 0, short.stderr + everything.stderr
+    listed = [re.findall(r"^  (--[\w-]+|-h)", out.stdout, re.M) for out in (short, everything)]
+    assert len(listed[0]) <= 20 and {"--peers", "--identity", "--help-all"} <= set(listed[0]), listed[0]
+    # every option of the configuration, by part, and the flags beside it
+    fields = {"--" + name.replace("_", "-") for name in JoinConfig.model_fields}
+    assert fields <= set(listed[1]), fields - set(listed[1])
+    assert "Which outer optimizer" in everything.stdout or "The outer step" in everything.stdout
+    # a flag the short help leaves out is still taken
+    dry = cli("join", "--dry-run", "--fan-in", "3", "--record-ttl", "60")
+    assert dry.returncode == 0 and '"fan_in": 3' in dry.stdout, dry.stderr
+
+
+def test_every_key_join_and_simulate_share_has_one_default():
+    from cgad.node.config import JoinConfig, SimConfig
+
+    def default(model: type, name: str) -> object:
+        return model.model_fields[name].get_default(call_default_factory=True)
+
+    shared = [name for name in JoinConfig.model_fields if name in SimConfig.model_fields]
+    assert len(shared) > 20
+    differ = {name: (default(JoinConfig, name), default(SimConfig, name)) for name in shared}
+    assert {name: pair for name, pair in differ.items() if pair[0] != pair[1]} == {}
+
+
 def test_version():
     out = cli("--version")
     assert out.returncode == 0

@@ -89,7 +89,7 @@ def test_the_image_takes_its_base_as_a_build_argument():
 PROJECT = "cgad-node"  # the Makefile's COMPOSE_PROJECT
 METRICS = "http://127.0.0.1:9100/metrics"
 DASHBOARD = "http://127.0.0.1:7781/api/status"
-TRAIN_DEADLINE_S = 600  # the README promises both workers applied within 10 minutes of the start
+TRAIN_DEADLINE_S = 600  # docs/USAGE.md promises both workers applied within 10 minutes of the start
 
 
 def _engine_missing() -> str | None:

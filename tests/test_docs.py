@@ -23,3 +23,28 @@ def test_every_design_reference_resolves_to_a_section_of_docs_design():
             assert in_docs or ref.group(1), f"{where}: say docs/DESIGN.md, the one in the repository"
         assert "shared/DESIGN" not in path.read_text(), f"{path.relative_to(ROOT)} points outside the repo"
     assert found >= 3
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_the_readme_is_a_front_door_and_every_link_in_the_docs_lands():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150, "README.md is the front door: 150 lines, the rest in docs/"
+    checked = 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CHANGELOG.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            landed = (page.parent / path).resolve() if path else page
+            assert landed.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor and landed.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", landed.read_text(), re.M)
+                anchors = {_anchor(h) for h in headings}
+                assert anchor in anchors, f"{page.relative_to(ROOT)}: no #{anchor} in {path}"
+            checked += 1
+    assert checked >= 20

@@ -31,7 +31,7 @@ LOCAL = 0.5  # the joiner's own φ (a model of its own seed, in the swarm's neig
 def _stepped_loop(optimizer: str) -> OuterLoop:
     """A loop that has taken two outer steps, so its optimizer holds state of every kind."""
     me = VirtualNetwork().join("me")
-    loop = OuterLoop([torch.zeros(8)], OuterOptions(optimizer=optimizer, outer_lr=0.5), me, "run")
+    loop = OuterLoop([torch.zeros(8)], _options(optimizer), me, "run")
     for _ in range(2):
         loop.theta[0].add_(0.1)
         loop.publish(0, tokens=10)
@@ -39,10 +39,13 @@ def _stepped_loop(optimizer: str) -> OuterLoop:
     return loop
 
 
+def _options(optimizer: str) -> OuterOptions:
+    # CGA with momentum, so that it holds state to forge (without it, CGA keeps none)
+    return OuterOptions(optimizer=optimizer, outer_lr=0.5, cga_momentum=0.5)
+
+
 def _fresh_loop(optimizer: str) -> OuterLoop:
-    return OuterLoop(
-        [torch.zeros(8)], OuterOptions(optimizer=optimizer, outer_lr=0.5), VirtualNetwork().join("j"), "run"
-    )
+    return OuterLoop([torch.zeros(8)], _options(optimizer), VirtualNetwork().join("j"), "run")
 
 
 def _forged(optimizer: str, name: str, value: object) -> dict:

@@ -12,12 +12,11 @@ import json
 import os
 import platform
 import sys
-import types
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cgad.node import __version__
+from cgad.node.front.flags import HelpAll, add_config_flags, config_from
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,98 +81,47 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- flags from the config model
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _unwrap_optional(annotation: Any) -> Any:
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        rest = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return rest[0] if len(rest) == 1 else str
-    return annotation
-
-
-def _add_field(group: argparse._ArgumentGroup, name: str, field: Any, **override: Any) -> None:
-    """One flag for one config field: its type, choices, and help with the default."""
-    annotation = _unwrap_optional(field.annotation)
-    default = field.get_default(call_default_factory=True)
-    shown = " ".join(map(str, default)) if isinstance(default, list) else default
-    suffix = "" if default is None else f" (default: {shown})"
-    kwargs: dict[str, Any] = {"help": f"{field.description or ''}{suffix}"}
-    if typing.get_origin(annotation) is typing.Annotated:
-        annotation = typing.get_args(annotation)[0]
-    if annotation is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    elif typing.get_origin(annotation) is list:
-        (item,) = typing.get_args(annotation)
-        kwargs["nargs"] = "*"
-        if typing.get_origin(item) is typing.Literal:
-            kwargs["choices"] = typing.get_args(item)
-        else:
-            text = "PEER_ID" if name == "allow" else "MULTIADDR"  # the list fields of text
-            kwargs["metavar"] = text if item is str else item.__name__.upper()
-    elif typing.get_origin(annotation) is typing.Literal:
-        kwargs["choices"] = typing.get_args(annotation)
-    else:
-        kwargs["type"] = annotation if annotation in (int, float) else str
-    kwargs.update(override)
-    group.add_argument(_flag(name), **kwargs)
-
-
-def _add_config_flags(
-    parser: argparse.ArgumentParser, model: type, overrides: dict[str, dict[str, Any]] | None = None
-) -> None:
-    """Every field of ``model`` as a flag, grouped by the part of the configuration it belongs to.
-    Flags not given stay absent (argument_default=SUPPRESS): a YAML file's values then stand."""
-    overrides = overrides or {}
-    parser.add_argument("--config", help="YAML file of these options (flags given on the command line win)")
-    done: set[str] = set()
-    from pydantic import BaseModel
-
-    for part in [m for m in model.__mro__ if issubclass(m, BaseModel) and m is not BaseModel]:
-        own = [n for n in getattr(part, "__annotations__", {}) if n in model.model_fields and n not in done]
-        if not own:
-            continue
-        title = (part.__doc__ or part.__name__).strip().splitlines()[0].rstrip(".")
-        group = parser.add_argument_group(title)
-        for name in own:
-            _add_field(group, name, model.model_fields[name], **overrides.get(name, {}))
-            done.add(name)
-
-
-def _config_from(
-    model: type, args: argparse.Namespace, skip: Sequence[str] = (), extra: dict[str, Any] | None = None
-) -> Any:
-    """The configuration: defaults < the YAML file (``--config``) < flags given < ``extra``."""
-    from cgad.node.config import build_config, load_yaml
-
-    flags = {k: v for k, v in vars(args).items() if k in model.model_fields and k not in skip}
-    path = getattr(args, "config", None)
-    file_values = load_yaml(path, model) if path else {}
-    return build_config(model, (f"config file {path}", file_values), ("", flags), ("", extra or {}))
+# what `join --help` shows: what a volunteer sets; `join --help-all` shows every option by part
+JOIN_HELP_SHOWS = (
+    "peers", "run_id", "swarm_key", "identity", "announce_maddrs", "host_maddrs", "checkpoint_dir",
+    "device", "model", "data", "batch_size", "upload_limit", "dashboard_port", "admin_port", "max_rounds",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------- join
 
 
-def _add_join(subparsers: argparse._SubParsersAction) -> None:
+def _join_parser(parser: argparse.ArgumentParser, shown: Sequence[str] | None) -> argparse.ArgumentParser:
+    """``join``'s options on ``parser``; the help lists ``shown`` of them (None: every one)."""
     from cgad.node.config import JoinConfig
 
+    if shown is not None:
+        full = _join_parser(argparse.ArgumentParser(description=parser.description), None)
+        parser.add_argument("--help-all", action=HelpAll, full=lambda prog: _with_prog(full, prog),
+                            help="show every option, grouped by part, and exit")  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true", default=False,
+                        help="validate the whole configuration, print it, and exit")  # fmt: skip
+    parser.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
+                        help="how much this node logs (debug: every failed fetch and why)")  # fmt: skip
+    add_config_flags(parser, JoinConfig, shown=shown)
+    return parser
+
+
+def _with_prog(parser: argparse.ArgumentParser, prog: str) -> argparse.ArgumentParser:
+    parser.prog = prog
+    return parser
+
+
+def _add_join(subparsers: argparse._SubParsersAction) -> None:
     join = subparsers.add_parser(
         "join",
         help="run a node: join a swarm (or start one) and train",
         description="Train locally and exchange age-weighted pseudo-gradient fragments with the swarm. "
-        "Options can also come from a YAML file (--config); flags win.",
+        "Options can also come from a YAML file (--config); flags win. This help lists what a "
+        "volunteer sets; --help-all lists every option.",
         argument_default=argparse.SUPPRESS,
     )
-    join.add_argument("--dry-run", action="store_true", default=False,
-                      help="validate the whole configuration, print it, and exit")  # fmt: skip
-    join.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
-                      help="how much this node logs (debug: every failed fetch and why)")  # fmt: skip
-    _add_config_flags(join, JoinConfig)
+    _join_parser(join, JOIN_HELP_SHOWS)
     join.set_defaults(handler=_cmd_join)
 
 
@@ -182,7 +130,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
     from cgad.node.config import JoinConfig
 
-    config = _config_from(JoinConfig, args)
+    config = config_from(JoinConfig, args)
     if args.dry_run:
         print(json.dumps(config.model_dump(), indent=1))
         return 0
@@ -322,7 +270,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         "show their progress, and end with a summary table and a PNG of their loss curves.",
         argument_default=argparse.SUPPRESS,
     )
-    _add_config_flags(demo, DemoConfig)
+    add_config_flags(demo, DemoConfig)
     demo.set_defaults(handler=_cmd_demo)
 
 
@@ -330,7 +278,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from cgad.node.config import DemoConfig
     from cgad.node.front.demo import run_demo
 
-    png, interrupted = run_demo(_config_from(DemoConfig, args))
+    png, interrupted = run_demo(config_from(DemoConfig, args))
     print(f"loss curves: {png.resolve()}")
     return 130 if interrupted else 0  # the shell's code for "stopped by Ctrl-C"
 
@@ -361,7 +309,7 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
             "help": "slow-down factors, one per worker, or K:F (the last K workers F times slower)",
         },
     }
-    _add_config_flags(sim, SimConfig, overrides)
+    add_config_flags(sim, SimConfig, overrides)
     sim.set_defaults(handler=_cmd_simulate)
 
 
@@ -373,12 +321,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    base = _config_from(SimConfig, args, skip=("optimizer",))
+    base = config_from(SimConfig, args, skip=("optimizer",))
     optimizers = getattr(args, "optimizer", None) or [base.optimizer]
     # every configuration is validated before any work starts, each from what was given (the
     # defaults that follow the optimizer, as --mixing auto, follow each one)
     configs = [
-        _config_from(SimConfig, args, skip=("optimizer",), extra={"optimizer": opt, "seed": base.seed + k})
+        config_from(SimConfig, args, skip=("optimizer",), extra={"optimizer": opt, "seed": base.seed + k})
         for opt in optimizers
         for k in range(args.seeds)
     ]

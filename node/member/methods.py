@@ -44,6 +44,7 @@ class Contribution:
     scale: float
     publisher: str
     own: bool
+    clipped: bool = False  # cut to the clip radius: taken, but not counted as a member averaged
 
 
 def _gate_age(options: OuterOptions) -> int:

@@ -362,7 +362,9 @@ class OuterLoop:
         that does not average (NoLoCo's pair and the floor take no mean of the round)."""
         if not self.method.averages:
             return 1.0
-        return effective_count([max(c.tokens, 1) * c.scale for c in taken])
+        # a delta cut to the clip radius is taken, but counts as no member: the inner lr's length
+        # is for the noise honest members average away, not for whatever sends the most
+        return effective_count([max(c.tokens, 1) * c.scale for c in taken if not c.clipped])
 
     def inner_lr_scale(self) -> float:
         """√N of the running count of members averaged: what the inner lr is multiplied by under
@@ -398,7 +400,7 @@ class OuterLoop:
                 self.counters.dropped_stale += 1
                 continue
             is_own = frag is own
-            delta = frag.tensor
+            delta, clipped = frag.tensor, False
             if n in judged:
                 cosine, delta, clipped = judged[n]
                 if cosine < self.options.min_cosine:
@@ -410,7 +412,7 @@ class OuterLoop:
             if cap is not None and not is_own and tokens > cap:
                 tokens = cap
                 self.counters.tokens_capped += 1
-            taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own))
+            taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own, bool(clipped)))
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
             if not is_own:
                 self.counters.applied += 1
