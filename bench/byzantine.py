@@ -20,18 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from cgad.bench.wan.provenance import describe, tree_state
 from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import describe, tree_state  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "byzantine.json"
 LOG = OUT.with_suffix(".runs.jsonl")

@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling long_sweep, however it is run
-from long_sweep import BASE, CONDITIONS, RESULTS, SEEDS, Sweep, load_log, run_all, run_key
+from cgad.bench.long_sweep import BASE, CONDITIONS, RESULTS, SEEDS, Sweep, load_log, run_all, run_key
 
 NO_DEFENCE = "cga + late gossip, mean"
 DEFAULT = "cga + late gossip"

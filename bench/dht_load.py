@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))
+from cgad.bench.wan.provenance import tree_state
 
-from provenance import tree_state  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 from cgad.protocol.config import NetworkOptions  # noqa: E402
 from cgad.protocol.network import NetworkTransport  # noqa: E402

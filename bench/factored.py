@@ -36,16 +36,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))
-from provenance import tree_state  # noqa: E402
+from cgad.bench.wan.provenance import tree_state
 
+ROOT = Path(__file__).resolve().parent.parent
 from cgad.node.front.report import load_runs  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

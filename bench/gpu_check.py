@@ -32,7 +32,6 @@ the CPU (tests use it at the tiny preset to keep the script working).
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import platform
 import statistics
@@ -41,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,11 +55,14 @@ OUTER_REPEATS = 4  # timed outer steps per preset, after one untimed
 
 
 def _scale() -> Any:
-    """bench/scale.py, whose daemon run this script shares (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_scale", BENCH / "scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """What this script shares with bench/scale.py: its daemon run and its machine record."""
+    from cgad.bench import scale, scale_runs
+
+    shared = ("Settings", "run_daemon", "_env", "_read_log", "_stop")
+    return types.SimpleNamespace(
+        **{name: getattr(scale_runs, name) for name in shared},
+        machine=scale.machine, tree_state=scale.tree_state, ROOT=scale.ROOT,
+    )  # fmt: skip
 
 
 class Deadline:

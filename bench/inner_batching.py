@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -36,13 +35,12 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from cgad.bench.wan.provenance import tree_state
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model
 from cgad.node.training.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import tree_state  # noqa: E402
 
 # InnerTrainer's defaults
 LR, WEIGHT_DECAY, BETAS, CLIP = 4e-4, 0.1, (0.9, 0.95), 1.0

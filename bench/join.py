@@ -35,11 +35,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))
+from cgad.bench.wan.provenance import tree_state
+from cgad.bench.wan.testbed import Link, Testbed, available
 
-from provenance import tree_state  # noqa: E402
-from testbed import Link, Testbed, available  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 from cgad.node.daemon.admin import call_admin  # noqa: E402
 

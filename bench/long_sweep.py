@@ -34,18 +34,16 @@ import argparse
 import json
 import math
 import os
-import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from cgad.bench.wan.provenance import describe, tree_state
 from cgad.node.config import SimConfig
 from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import describe, tree_state  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODEL = ROOT / "bench" / "sweep_model.json"

@@ -15,18 +15,16 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from cgad.bench.wan.provenance import tree_state
 from cgad.optim import CGAD, PACGAD
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import tree_state  # noqa: E402
 
 # (hidden, layers, intermediate, vocab) of two Llama-style models with untied embeddings
 SIZES = {"25M": (512, 6, 1376, 8192), "100M": (768, 12, 2048, 8192)}

@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from cgad.bench.wan.provenance import tree_state
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.node import Node
 from cgad.node.training.data import load_dataset
@@ -29,8 +29,6 @@ from cgad.node.training.model import build_model
 from cgad.node.training.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import tree_state  # noqa: E402
 
 RESULT = Path(__file__).parent / "results" / "overhead.json"
 

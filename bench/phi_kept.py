@@ -17,14 +17,12 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import long_sweep
+from cgad.bench import long_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "bench" / "results" / "phi_kept.json"

@@ -47,13 +47,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cgad.bench.wan.provenance import describe, tree_state
 from cgad.node.config import SimConfig
 from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import describe, tree_state  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODELS = ("tiny", "small")  # the scale of the earlier figures here, and the claim's

@@ -36,6 +36,7 @@ from pathlib import Path
 import hivemind
 import torch
 
+from cgad.bench.wan.provenance import tree_state
 from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.network import NetworkTransport
@@ -44,8 +45,6 @@ from cgad.protocol.transport import FragmentKey
 from cgad.protocol.wire import content_hash
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import tree_state  # noqa: E402
 
 RUN = "bench"
 _TICKS = os.sysconf("SC_CLK_TCK")

@@ -34,15 +34,12 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
+from cgad.bench.runner.sweep import Run, run_sweep
 from cgad.node.config import SimConfig
 from cgad.node.front.report import load_runs, rounds_to_reach
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "runner"))
-from sweep import Run, run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -19,9 +19,8 @@ from cgad.protocol.selection import OfferSelector
 from cgad.protocol.transport import Kind
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench" / "wan"))
 
-from testbed import available  # noqa: E402
+from cgad.bench.wan.testbed import available  # noqa: E402
 
 
 def test_ports_and_relays_are_read_from_multiaddrs():
@@ -67,7 +66,7 @@ def test_an_offer_no_holder_delivered_is_fetched_again_from_a_new_holder():
 @pytest.mark.skipif(available(nat=True) is not None, reason=str(available(nat=True)))
 @pytest.mark.timeout(300)
 def test_two_volunteers_behind_nat_apply_each_others_fragments(tmp_path, monkeypatch):
-    from run import load_scenario, run
+    from cgad.bench.wan.run import load_scenario, run
 
     executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent))
     monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))

@@ -72,18 +72,16 @@ def test_the_daemons_keep_the_simulators_prediction(tmp_path, monkeypatch):
 
 
 def test_step_seconds_is_the_median_round_over_h_after_the_first_rounds():
-    bench = _bench()
+    from cgad.bench.sim_vs_daemon_sides import step_seconds
+
     ends = [(1, 0.0), (2, 50.0), (3, 60.0), (4, 70.0), (5, 95.0), (7, 115.0)]
     # the first two rounds (joining) left out: 10 s, 25 s, then 20 s over two rounds (10 s each)
-    assert bench.step_seconds(ends, 10) == pytest.approx(1.0)
-    assert bench.step_seconds(ends[:3], 10) is None  # one round after the skipped ones: no gap
+    assert step_seconds(ends, 10) == pytest.approx(1.0)
+    assert step_seconds(ends[:3], 10) is None  # one round after the skipped ones: no gap
 
 
 def _testbed_why_not():
-    import sys
-
-    sys.path.insert(0, str(BENCH.parent / "wan"))
-    from testbed import available
+    from cgad.bench.wan.testbed import available
 
     return available()
 
@@ -94,7 +92,7 @@ def test_the_link_probe_measures_the_shaped_rate():
     """What the simulator is given on the testbed is the link's rate as it is: a 10 Mbit path
     measures a little under 10 Mbit/s of goodput (headers), a 5 Mbit one half of that."""
     bench = _bench()
-    from testbed import Link, Testbed
+    from cgad.bench.wan.testbed import Link, Testbed
 
     with Testbed([Link(10, 10), Link(10, 10)]) as bed:
         # the better of two transfers: the shaper's rate, not a moment when the machine was busy

@@ -19,13 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WAN = ROOT / "bench" / "wan"
 RESULTS = ROOT / "bench" / "results" / "wan"
-sys.path.insert(0, str(WAN))
 
-import checks  # noqa: E402
-import provenance  # noqa: E402
-import report  # noqa: E402
-import runlog  # noqa: E402
-from testbed import available  # noqa: E402
+from cgad.bench.wan import checks, provenance, report, runlog  # noqa: E402
+from cgad.bench.wan.testbed import available  # noqa: E402
 
 SCENARIOS = WAN / "scenarios"
 
@@ -33,7 +29,7 @@ SCENARIOS = WAN / "scenarios"
 @pytest.fixture
 def runner():
     """bench/wan/run.py (it imports the daemon's admin client: here, not at collection)."""
-    return importlib.import_module("run")
+    return importlib.import_module("cgad.bench.wan.run")
 
 
 def _status(step: int, history: list, **more) -> dict:
@@ -378,7 +374,7 @@ def test_the_runner_runs_a_named_floor_first_and_checks_the_swarm_against_it(run
 @pytest.mark.skipif(available() is not None, reason=str(available()))
 @pytest.mark.timeout(600)
 def test_three_nodes_on_10_mbit_train_and_a_killed_node_catches_up(tmp_path, monkeypatch):
-    from run import load_scenario, run, takes_data_seed
+    from cgad.bench.wan.run import load_scenario, run, takes_data_seed
 
     executable = shutil.which("cgad-node", path=str(Path(sys.executable).parent))
     # the runner gives every node a data seed: a cgad-node without the flag is a failure, not a skip
@@ -440,7 +436,7 @@ def test_costs_per_round_count_the_steady_state_and_node_0_lists_the_swarm_in_ti
 def test_a_node_held_to_a_cpu_share_computes_at_that_share(tmp_path):
     """``cpu`` holds a node (and what it starts) to that many cores: a busy loop given 0.25 of a
     core for 3 s gets about 0.75 CPU seconds, where a core would give it about 3."""
-    from testbed import Link, Testbed, _cpu_cgroups
+    from cgad.bench.wan.testbed import Link, Testbed, _cpu_cgroups
 
     loop = tmp_path / "busy.py"
     loop.write_text(

@@ -5,8 +5,7 @@ Each record gets its ``key``, the code it ran at (``commit``, ``+changes`` when 
 edits beside it) and its wall seconds. ``node.front.report.load_runs`` reads the log back (a
 gzipped copy beside it first).
 
-    sys.path.insert(0, str(ROOT / "bench" / "runner"))
-    from sweep import Run, run_sweep
+    from cgad.bench.runner.sweep import Run, run_sweep
     run_sweep(LOG, [Run("floor 8 0", simulate_floor, {"seed": 0}, cost=8)], jobs=2, desc="worth")
 """
 
@@ -14,19 +13,17 @@ from __future__ import annotations
 
 import fcntl
 import json
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from cgad.bench.wan.provenance import describe, tree_state
 from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench" / "wan"))  # provenance: what a run ran
-from provenance import describe, tree_state  # noqa: E402
 
 __all__ = ["Run", "run_sweep"]
 

@@ -21,14 +21,11 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from provenance import describe, what_ran
-from runlog import find_run, read_run, run_names
+from cgad.bench.wan.provenance import describe, what_ran
+from cgad.bench.wan.runlog import find_run, read_run, run_names
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "wan"

@@ -46,13 +46,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from checks import EXPECTATIONS, check, check_floor, final_losses
-from provenance import data_seed, describe, refusal, tree_state
-from runlog import LEGACY_SUFFIX, SUFFIX, write_run
-from testbed import Link, Testbed, available
-
+from cgad.bench.wan.checks import EXPECTATIONS, check, check_floor, final_losses
+from cgad.bench.wan.provenance import data_seed, describe, refusal, tree_state
+from cgad.bench.wan.runlog import LEGACY_SUFFIX, SUFFIX, write_run
+from cgad.bench.wan.testbed import Link, Testbed, available
 from cgad.node.daemon.admin import call_admin
 from cgad.node.front.progress import progress_bar
 

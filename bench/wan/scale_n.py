@@ -28,14 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from checks import COSTS, costs_per_round, final_losses
-from runlog import find_run, read_run
+from cgad.bench.wan.checks import COSTS, costs_per_round, final_losses
+from cgad.bench.wan.runlog import find_run, read_run
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "wan"
 FLAT_WITHIN = 1.5  # a cost per node and round at most this many times the 4-node run's

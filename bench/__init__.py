@@ -1,0 +1,1 @@
+"""Benchmarks: each script writes JSON (and PNG) to bench/results/."""

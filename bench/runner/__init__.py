@@ -1,0 +1,1 @@
+"""The shared parts of the benchmarks: one resumable sweep runner."""

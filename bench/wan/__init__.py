@@ -1,0 +1,1 @@
+"""The WAN testbed: network namespaces, shaped links, NAT routers, real daemons."""
