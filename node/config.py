@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cgad.optim.defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
-from cgad.protocol.config import SPARSE_KEPT, SPARSE_MAX_KEPT, CodecName, NetworkOptions, Port
+from cgad.protocol.config import CodecName, ExchangeOptions, NetworkOptions, Port
 
 __all__ = [
     "ADMIN_PORT",
@@ -225,12 +225,6 @@ class NodeOptions(_Part):
         description="seconds a new node waits for the swarm to offer its state (a download under way"
         " has its own timeout, from its size)",
     )
-    apply_delay: NonNegative | Literal["auto"] = Field(
-        "auto",
-        description="inner steps between publishing a fragment and its outer step at the latest, training"
-        " on meanwhile, so that peers' fragments of the same round arrive in time (auto: as soon as every"
-        " live peer's is in, and at most half a block later; 0: at once)",
-    )
     state_every: Positive = Field(
         1,
         description="outer rounds between snapshots of the outer state offered to joining peers (a joiner"
@@ -308,26 +302,8 @@ class SimOptions(_Part):
     delay: str = Field("0", description="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
     drop: float = Field(0.0, ge=0, lt=1, description="probability a delivery is lost")
     bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
-    codec: CodecName = Field(
-        "auto",
-        description="pseudo-gradient encoding on the virtual wire, chosen and fed back as a daemon's "
-        "(auto: what the link carries in time; fp32: exact)",
-    )
-    sparse_keep: int = Field(
-        SPARSE_KEPT, ge=1, le=SPARSE_MAX_KEPT, description="sparse: values sent per block of 256"
-    )
     stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
-    apply_delay: NonNegative | Literal["auto"] = Field(
-        "auto",
-        description="inner steps a worker trains on between publishing and its outer step at the latest,"
-        " carried over it, as a daemon's (auto: as soon as every live peer's fragment is in, and at most"
-        " half a block later; 0: at once)",
-    )
     churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
-    fan_in: Positive | None = Field(
-        4,
-        description="peers' fragments a worker takes per fragment and round at most, as a daemon's --fan-in",
-    )
     step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
     data_split: Literal["disjoint", "shared"] = Field(
         "disjoint",
@@ -377,6 +353,24 @@ class SimOptions(_Part):
         return value
 
 
+class RoundOptions(_Part):
+    """The round's schedule: when an outer step is taken, a daemon's and a simulated worker's alike."""
+
+    apply_delay: NonNegative | Literal["auto"] = Field(
+        "auto",
+        description="inner steps between publishing a fragment and its outer step at the latest, training"
+        " on meanwhile, so that peers' fragments of the same round arrive in time (auto: as soon as every"
+        " live peer's is in, and at most half a block later; 0: at once)",
+    )
+
+    @model_validator(mode="after")
+    def _apply_delay_within_a_block(self) -> Any:
+        block = self.inner_steps // self.fragments  # type: ignore[attr-defined]
+        if self.apply_delay != "auto" and self.apply_delay >= block:
+            raise ValueError(f"--apply-delay ({self.apply_delay}) must be under a block ({block} steps)")
+        return self
+
+
 class _Schedule(_Part):
     """Checks across the training and outer parts: fragments sync in turn within a round."""
 
@@ -390,7 +384,7 @@ class _Schedule(_Part):
         return self
 
 
-class JoinConfig(_Schedule, TrainingOptions, OuterOptions, NetworkOptions, NodeOptions):
+class JoinConfig(_Schedule, TrainingOptions, OuterOptions, RoundOptions, NetworkOptions, NodeOptions):
     """Everything `cgad-node join` takes."""
 
     @model_validator(mode="after")
@@ -402,13 +396,10 @@ class JoinConfig(_Schedule, TrainingOptions, OuterOptions, NetworkOptions, NodeO
                 raise ValueError(
                     "--sync allreduce averages pseudo-gradients: no --mixing, no noloco, no --consensus-every"
                 )
-        block = self.inner_steps // self.fragments
-        if self.apply_delay != "auto" and self.apply_delay >= block:
-            raise ValueError(f"--apply-delay ({self.apply_delay}) must be under a block ({block} steps)")
         return self
 
 
-class SimConfig(_Schedule, TrainingOptions, OuterOptions, SimOptions):
+class SimConfig(_Schedule, TrainingOptions, OuterOptions, RoundOptions, ExchangeOptions, SimOptions):
     """One simulated swarm: one optimizer, one seed."""
 
     @model_validator(mode="after")
@@ -421,9 +412,6 @@ class SimConfig(_Schedule, TrainingOptions, OuterOptions, SimOptions):
             )
         if self.attackers and self.attack is None:
             raise ValueError("--attackers needs --attack (what they send)")
-        block = self.inner_steps // self.fragments
-        if self.apply_delay != "auto" and self.apply_delay >= block:
-            raise ValueError(f"apply_delay ({self.apply_delay}) must be under a block ({block} inner steps)")
         return self
 
 

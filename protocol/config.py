@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "AUTO_DENSE", "CODEC_NAMES", "LOOP_CODECS", "PATHS", "SPARSE_KEPT", "SPARSE_MAX_KEPT", "CodecName",
-    "NetworkOptions", "Port", "check_multiaddr", "wire_codec",
+    "ExchangeOptions", "NetworkOptions", "Port", "check_multiaddr", "wire_codec",
 ]  # fmt: skip
 
 SPARSE_KEPT = 16  # values the sparse codec sends per block of 256 unless told otherwise
@@ -83,7 +83,43 @@ def check_multiaddr(text: str) -> str:
     return text
 
 
-class NetworkOptions(BaseModel):
+class ExchangeOptions(BaseModel):
+    """What a round's exchange sends and takes, the same in a daemon and in the simulator."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    codec: CodecName = Field(
+        "auto",
+        description="pseudo-gradient encoding on the wire (auto: 4bit, or sparse with as many values as"
+        " the measured link carries each round)",
+    )
+    sparse_keep: int = Field(
+        SPARSE_KEPT,
+        ge=1,
+        le=SPARSE_MAX_KEPT,
+        description="--codec sparse: values sent per block of 256 (16: 1.125 bits per value; fewer for"
+        " slower links); auto picks its own each round",
+    )
+    error_feedback: bool = Field(
+        True, description="carry a lossy codec's rounding error into the fragment's next pseudo-gradient"
+    )
+    fan_in: int | None = Field(
+        4,
+        ge=1,
+        description="at most this many peers' fragments taken per fragment and round (none: every peer's)",
+    )
+
+    @model_validator(mode="after")
+    def _sparse_needs_feedback(self) -> ExchangeOptions:
+        if self.codec in LOOP_CODECS and not self.error_feedback:
+            raise ValueError(
+                f"--codec {self.codec} needs --error-feedback: without it the values a sparse round"
+                " leaves out never go out"
+            )
+        return self
+
+
+class NetworkOptions(ExchangeOptions):
     """How a peer reaches the swarm and moves fragments."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -139,25 +175,7 @@ class NetworkOptions(BaseModel):
     grpc_announce_host: str | None = Field(
         None, pattern=HOST, description="the host others dial for gRPC, when it differs from --grpc-host"
     )
-    codec: CodecName = Field(
-        "auto",
-        description="pseudo-gradient encoding on the wire (auto: 4bit, or sparse with as many values as"
-        " the measured link carries each round)",
-    )
     params_codec: CodecName = Field("fp32", description="outer-parameter encoding (gossip and NoLoCo mixing)")
-    sparse_keep: int = Field(
-        SPARSE_KEPT,
-        ge=1,
-        le=SPARSE_MAX_KEPT,
-        description="--codec sparse: values sent per block of 256 (16: 1.125 bits per value; fewer for"
-        " slower links); auto picks its own each round",
-    )
-    error_feedback: bool = Field(
-        True, description="carry a lossy codec's rounding error into the fragment's next pseudo-gradient"
-    )
-    fan_in: int = Field(
-        4, ge=1, description="at most this many peers' fragments fetched per fragment and round"
-    )
     max_fetches: int = Field(
         3, ge=1, le=64, description="fragment fetches in flight at once (the youngest offers go first)"
     )
@@ -211,15 +229,6 @@ class NetworkOptions(BaseModel):
                 f"{value} suits pseudo-gradients only (it may send 1 value in 64), not parameters"
             )
         return value
-
-    @model_validator(mode="after")
-    def _sparse_needs_feedback(self) -> NetworkOptions:
-        if self.codec in LOOP_CODECS and not self.error_feedback:
-            raise ValueError(
-                f"--codec {self.codec} needs --error-feedback: without it the values a sparse round"
-                " leaves out never go out"
-            )
-        return self
 
     @field_validator("allow")
     @classmethod

@@ -203,7 +203,8 @@ class NetworkTransport(Transport):
         after its announcement, itself a DHT store), and the peers that fetch each fragment (live
         ones, at most ``fan_in``). The uplink is not measured: the downlink stands in for the link
         (symmetric on the testbed; an asymmetric volunteer's uplink is overrated)."""
-        fetchers = min(len(self.live_peers()), self.options.fan_in)
+        live = len(self.live_peers())
+        fetchers = live if self.options.fan_in is None else min(live, self.options.fan_in)
         latency = DISCOVERY_POLLS * self.options.poll_interval
         rate = self._receiver.downlink_rate
         return round_budget(rate, self._version_clock.seconds_per_version, fetchers, latency)

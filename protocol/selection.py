@@ -161,7 +161,7 @@ class OfferSelector:
         run_id: str,
         peer_id: str,
         *,
-        fan_in: int,
+        fan_in: int | None,
         history_versions: int,
         record_ttl: float,
         max_ahead: int | None = None,
@@ -305,9 +305,10 @@ class OfferSelector:
                 publisher = candidate.key.publisher
                 if publisher in taken:
                     continue
-                room = self.fan_in - len(self.verified.get(round_key, ())) - len(pending)
+                fan_in = self.fan_in if self.fan_in is not None else 1 << 30  # None: every peer's
+                room = fan_in - len(self.verified.get(round_key, ())) - len(pending)
                 if ahead:
-                    room = min(room, max(1, self.fan_in // 2) - len(pending))
+                    room = min(room, max(1, fan_in // 2) - len(pending))
                 busy = self._pending_of(publisher, fragment, round_key[1], now) >= MAX_PENDING_PER_PUBLISHER
                 if room <= 0 or busy:
                     if publisher not in self.passed[round_key]:  # counted once

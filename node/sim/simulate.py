@@ -165,6 +165,7 @@ def simulate(
             seed=c.seed * 31 + w,
             codec=c.codec,
             sparse_keep=c.sparse_keep,
+            error_feedback=c.error_feedback,
             link_budget=transports[w].round_budget,
         )
         trainer = InnerTrainer(

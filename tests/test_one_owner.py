@@ -1,0 +1,29 @@
+"""One owner per decision: where a daemon and the simulator take the same decision, they take it
+through the same code. Each test names the decision and shows that both sides reach the one owner."""
+
+import pytest
+from pydantic import ValidationError
+
+from cgad.node.config import JoinConfig, RoundOptions, SimConfig
+from cgad.protocol.config import ExchangeOptions
+
+
+def test_the_exchange_and_the_round_are_one_part_each_that_join_and_simulate_share():
+    for part in (ExchangeOptions, RoundOptions):
+        assert issubclass(JoinConfig, part) and issubclass(SimConfig, part)
+        for name in part.model_fields:  # declared once: both take the part's own field
+            fields = (JoinConfig.model_fields[name], SimConfig.model_fields[name], part.model_fields[name])
+            assert len({repr(field) for field in fields}) == 1, name
+
+
+@pytest.mark.parametrize("model", [JoinConfig, SimConfig])
+def test_an_apply_delay_past_the_block_is_refused_by_one_rule(model):
+    with pytest.raises(ValidationError, match=r"--apply-delay \(10\) must be under a block \(10 steps\)"):
+        model(inner_steps=10, apply_delay=10)
+    assert model(inner_steps=10, apply_delay=9).apply_delay == 9
+
+
+@pytest.mark.parametrize("model", [JoinConfig, SimConfig])
+def test_a_sparse_codec_without_error_feedback_is_refused_by_one_rule(model):
+    with pytest.raises(ValidationError, match="needs --error-feedback"):
+        model(codec="sparse", error_feedback=False)
