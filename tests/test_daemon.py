@@ -10,6 +10,7 @@ from _daemons import CLI, FRESH_LOSS, SETTINGS, NodeProcess  # tests/ is on sys.
 
 from cgad.node.daemon.admin import call_admin, check_health
 from cgad.node.front.export import export_checkpoint
+from cgad.node.member.ledger import COUNTED
 from cgad.optim.defaults import DEFAULT_CUTOFF
 
 pytestmark = pytest.mark.integration
@@ -21,7 +22,7 @@ HOSTILE = {
 STATUS_KEYS = {
     "peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
     "published", "applied", "rejected", "dropped_stale", "mean_age", "clipped", "skipped",
-    "cpu_seconds_by_thread", "outer_momentum", "tokens_capped", "inner_lr",
+    "cpu_seconds_by_thread", "outer_momentum", "tokens_capped", "inner_lr", *COUNTED,
 }  # fmt: skip
 
 

@@ -27,3 +27,18 @@ def test_an_apply_delay_past_the_block_is_refused_by_one_rule(model):
 def test_a_sparse_codec_without_error_feedback_is_refused_by_one_rule(model):
     with pytest.raises(ValidationError, match="needs --error-feedback"):
         model(codec="sparse", error_feedback=False)
+
+
+def test_the_simulators_record_counts_what_a_daemons_status_counts():
+    """``Counters.totals`` is the one list: the daemon's status spreads it (tests/test_daemon.py
+    asserts its keys), and so does the simulator's record, summed over the honest workers."""
+    from cgad.node.member.ledger import COUNTED
+    from cgad.node.sim.simulate import simulate
+    from cgad.node.training.data import load_dataset
+    from cgad.node.training.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    config = SimConfig(workers=3, inner_steps=4, rounds=2, batch_size=2, seq_len=32, eval_batches=1)
+    record = simulate(config, load_dataset(tokenizer), tokenizer.vocab_size)
+    assert set(COUNTED) <= set(record)
+    assert record["published"] == 3 * 2 and record["applied"] == 3 * 2 * 2  # every peer's, every round

@@ -61,10 +61,6 @@ TIMELINE_POINTS = 20_000  # rounds the dashboard can draw
 
 
 # the outer loop's plain counters in status ("unheard": own deltas not encoded, nobody could fetch them)
-_COUNTED = ("dropped_stale", "clipped", "tokens_capped", "clipped_params", "discarded", "replayed",
-            "held_ahead", "unheard")  # fmt: skip
-
-
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -428,15 +424,13 @@ class Node(MemberHooks):
             "eval_history": [list(e) for e in self.eval_history],
             "tokens_per_second": self.tokens_per_second,
             "peers": len(self.transport.live_peers()),
-            "published": counters.published,
-            "applied": counters.applied,
+            **counters.totals(),
             "applied_by_peer": dict(counters.applied_by_peer.copy()),
             "rejected_by_peer": dict(
                 counters.rejected_by_peer.copy() + self.transport.stats.rejected_by_peer.copy()
             ),
             "applied_by_age": {str(age): n for age, n in sorted(counters.applied_by_age.copy().items())},
             "rejected": rejected,
-            **{name: getattr(counters, name) for name in _COUNTED},
             "phase_nudges": dict(self.member.phase_nudges),
             "skipped": dict(self.transport.stats.skipped),
             "records_stored": dict(self.transport.stats.records_stored),

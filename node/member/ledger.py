@@ -4,6 +4,7 @@ parameter tensors make up each fragment."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,11 @@ def layout_numels(params: list[Any], fragments: int) -> list[int]:
     return [sum(params[i].numel() for i in idx) for idx in strided_fragments(len(params), fragments)]
 
 
+# what every report of a loop counts (a daemon's status, the simulator's record): one list
+COUNTED = ("published", "unheard", "applied", "dropped_stale", "clipped", "tokens_capped", "discarded",
+           "held_ahead", "mixed", "clipped_params", "replayed")  # fmt: skip
+
+
 @dataclass
 class Counters:
     published: int = 0
@@ -63,3 +69,19 @@ class Counters:
     def mean_age(self) -> float:
         """The mean age in rounds of the deliveries taken."""
         return self.age_sum / self.age_count if self.age_count else 0.0
+
+    def totals(self) -> dict[str, int]:
+        """The counts every report shows (``COUNTED``), by name."""
+        return {name: getattr(self, name) for name in COUNTED}
+
+
+def summed_totals(counters: Iterable[Counters]) -> dict[str, int]:
+    """``Counters.totals`` summed over several loops (a simulated swarm's workers).
+
+    Args:
+        counters: each loop's counters.
+    """
+    totals: Counter[str] = Counter({name: 0 for name in COUNTED})
+    for each in counters:
+        totals.update(each.totals())
+    return dict(totals)

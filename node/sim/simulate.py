@@ -31,7 +31,7 @@ import torch
 from cgad.node.config import SimConfig
 from cgad.node.member.consensus import matchmaking
 from cgad.node.member.engine import Member, MemberHooks, Schedule
-from cgad.node.member.ledger import Delivery
+from cgad.node.member.ledger import Delivery, summed_totals
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
 from cgad.node.member.swarm import snapshot_ceiling
@@ -329,17 +329,12 @@ def simulate(
         "bytes_sent": sum(s.bytes_sent for s in stats),
         "virtual_seconds": virtual_seconds,
         "utilization": busy / present if present else 0.0,
-        "applied": sum(wk.loop.counters.applied for wk in workers),
-        "dropped_stale": sum(wk.loop.counters.dropped_stale for wk in workers),
+        # the loop's counts as a daemon's status has them (``Counters.totals``), the honest workers'
+        **summed_totals(wk.loop.counters for wk in honest),
         "dropped_in_flight": sum(s.rejected["dropped_in_flight"] for s in stats),
         "resyncs": sum(wk.member.resyncs for wk in workers),
-        "replayed": sum(wk.loop.counters.replayed for wk in workers),
-        "mixed": sum(wk.loop.counters.mixed for wk in workers),
         # the codec each own delta went out in (``--codec auto`` chooses per round from the link)
         "sent_as": dict(sum((wk.loop.counters.sent_as for wk in workers), Counter())),
-        "clipped": sum(wk.loop.counters.clipped for wk in honest),
-        "tokens_capped": sum(wk.loop.counters.tokens_capped for wk in honest),
-        "clipped_params": sum(wk.loop.counters.clipped_params for wk in honest),
         "mean_age": _mean([d.age for d in delivered if not d.own]),
         "mean_outer_momentum": _mean(momenta) if momenta else None,
         "age_counts": _age_counts([d for d in delivered if not d.own]),
