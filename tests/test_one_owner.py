@@ -42,3 +42,22 @@ def test_the_simulators_record_counts_what_a_daemons_status_counts():
     record = simulate(config, load_dataset(tokenizer), tokenizer.vocab_size)
     assert set(COUNTED) <= set(record)
     assert record["published"] == 3 * 2 and record["applied"] == 3 * 2 * 2  # every peer's, every round
+
+
+def test_the_daemon_and_the_simulator_choose_a_snapshot_by_one_order():
+    """``swarm.snapshot_order`` ranks the snapshots on offer for both: the one nearest the swarm's
+    low median wins over a newer one (the highest claim is an attacker's favourite), more holders
+    win among those near it, and a publisher whose download failed comes last."""
+    import inspect
+
+    from cgad.node.daemon import joining
+    from cgad.node.member.swarm import snapshot_order
+    from cgad.node.sim import simulate
+
+    rank = lambda offers, median: sorted(offers, key=lambda o: snapshot_order(*o, median, 4))  # noqa: E731
+    # (version, holders, misses)
+    assert rank([(12, 1, 0), (10, 1, 0), (11, 1, 0)], median=10)[0] == (10, 1, 0)
+    assert rank([(10, 1, 0), (11, 3, 0)], median=10)[0] == (11, 3, 0)  # both near: more holders
+    assert rank([(10, 4, 1), (13, 1, 0)], median=10)[0] == (13, 1, 0)  # its publisher failed once
+    for side in (joining.StateSync._worth_adopting, simulate._Peers.adopt_state):
+        assert "snapshot_order(" in inspect.getsource(side)

@@ -30,7 +30,7 @@ from cgad.node.config import JoinConfig
 from cgad.node.daemon.checkpoint import CheckpointError, unpack
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Reference, check_drift, decode_phi, drift_per_version
-from cgad.node.member.swarm import behind, snapshot_ceiling, swarm_versions
+from cgad.node.member.swarm import ADOPTED_LAG, behind, snapshot_ceiling, snapshot_order, swarm_versions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.multisource import MAX_SOURCES
 from cgad.protocol.network import NetworkTransport
@@ -55,9 +55,6 @@ MAX_ADOPTIONS = 3  # snapshots one sync may adopt in a row while the swarm stays
 # seconds a sync waits for a look at the snapshots on offer made after it asked: a node polls them
 # only while someone reads them (``polling.states_due``), so the last look may be half a minute old
 FRESH_OFFERS = 10.0
-# versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
-# for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
-ADOPTED_LAG = 1
 # what makes two nodes members of one swarm, with the words an error uses for each
 SWARM_IDENTITY = (
     ("run_id", "run id"),
@@ -339,12 +336,9 @@ class StateSync:
             and c.key.publisher not in self._refused_from
         ]
 
-        def order(c: Candidate) -> tuple[int, int, int, int, int, int]:
-            version = c.key.base_version
-            near = abs(version - median) <= ADOPTED_LAG
-            holders = min(len(c.holders), MAX_SOURCES) if near else 0
+        def order(c: Candidate) -> tuple[int, bool, int, int, bool, int]:
             missed = self._misses.get(c.key.publisher, 0)
-            return (missed, not near, -holders, abs(version - median), version > median, -version)
+            return snapshot_order(c.key.base_version, len(c.holders), missed, median, MAX_SOURCES)
 
         return sorted(offers, key=order)
 

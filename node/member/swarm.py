@@ -98,3 +98,30 @@ def snapshot_ceiling(reports: Mapping[str, Sequence[int]], versions: Sequence[in
     told = [min(v) for v in reports.values() if len(v) == len(versions) and v and max(v) > 0]
     base = statistics.median_low(told) if told else min(versions)
     return base + cutoff
+
+
+# versions an adopted snapshot may trail the swarm by: its parameters lack the rounds in between
+# for good (pseudo-gradient averaging never closes an offset), so a newer one is fetched first
+ADOPTED_LAG = 1
+
+
+def snapshot_order(
+    version: int, holders: int, misses: int, median: int, max_sources: int
+) -> tuple[int, bool, int, int, bool, int]:
+    """The sort key that picks which snapshot to adopt, a daemon's and a simulated worker's alike
+    (lowest first): publishers whose downloads brought nothing last; then those within
+    ``ADOPTED_LAG`` of the swarm's low median, the most holders first among them (a download
+    draws from every holder at once, and the rounds it lacks are replayed after it); then the
+    rest, nearest the median first, below it before above it (the highest claim is an
+    attacker's favourite), the newest first.
+
+    Args:
+        version: the snapshot's version.
+        holders: how many peers hold its bytes.
+        misses: downloads from its publisher that brought nothing.
+        median: the swarm's low median version (``snapshot_ceiling`` − the cutoff).
+        max_sources: holders a download draws from at once (more count as that many).
+    """
+    near = abs(version - median) <= ADOPTED_LAG
+    counted = min(holders, max_sources) if near else 0
+    return (misses, not near, -counted, abs(version - median), version > median, -version)

@@ -34,7 +34,7 @@ from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import Delivery, summed_totals
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
-from cgad.node.member.swarm import snapshot_ceiling
+from cgad.node.member.swarm import snapshot_ceiling, snapshot_order
 from cgad.node.sim.groups import GroupFinder
 from cgad.node.training.data import BatchIterator, TokenDataset
 from cgad.node.training.model import build_model
@@ -91,8 +91,9 @@ class _Peers(MemberHooks):
         return {o.transport.peer_id: list(o.loop.versions) for o in self._others()}
 
     def adopt_state(self, required: bool) -> tuple[str, int] | None:
-        """The newest snapshot ahead of this worker and within the ceiling, as a daemon picks one
-        (``StateSync``), from a trusted live worker (an attacker's is never adopted), sent as a
+        """A snapshot ahead of this worker and within the ceiling, chosen as a daemon chooses one
+        (``swarm.snapshot_order``: nearest the swarm's low median, each worker's state held by
+        itself alone), from a trusted live worker (an attacker's is never adopted), sent as a
         daemon sends it (φ − φ₀ in int8 blocks, no outer momentum). The rounds it skips count
         at the loss of the state it adopted."""
         wk = self.wk
@@ -104,7 +105,8 @@ class _Peers(MemberHooks):
         ]  # fmt: skip
         if not offers:
             return None
-        source = max(offers, key=lambda o: (min(o.loop.versions), -o.index))
+        median = ceiling - self.c.cutoff
+        source = min(offers, key=lambda o: (snapshot_order(min(o.loop.versions), 1, 0, median, 1), o.index))
         snapshot = source.loop.state_dict("int8", reference=self.initial)
         source.transport.stats.asked += 1  # a request of the source, as a daemon's download is
         wk.loop.load_state_dict(snapshot, reference=lambda seed: self.initial)
