@@ -48,8 +48,8 @@ from cgad.protocol.codec import Codec
 from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.dhtbounds import bound_dht
 from cgad.protocol.errors import FragmentError
+from cgad.protocol.event_thread import EventLoopThread, side_worker
 from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher
-from cgad.protocol.loop import EventLoopThread, side_worker
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
 from cgad.protocol.reachability import (

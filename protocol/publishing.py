@@ -26,7 +26,7 @@ from cgad.protocol.codec import Codec, encode
 from cgad.protocol.config import NetworkOptions, wire_codec
 from cgad.protocol.dhtbounds import search_beam
 from cgad.protocol.errors import FragmentError
-from cgad.protocol.loop import EventLoopThread
+from cgad.protocol.event_thread import EventLoopThread
 from cgad.protocol.records import Holdings, Identity, Offer, Progress, fragment_key, progress_key, state_key
 from cgad.protocol.selection import STATE_CODEC, Candidate
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header

@@ -21,8 +21,8 @@ from concurrent.futures import Executor
 from cgad.protocol.codec import Codec, kept_in
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
+from cgad.protocol.event_thread import EventLoopThread
 from cgad.protocol.fetching import Fetcher, decode_and_check
-from cgad.protocol.loop import EventLoopThread
 from cgad.protocol.multisource import fetch_from_many
 from cgad.protocol.records import Progress
 from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock

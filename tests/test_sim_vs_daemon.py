@@ -23,6 +23,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "sim_vs_daemon.py"
 # busier machine, and still fails when the daemons keep less than about half of the simulator's
 # gain over the floor (0.23 here).
 LOSS_TOLERANCE = 0.12
+GAIN_KEPT = 0.6  # of the simulator's gain, the least the daemons keep in this short run
 # The simulator's members are in lock step (every delta arrives at age 0); the daemons' mean age
 # was 0.19 to 0.29 with the DHT polled every 0.25 s (0.27 to 0.51 at the default 1 s, where this
 # scenario's half-block apply window, 5 steps of about 0.1 s, is shorter than a poll).
@@ -63,12 +64,15 @@ def test_the_daemons_keep_the_simulators_prediction(tmp_path, monkeypatch):
     assert all(s.startswith("peer ") for s in daemon["swarm"]["started_from"][1:]), shown
     # the ages of what they applied are close
     assert abs(daemon["swarm"]["mean_age"] - sim["swarm"]["mean_age"]) < AGE_TOLERANCE, shown
-    # the swarm helps the daemons, or at least the simulator's ordering of swarm and floor holds
-    sim_helps = sim["swarm"]["mean_final_loss"] < sim["floor"]["mean_final_loss"]
-    daemon_helps = daemon["swarm"]["mean_final_loss"] < daemon["floor"]["mean_final_loss"]
-    assert daemon_helps or daemon_helps == sim_helps, shown
-    # and the daemons end where the simulator said they would
+    # the swarm helps on both sides: each ends below its floor (a swarm behind it is a failure)
+    sim_gain = sim["floor"]["mean_final_loss"] - sim["swarm"]["mean_final_loss"]
+    daemon_gain = daemon["floor"]["mean_final_loss"] - daemon["swarm"]["mean_final_loss"]
+    assert sim_gain > 0 and daemon_gain > 0, shown
+    # and the daemons end where the simulator said they would: within a tolerance much smaller
+    # than the gain, and keeping most of the simulator's gain (the bench's goal, over 30 rounds
+    # and 3 runs, is 0.8 of it; 8 rounds of one run are noisier)
     assert abs(result["swarm_difference"]) < LOSS_TOLERANCE, shown
+    assert daemon_gain >= GAIN_KEPT * sim_gain, shown
 
 
 def test_step_seconds_is_the_median_round_over_h_after_the_first_rounds():

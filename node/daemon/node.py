@@ -47,8 +47,8 @@ from cgad.node.training.model import build_model, model_fingerprint
 from cgad.node.training.tokenizer import load_tokenizer
 from cgad.node.training.trainer import EvalSchedule, InnerTrainer, evaluate
 from cgad.protocol.allreduce import AllReduceExchange
+from cgad.protocol.event_thread import side_worker
 from cgad.protocol.files import atomic_write
-from cgad.protocol.loop import side_worker
 from cgad.protocol.network import NetworkTransport
 from cgad.protocol.records import PROTOCOL_VERSION, Identity, run_prefix
 

@@ -25,7 +25,7 @@ from typing import Any
 from cgad.node.daemon.checkpoint import pack
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Phi0
-from cgad.protocol.loop import side_worker
+from cgad.protocol.event_thread import side_worker
 from cgad.protocol.network import NetworkTransport
 
 __all__ = ["SnapshotPublisher"]
