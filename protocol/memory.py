@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from .codec import SPARSE_KEPT, Codec, decode, encode, kept_in
 from .config import wire_codec
 from .scheduling import round_budget
+from .selection import fan_in_order
 from .transport import Fragment, FragmentKey, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
@@ -132,8 +133,12 @@ class VirtualNetwork:
                     offers.setdefault(_slot(fragment.key), []).append(i)
             for indices in offers.values():
                 if self.fan_in is not None and len(indices) > 1:
-                    self._slot_rng.shuffle(indices)
-                    indices.sort(key=lambda i: held[i][1].key.publisher not in receiver._heard_from)
+                    heard = receiver._heard_from
+
+                    def known(i: int, heard: set[str] = heard) -> bool:
+                        return held[i][1].key.publisher in heard
+
+                    fan_in_order(indices, self._slot_rng, known)
                 for i in indices:
                     if receiver._take_slot(held[i][1].key, self.fan_in):
                         takers[i].add(receiver.peer_id)

@@ -47,12 +47,15 @@ from __future__ import annotations
 import random
 import statistics
 from collections import defaultdict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cgad.protocol.codec import SPARSE_MAX_KEPT, Codec, encoded_size, sparse_kept
 from cgad.protocol.records import Holdings, Offer
 from cgad.protocol.transport import FragmentKey, Kind
+
+T = TypeVar("T")
 
 __all__ = [
     "MAX_PENDING_PER_PUBLISHER",
@@ -62,6 +65,7 @@ __all__ = [
     "Rejection",
     "Selection",
     "check_offer",
+    "fan_in_order",
 ]
 
 STATE_CODEC = "state"  # a snapshot's encoding: the node's own packing, opaque to the transport
@@ -113,6 +117,22 @@ def check_offer(offer: Offer, numel: int) -> Rejection | None:
     elif offer.byte_length != expected:
         return Rejection("bad_length", f"{offer.byte_length} bytes, expected {expected}")
     return None
+
+
+def fan_in_order(items: list[T], rng: random.Random, known: Callable[[T], bool]) -> list[T]:
+    """The order in which a round's offers take the fan-in's slots, a daemon's and the
+    simulator's alike: drawn at random, then (stably) the publishers that delivered to this peer
+    before first, so a throwaway identity never pushes out a peer that has done its share.
+    Shuffles ``items`` in place and returns them.
+
+    Args:
+        items: the round's offers (one per publisher).
+        rng: the peer's draw.
+        known: whether an offer's publisher delivered before.
+    """
+    rng.shuffle(items)
+    items.sort(key=lambda item: not known(item))
+    return items
 
 
 def _holders_by_hash(holdings: Sequence[Holdings]) -> dict[bytes, list[Holdings]]:
@@ -299,8 +319,7 @@ class OfferSelector:
             # a version ahead of this peer (and of the swarm) is a claim nobody can use yet:
             # half its slots wait for this peer to get there
             ahead = round_key[2] > max(own, swarm if swarm is not None else own)
-            self.rng.shuffle(candidates)
-            candidates.sort(key=lambda c: c.key.publisher not in self.earned)  # stable: drawn within
+            fan_in_order(candidates, self.rng, lambda c: c.key.publisher in self.earned)
             for candidate in candidates:
                 publisher = candidate.key.publisher
                 if publisher in taken:

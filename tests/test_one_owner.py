@@ -61,3 +61,20 @@ def test_the_daemon_and_the_simulator_choose_a_snapshot_by_one_order():
     assert rank([(10, 4, 1), (13, 1, 0)], median=10)[0] == (13, 1, 0)  # its publisher failed once
     for side in (joining.StateSync._worth_adopting, simulate._Peers.adopt_state):
         assert "snapshot_order(" in inspect.getsource(side)
+
+
+def test_the_fan_in_draws_offers_in_one_order_for_a_daemon_and_the_simulator():
+    """``selection.fan_in_order``: at random, then publishers that delivered before first. The
+    daemon's offer selector and the simulator's network both draw through it."""
+    import inspect
+    import random
+
+    from cgad.protocol.memory import VirtualNetwork
+    from cgad.protocol.selection import OfferSelector, fan_in_order
+
+    drawn = fan_in_order(list("abcdef"), random.Random(0), lambda p: p in "ce")
+    assert set(drawn[:2]) == {"c", "e"} and sorted(drawn) == list("abcdef")
+    orders = {"".join(fan_in_order(list("abcdef"), random.Random(s), lambda p: False)) for s in range(20)}
+    assert len(orders) > 10  # drawn, not fixed
+    for side in (OfferSelector.choose, VirtualNetwork._draw):
+        assert "fan_in_order(" in inspect.getsource(side)
