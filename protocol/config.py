@@ -31,9 +31,8 @@ AUTO_DENSE = "4bit"  # what "auto" sends when the link carries everything
 
 
 def wire_codec(name: str) -> str:
-    """The encoding a transport uses for a tensor handed to it whole under ``name``: "auto" is
-    the outer loop's choice per round, and a transport given a tensor rather than bytes sends
-    ``AUTO_DENSE``."""
+    """The encoding ``name`` stands for when a tensor is encoded whole: "auto" is the member's
+    sender's choice per round for pseudo-gradients, and ``AUTO_DENSE`` for outer parameters."""
     return AUTO_DENSE if name == "auto" else name
 
 

@@ -10,8 +10,9 @@ delivery becomes visible to its receiver once both hold:
   when a bandwidth is set: a sender's uplink is a queue, and a sender whose previous upload has not
   finished waits for it (that wait is ``blocked_seconds``, time not spent computing).
 
-A DELTA handed over whole is encoded once in the network's ``codec`` (as it is; error feedback is
-the member's sender's, which hands over bytes, ``publish_encoded``), and every receiver gets the
+What goes on the wire is the member's sender's choice (``node/member/sender.py``, the one owner
+of the codec, a daemon's and a simulated worker's alike): it hands over bytes
+(``publish_encoded``), and a tensor handed over whole travels as float32. Every receiver gets the
 decoded tensor.
 
 Deliveries are dropped with a given probability; a peer that is down neither sends nor receives,
@@ -31,8 +32,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .codec import SPARSE_KEPT, Codec, decode, encode, kept_in
-from .config import wire_codec
+from .codec import Codec, decode, kept_in
 from .scheduling import round_budget
 from .selection import fan_in_order
 from .transport import Fragment, FragmentKey, Kind, Transport, TransportStats
@@ -86,8 +86,6 @@ class VirtualNetwork:
         drop: float = 0.0,
         bandwidth: float | None = None,
         fan_in: int | None = None,
-        codec: Codec | str = Codec.FP32,
-        sparse_keep: int = SPARSE_KEPT,
         seed: int = 0,
     ) -> None:
         if not 0.0 <= drop < 1.0:
@@ -100,8 +98,6 @@ class VirtualNetwork:
         self.drop = drop
         self.bandwidth = bandwidth
         self.fan_in = fan_in
-        self.codec = Codec(wire_codec(codec))
-        self.sparse_keep = sparse_keep
         self.rng = random.Random(seed)
         self.peers: dict[str, MemoryTransport] = {}
         # sends of the instant under way, when a driver runs several peers at one virtual instant
@@ -159,8 +155,6 @@ class VirtualNetwork:
         """``size``: the fragment came encoded (``publish_encoded``) in that many bytes."""
         if size is None:
             size = fragment.tensor.numel() * _FLOAT32_BYTES
-            if fragment.key.kind is Kind.DELTA and self.codec is not Codec.FP32:
-                fragment, size = sender._encoded(fragment, self.codec, self.sparse_keep)
         if self._held is not None:
             self._held.append((sender, fragment, size))
             return
@@ -273,11 +267,6 @@ class MemoryTransport(Transport):
         if self.network.fan_in is not None:
             fetchers = min(fetchers, self.network.fan_in)
         return round_budget(self.network.bandwidth, self.seconds_per_round, fetchers)
-
-    def _encoded(self, fragment: Fragment, codec: Codec, kept: int) -> tuple[Fragment, int]:
-        """What receivers get of a DELTA through ``codec``, and its size on the wire."""
-        data = encode(fragment.tensor, codec, kept)
-        return Fragment(fragment.key, decode(data), fragment.tokens, kept_in(data)), len(data)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:
         ready, waiting = [], []

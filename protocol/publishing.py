@@ -78,8 +78,12 @@ class Publisher:
     # ---------------------------------------------------------------- any thread
 
     def publish(self, fragment: Fragment, codec: Codec | str | None = None) -> None:
+        """Encode and offer ``fragment``. A pseudo-gradient handed over whole goes out in float32:
+        which codec a delta takes is the member's sender's decision (``node/member/sender.py``,
+        which hands encoded ones to ``publish_encoded``), not the transport's; outer parameters
+        go out in ``--params-codec``. ``codec`` overrides both (tests of the wire)."""
         key = fragment.key
-        named = self.options.codec if key.kind is Kind.DELTA else self.options.params_codec
+        named = "fp32" if key.kind is Kind.DELTA else self.options.params_codec
         codec = Codec(codec or wire_codec(named))
         snapshot = fragment.tensor.detach().reshape(-1).to(device="cpu", copy=True)
         if snapshot.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(snapshot.float())):

@@ -78,3 +78,15 @@ def test_the_fan_in_draws_offers_in_one_order_for_a_daemon_and_the_simulator():
     assert len(orders) > 10  # drawn, not fixed
     for side in (OfferSelector.choose, VirtualNetwork._draw):
         assert "fan_in_order(" in inspect.getsource(side)
+
+
+def test_the_codec_of_a_delta_is_the_senders_alone():
+    """Neither transport picks a pseudo-gradient's codec: the simulator's network has no codec of
+    its own, and a daemon's publisher sends a delta handed over whole in float32."""
+    import inspect
+
+    from cgad.protocol.memory import VirtualNetwork
+    from cgad.protocol.publishing import Publisher
+
+    assert "codec" not in inspect.signature(VirtualNetwork).parameters
+    assert "options.codec" not in inspect.getsource(Publisher)

@@ -217,11 +217,11 @@ def test_the_phi_bound_widens_to_the_peers_recent_spread_and_one_far_off_phi_doe
     assert spread.bound(2.0) <= 3.0 * 6.0
 
 
-def _sparse_rounds(my_codec: str | None, rounds: int) -> tuple[OuterLoop, OuterLoop]:
+def _sparse_rounds(my_codec: str, rounds: int) -> tuple[OuterLoop, OuterLoop]:
     """Two nodes, the peer sending sparse deltas, each moving θ by a shared drift and its own
-    noise per round; ``my_codec`` None: this node's transport sends its Δ in 4bit."""
+    noise per round; this node sends its Δ in ``my_codec``."""
     torch.manual_seed(0)
-    network = VirtualNetwork(codec="4bit")
+    network = VirtualNetwork()
     options = OuterOptions(optimizer="sgd", outer_lr=1.0)
     me = OuterLoop([torch.zeros(4096)], options, network.join("me"), "run", codec=my_codec)
     peer = OuterLoop([torch.zeros(4096)], options, network.join("peer"), "run", codec="sparse")
@@ -259,5 +259,5 @@ def test_sparse_deltas_are_judged_against_the_own_delta_as_sent() -> None:
     assert judged.counters.clipped == 0 and judged.counters.applied == 30
     # a node sending 4bit has no residual like the peer's to judge by: most are clipped (the
     # cost of a swarm that mixes dense and sparse rounds, docs/DESIGN.md §4)
-    dense, _ = _sparse_rounds(None, rounds=30)
+    dense, _ = _sparse_rounds("4bit", rounds=30)
     assert dense.counters.clipped > 10 and dense.counters.applied == 30

@@ -531,7 +531,7 @@ def test_the_default_mixing_is_late_with_cga_and_none_elsewhere():
 def test_late_mixing_sends_phi_only_where_the_link_has_room_for_it():
     """φ in fp32 is 8 times a 4-bit Δ: on a link whose round budget holds the Δ and not φ, a
     late round sends the Δ alone (φ would delay it); with room, φ goes out as before."""
-    network = VirtualNetwork(codec="4bit")
+    network = VirtualNetwork()
     me, peer = network.join("me"), network.join("peer")
     options = OuterOptions(optimizer="cga", mixing="late", cga_momentum=0.0)
     loop = OuterLoop([torch.zeros(4096)], options, me, "run", codec="auto", link_budget=me.round_budget)
