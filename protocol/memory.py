@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from .codec import Codec, decode, kept_in
 from .scheduling import round_budget
-from .selection import fan_in_order
+from .selection import Deliveries, fan_in_order
 from .transport import Fragment, FragmentKey, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
@@ -203,7 +203,7 @@ class MemoryTransport(Transport):
         self.inbox: list[_Delivery] = []
         self.seconds_per_round: float | None = None  # virtual, over the last round
         self._round_began = 0.0  # when the round under way began (the driver may advance per step)
-        self._delivered: set = set()
+        self._delivered = Deliveries()  # DELTA keys taken, as a daemon's selector keeps them
         self._slots: dict[tuple[int, str, int], set[str]] = {}  # (fragment, kind, base) -> publishers taken
         self._heard_from: set[str] = set()  # publishers whose fragments reached this peer
 
@@ -288,10 +288,9 @@ class MemoryTransport(Transport):
         else:
             fresh = []
             for f in ready:
-                if f.key in self._delivered:
+                if not self._delivered.take(f.key):
                     self.stats.rejected["replay"] += 1
                     continue
-                self._delivered.add(f.key)
                 fresh.append(f)
             ready = fresh
         self.stats.received += len(ready)

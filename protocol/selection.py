@@ -61,6 +61,7 @@ __all__ = [
     "MAX_PENDING_PER_PUBLISHER",
     "STATE_CODEC",
     "Candidate",
+    "Deliveries",
     "OfferSelector",
     "Rejection",
     "Selection",
@@ -117,6 +118,40 @@ def check_offer(offer: Offer, numel: int) -> Rejection | None:
     elif offer.byte_length != expected:
         return Rejection("bad_length", f"{offer.byte_length} bytes, expected {expected}")
     return None
+
+
+class Deliveries:
+    """The keys taken, each at most once, a daemon's and the simulator's alike: the first delivery
+    of a key (publisher, fragment, base version, kind) is taken, with its content hash where the
+    transport has one; any later one of the same key is a replay. Iterates and counts as its keys.
+    """
+
+    def __init__(self) -> None:
+        self._taken: dict[FragmentKey, bytes | None] = {}
+
+    def take(self, key: FragmentKey, digest: bytes | None = None) -> bool:
+        """True, and ``key`` recorded, the first time; False for a replay."""
+        if key in self._taken:
+            return False
+        self._taken[key] = digest
+        return True
+
+    def get(self, key: FragmentKey) -> bytes | None:
+        """The content hash ``key`` was taken with (None: not taken, or taken without one)."""
+        return self._taken.get(key)
+
+    def forget(self, old: Callable[[FragmentKey], bool]) -> None:
+        """Drop the keys ``old`` names (versions long past: refused unseen anyway)."""
+        self._taken = {k: v for k, v in self._taken.items() if not old(k)}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._taken
+
+    def __iter__(self) -> Iterator[FragmentKey]:
+        return iter(self._taken)
+
+    def __len__(self) -> int:
+        return len(self._taken)
 
 
 def fan_in_order(items: list[T], rng: random.Random, known: Callable[[T], bool]) -> list[T]:
@@ -196,7 +231,7 @@ class OfferSelector:
         self.record_ttl = record_ttl
         self.pending_seconds = pending_seconds
         self.rng = rng or random.Random()
-        self.delivered: dict[FragmentKey, bytes] = {}
+        self.delivered = Deliveries()
         self.attempted: dict[bytes, tuple[int, int]] = {}
         self.chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
         self.pending: dict[tuple[int, Kind, int], dict[str, float]] = defaultdict(dict)
@@ -242,9 +277,8 @@ class OfferSelector:
         """Record that ``key`` was accepted with these bytes (they verified: its publisher's fan-in
         slot is spent); False (and nothing recorded) when the key was delivered already, e.g. by
         a second announcement that raced this fetch."""
-        if key in self.delivered:
+        if not self.delivered.take(key, digest):
             return False
-        self.delivered[key] = digest
         round_key = (key.fragment, key.kind, key.base_version)
         self.pending.get(round_key, {}).pop(key.publisher, None)
         self.verified[round_key].add(key.publisher)
@@ -404,7 +438,7 @@ class OfferSelector:
         def old(fragment: int, base_version: int) -> bool:
             return self.too_old(base_version, own_version(versions, fragment))
 
-        self.delivered = {k: v for k, v in self.delivered.items() if not old(k.fragment, k.base_version)}
+        self.delivered.forget(lambda k: old(k.fragment, k.base_version))
         self.attempted = {h: fb for h, fb in self.attempted.items() if not old(*fb)}
         self.failed = {h: tried for h, tried in self.failed.items() if h in self.attempted}
         for ledger in (self.chosen, self.pending, self.verified, self.passed):

@@ -90,3 +90,25 @@ def test_the_codec_of_a_delta_is_the_senders_alone():
 
     assert "codec" not in inspect.signature(VirtualNetwork).parameters
     assert "options.codec" not in inspect.getsource(Publisher)
+
+
+def test_a_second_delivery_of_a_key_is_refused_by_one_ledger():
+    """``selection.Deliveries`` keeps the keys taken for a daemon's offer selector and for the
+    simulator's peers alike: a key's second delivery is a replay on both sides."""
+    import torch
+
+    from cgad.protocol.memory import VirtualNetwork
+    from cgad.protocol.selection import Deliveries, OfferSelector
+    from cgad.protocol.transport import Fragment, FragmentKey
+
+    ledger = Deliveries()
+    key = FragmentKey("run", 0, 3, "peer")
+    assert ledger.take(key, b"h") and not ledger.take(key, b"other") and ledger.get(key) == b"h"
+    network = VirtualNetwork()
+    a, b = network.join("a"), network.join("b")
+    a.publish(Fragment(FragmentKey("run", 0, 1, "a"), torch.ones(4), tokens=1))
+    a.publish(Fragment(FragmentKey("run", 0, 1, "a"), torch.ones(4), tokens=1))  # the same key again
+    assert len(b.receive(0)) == 1 and b.stats.rejected["replay"] == 1
+    assert isinstance(b._delivered, Deliveries)
+    selector = OfferSelector("run", "me", fan_in=4, history_versions=64, record_ttl=120.0)
+    assert isinstance(selector.delivered, Deliveries)
