@@ -59,7 +59,7 @@ def test_the_daemon_and_the_simulator_choose_a_snapshot_by_one_order():
     assert rank([(12, 1, 0), (10, 1, 0), (11, 1, 0)], median=10)[0] == (10, 1, 0)
     assert rank([(10, 1, 0), (11, 3, 0)], median=10)[0] == (11, 3, 0)  # both near: more holders
     assert rank([(10, 4, 1), (13, 1, 0)], median=10)[0] == (13, 1, 0)  # its publisher failed once
-    for side in (joining.StateSync._worth_adopting, simulate._Peers.adopt_state):
+    for side in (joining.StateSync._worth_adopting, simulate._PeersInMemory.adopt_state):
         assert "snapshot_order(" in inspect.getsource(side)
 
 

@@ -67,7 +67,7 @@ class _Worker:
         return self.transport.alive and self.away_since is None
 
 
-class _Peers(MemberHooks):
+class _PeersInMemory(MemberHooks):
     """One worker's view of the others (``SwarmView``) and its engine's hooks: what a daemon
     reads from progress records and inboxes, and how it adopts a snapshot, here in memory."""
 
@@ -179,7 +179,7 @@ def simulate(
     schedule = Schedule.of(c, align_phase=Delay.parse(c.delay).rounds == 0)
     initial = Phi0(c.seed, base_model.parameters())  # φ₀ of every worker's snapshots
     for wk in workers:
-        peers = _Peers(wk, workers, c, eval_batches, initial)
+        peers = _PeersInMemory(wk, workers, c, eval_batches, initial)
         wk.member = Member(wk.loop, peers, schedule, hooks=peers)
     honest = [wk for wk in workers if not wk.hostile]
 
@@ -221,7 +221,7 @@ def simulate(
 
     delivered: list[Delivery] = []
     momenta: list[float] = []  # the momentum each honest outer step went on with (cga's follows freshness)
-    swarm = _SwarmView(copy.deepcopy(base_model), eval_batches)
+    swarm = _DriftMeter(copy.deepcopy(base_model), eval_batches)
     started = time.perf_counter()
     while events:
         now = events[0][0]
@@ -345,9 +345,10 @@ def simulate(
     }
 
 
-class _SwarmView:
-    """Consensus distance, mean_i ‖φ_i − φ̄‖ / ‖φ̄‖ over all parameters, and the held-out loss
-    of φ̄: what tells drift from progress in a swarm without a barrier."""
+class _DriftMeter:
+    """How far the workers drifted apart: the consensus distance, mean_i ‖φ_i − φ̄‖ / ‖φ̄‖ over all
+    parameters, and the held-out loss of φ̄: what tells drift from progress in a swarm without a
+    barrier."""
 
     def __init__(self, scratch: torch.nn.Module, eval_batches: list) -> None:
         self.scratch = scratch
