@@ -122,32 +122,18 @@ class _PeersInMemory(MemberHooks):
         self.wk.trainer.optimizer.state.clear()  # θ went back to φ: the inner moments restart, as a daemon's
 
 
-def simulate(
-    config: SimConfig,
+def _workers(
+    c: SimConfig,
     dataset: TokenDataset,
-    vocab_size: int,
-    progress: Callable[[int], None] | None = None,
-    on_round: Callable[[int, float], None] | None = None,
-) -> dict:
-    """Run one simulated swarm to the end; returns its record (see the module doc for the keys).
-    ``progress`` hears of inner steps as they are done; ``on_round`` of each round the whole
-    swarm has finished, with the held-out loss of its workers' mean parameters."""
-    c = config
-    torch.manual_seed(c.seed)
-    rng = random.Random(c.seed)
-    network = VirtualNetwork(
-        delay=Delay.parse(c.delay),
-        drop=c.drop,
-        bandwidth=c.bandwidth,  # the members' senders encode: the wire carries their bytes
-        fan_in=c.fan_in,
-        seed=c.seed * 7919 + 1,
-    )
-    eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
-    base_model = build_model(c.model, vocab_size, seed=c.seed)
-    initial_loss = evaluate(base_model, eval_batches)
+    network: VirtualNetwork,
+    base_model: torch.nn.Module,
+    attack: Attack | None,
+) -> list[_Worker]:
+    """The swarm's workers, each a daemon's parts on the virtual network: a copy of the same
+    initial model, its own batches, its outer loop (the last ``attackers`` forging what they
+    publish) and its inner trainer at the lr the loop's count sets."""
     speeds = c.stragglers or [1.0] * c.workers
     transports = [network.join(f"worker-{w}") for w in range(c.workers)]
-    attack = Attack.parse(c.attack) if c.attackers else None
     workers: list[_Worker] = []
     for w in range(c.workers):
         model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
@@ -174,6 +160,34 @@ def simulate(
             model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps, lr_scale=inner_lr_scale(c, loop)
         )
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
+    return workers
+
+
+def simulate(
+    config: SimConfig,
+    dataset: TokenDataset,
+    vocab_size: int,
+    progress: Callable[[int], None] | None = None,
+    on_round: Callable[[int, float], None] | None = None,
+) -> dict:
+    """Run one simulated swarm to the end; returns its record (see the module doc for the keys).
+    ``progress`` hears of inner steps as they are done; ``on_round`` of each round the whole
+    swarm has finished, with the held-out loss of its workers' mean parameters."""
+    c = config
+    torch.manual_seed(c.seed)
+    rng = random.Random(c.seed)
+    network = VirtualNetwork(
+        delay=Delay.parse(c.delay),
+        drop=c.drop,
+        bandwidth=c.bandwidth,  # the members' senders encode: the wire carries their bytes
+        fan_in=c.fan_in,
+        seed=c.seed * 7919 + 1,
+    )
+    eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
+    base_model = build_model(c.model, vocab_size, seed=c.seed)
+    initial_loss = evaluate(base_model, eval_batches)
+    attack = Attack.parse(c.attack) if c.attackers else None
+    workers = _workers(c, dataset, network, base_model, attack)
     # a delay in whole rounds is lateness, not a phase offset: nudging blocks against it would only
     # lengthen every block (the daemons' phases are what the cross-check measures, at delay 0)
     schedule = Schedule.of(c, align_phase=Delay.parse(c.delay).rounds == 0)
@@ -298,7 +312,24 @@ def simulate(
             if on_round:
                 on_round(len(swarm.consensus), swarm.mean_phi_losses[-1])
 
+    return _record(c, workers, attack, initial_loss, swarm, groups, delivered, momenta, started)
+
+
+def _record(
+    c: SimConfig,
+    workers: list[_Worker],
+    attack: Attack | None,
+    initial_loss: float,
+    swarm: _DriftMeter,
+    groups: GroupFinder | None,
+    delivered: list[Delivery],
+    momenta: list[float],
+    started: float,
+) -> dict:
+    """The run's record (the module doc lists its keys): the honest workers' losses, the swarm's
+    drift, the loop's counts as a daemon's status has them, time and bytes."""
     # the swarm is judged by its honest workers (all of them when nobody attacks)
+    honest = [wk for wk in workers if not wk.hostile]
     rounds_losses = [sum(wk.losses[r] for wk in honest) / len(honest) for r in range(c.rounds)]
     final_loss = rounds_losses[-1]
     virtual_seconds = max(wk.clock for wk in workers)
