@@ -37,6 +37,8 @@ def wire_codec(name: str) -> str:
 
 
 PATHS = ("grpc", "libp2p")
+# an internal a volunteer has no reason to set: a key of the config file (--config), not a flag
+FILE_ONLY = {"file_only": True}
 # a host others dial: a name, an IPv4 or a bracketed IPv6 address (what a record's endpoint holds)
 HOST = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)$"  # (pydantic-core: $ is the end of the text)
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -179,9 +181,14 @@ class NetworkOptions(ExchangeOptions):
         3, ge=1, le=64, description="fragment fetches in flight at once (the youngest offers go first)"
     )
     keep_versions: int = Field(2, ge=1, description="own encoded versions kept per fragment to serve")
-    keep_reserved: int = Field(8, ge=0, description="peers' fragments kept per fragment to serve onward")
+    keep_reserved: int = Field(
+        8, ge=0, description="peers' fragments kept per fragment to serve onward", json_schema_extra=FILE_ONLY
+    )
     history_versions: int = Field(
-        64, ge=1, description="offers this many versions behind this peer's own are ignored unseen"
+        64,
+        ge=1,
+        description="offers this many versions behind this peer's own are ignored unseen",
+        json_schema_extra=FILE_ONLY,
     )
     paths: list[Literal["grpc", "libp2p"]] = Field(
         default_factory=lambda: list(PATHS),
@@ -195,7 +202,12 @@ class NetworkOptions(ExchangeOptions):
         1.0, description="seconds between looks at the DHT (up to 4x that where rounds are long: 8 per round)"
     )
     record_ttl: float = Field(
-        120.0, gt=0, le=3600, allow_inf_nan=False, description="seconds a holdings record lives in the DHT"
+        120.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="seconds a holdings record lives in the DHT",
+        json_schema_extra=FILE_ONLY,
     )
     liveness_ttl: float = Field(
         30.0,
@@ -203,10 +215,13 @@ class NetworkOptions(ExchangeOptions):
         le=3600,
         allow_inf_nan=False,
         description="seconds a peer counts as live after its last report",
+        json_schema_extra=FILE_ONLY,
     )
     connect_timeout: Seconds = Field(2.0, description="seconds to wait for a holder to answer")
     chunk_timeout: Seconds = Field(
-        15.0, description="longest silence within a transfer before trying another holder"
+        15.0,
+        description="longest silence within a transfer before trying another holder",
+        json_schema_extra=FILE_ONLY,
     )
     fetch_timeout: Seconds = Field(300.0, description="seconds one fragment may take to arrive")
     upload_limit: float | None = Field(

@@ -30,13 +30,18 @@ def test_join_help_lists_what_a_volunteer_sets_and_help_all_every_option():
     assert short.returncode == 0 and everything.returncode == 0, short.stderr + everything.stderr
     listed = [re.findall(r"^  (--[\w-]+|-h)", out.stdout, re.M) for out in (short, everything)]
     assert len(listed[0]) <= 20 and {"--peers", "--identity", "--help-all"} <= set(listed[0]), listed[0]
-    # every option of the configuration, by part, and the flags beside it
-    fields = {"--" + name.replace("_", "-") for name in JoinConfig.model_fields}
+    # every option of the configuration, by part, and the flags beside it; the internals are keys
+    # of the config file only, named there
+    internal = {"record_ttl", "liveness_ttl", "keep_reserved", "chunk_timeout", "history_versions"}
+    fields = {"--" + name.replace("_", "-") for name in set(JoinConfig.model_fields) - internal}
     assert fields <= set(listed[1]), fields - set(listed[1])
-    assert "Which outer optimizer" in everything.stdout or "The outer step" in everything.stdout
-    # a flag the short help leaves out is still taken
-    dry = cli("join", "--dry-run", "--fan-in", "3", "--record-ttl", "60")
+    assert not {"--" + name.replace("_", "-") for name in internal} & set(listed[1])
+    assert all(name in everything.stdout for name in internal)
+    assert "The outer step" in everything.stdout
+    # a flag the short help leaves out is still taken; an internal is not a flag, but a file's key
+    dry = cli("join", "--dry-run", "--fan-in", "3")
     assert dry.returncode == 0 and '"fan_in": 3' in dry.stdout, dry.stderr
+    assert cli("join", "--dry-run", "--record-ttl", "60").returncode == 2
 
 
 def test_every_key_join_and_simulate_share_has_one_default():
@@ -145,3 +150,10 @@ def test_metrics_are_counters_and_gauges_a_scraper_can_read() -> None:
     assert 'cgad_skipped_total{reason="fan_in"} 2.0' in text and "cgad_received_bytes_total 1000.0" in text
     assert 'cgad_records_stored_total{record="holdings"} 7.0' in text
     assert "cgad_eval_loss" not in text  # nothing is made up for what the status does not hold
+
+
+def test_an_internal_is_set_in_the_config_file(tmp_path):
+    config = tmp_path / "node.yaml"
+    config.write_text("record_ttl: 60\nfan_in: 3\n")
+    dry = cli("join", "--dry-run", "--config", str(config))
+    assert dry.returncode == 0 and '"record_ttl": 60' in dry.stdout and '"fan_in": 3' in dry.stdout, dry.stderr

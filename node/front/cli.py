@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cgad.node import __version__
-from cgad.node.front.flags import HelpAll, add_config_flags, config_from
+from cgad.node.front.flags import HelpAll, add_config_flags, config_from, file_only_keys
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,7 +96,9 @@ def _join_parser(parser: argparse.ArgumentParser, shown: Sequence[str] | None) -
     from cgad.node.config import JoinConfig
 
     if shown is not None:
-        full = _join_parser(argparse.ArgumentParser(description=parser.description), None)
+        internal = ", ".join(file_only_keys(JoinConfig))
+        epilog = f"Internals, keys of the --config file only (not flags): {internal}."
+        full = _join_parser(argparse.ArgumentParser(description=parser.description, epilog=epilog), None)
         parser.add_argument("--help-all", action=HelpAll, full=lambda prog: _with_prog(full, prog),
                             help="show every option, grouped by part, and exit")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", default=False,

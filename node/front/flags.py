@@ -12,7 +12,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["HelpAll", "add_config_flags", "config_from", "flag"]
+__all__ = ["HelpAll", "add_config_flags", "config_from", "file_only_keys", "flag"]
 
 
 def flag(name: str) -> str:
@@ -72,10 +72,12 @@ def add_config_flags(
     overrides: dict[str, dict[str, Any]] | None = None,
     shown: Sequence[str] | None = None,
 ) -> None:
-    """Every field of ``model`` as a flag, grouped by the part of the configuration it belongs to.
-    Flags not given stay absent (argument_default=SUPPRESS): a YAML file's values then stand.
+    """Every field of ``model`` as a flag, grouped by the part of the configuration it belongs to,
+    but the internals marked file-only (``file_only_keys``: keys of the config file alone). Flags
+    not given stay absent (argument_default=SUPPRESS): a YAML file's values then stand.
     ``shown``: the only fields the help lists (every flag is still taken); None: all of them."""
     overrides = dict(overrides or {})
+    internal = set(file_only_keys(model))
     if shown is not None:
         for name in set(model.model_fields) - set(shown):
             overrides[name] = {**overrides.get(name, {}), "help": argparse.SUPPRESS}
@@ -84,7 +86,10 @@ def add_config_flags(
     from pydantic import BaseModel
 
     for part in [m for m in model.__mro__ if issubclass(m, BaseModel) and m is not BaseModel]:
-        own = [n for n in getattr(part, "__annotations__", {}) if n in model.model_fields and n not in done]
+        own = [
+            n for n in getattr(part, "__annotations__", {})
+            if n in model.model_fields and n not in done and n not in internal
+        ]  # fmt: skip
         if not own:
             continue
         title = (part.__doc__ or part.__name__).strip().splitlines()[0].rstrip(".")
@@ -94,6 +99,14 @@ def add_config_flags(
         for name in own:
             _add_field(group, name, model.model_fields[name], **overrides.get(name, {}))
             done.add(name)
+
+
+def file_only_keys(model: type) -> list[str]:
+    """The fields of ``model`` that are keys of the config file only, not flags (internals)."""
+    return [
+        name for name, field in model.model_fields.items()
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("file_only")
+    ]  # fmt: skip
 
 
 def config_from(
