@@ -156,4 +156,5 @@ def test_an_internal_is_set_in_the_config_file(tmp_path):
     config = tmp_path / "node.yaml"
     config.write_text("record_ttl: 60\nfan_in: 3\n")
     dry = cli("join", "--dry-run", "--config", str(config))
-    assert dry.returncode == 0 and '"record_ttl": 60' in dry.stdout and '"fan_in": 3' in dry.stdout, dry.stderr
+    assert dry.returncode == 0, dry.stderr
+    assert '"record_ttl": 60' in dry.stdout and '"fan_in": 3' in dry.stdout
