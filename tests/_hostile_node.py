@@ -21,7 +21,8 @@ import torch
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.checkpoint import pack
 from cgad.node.daemon.node import Node
-from cgad.node.front.cli import _config_from, build_parser
+from cgad.node.front.cli import build_parser
+from cgad.node.front.flags import config_from
 from cgad.protocol.attacks import Attack, ForgingTransport
 
 
@@ -46,7 +47,7 @@ def poison_state(node: Node) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    config = _config_from(JoinConfig, build_parser().parse_args(["join", *argv[1:]]))
+    config = config_from(JoinConfig, build_parser().parse_args(["join", *argv[1:]]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = Node(config)
     modes = argv[0].split("+")  # e.g. scale:1e6+poison-state

@@ -105,9 +105,13 @@ def _last(args: list[str], flag: str) -> str | None:
 
 
 def takes_data_seed(executable: str) -> bool:
-    """Whether ``cgad-node join`` here has ``--data-seed``."""
-    shown = subprocess.run([executable, "join", "--help"], capture_output=True, text=True)
-    return "--data-seed" in shown.stdout
+    """Whether ``cgad-node join`` here has ``--data-seed`` (``--help-all``: the short help lists
+    only what a volunteer sets; a cgad-node from before it had one help, which lists every flag)."""
+    for asked in ("--help-all", "--help"):
+        shown = subprocess.run([executable, "join", asked], capture_output=True, text=True)
+        if shown.returncode == 0:
+            return "--data-seed" in shown.stdout
+    return False
 
 
 def run(

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import replace
@@ -362,9 +362,12 @@ class OuterLoop:
         that does not average (NoLoCo's pair and the floor take no mean of the round)."""
         if not self.method.averages:
             return 1.0
-        # a delta cut to the clip radius is taken, but counts as no member: the inner lr's length
-        # is for the noise honest members average away, not for whatever sends the most
-        return effective_count([max(c.tokens, 1) * c.scale for c in taken if not c.clipped])
+        # members, not deliveries (a peer's deltas of two versions in one step are one), and a
+        # delta cut to the clip radius counts as none: the length is for honest members' noise
+        weights: Counter[str] = Counter()
+        for c in (c for c in taken if not c.clipped):
+            weights[c.publisher] += max(c.tokens, 1) * c.scale
+        return effective_count(list(weights.values()))
 
     def inner_lr_scale(self) -> float:
         """√N of the running count of members averaged: what the inner lr is multiplied by under
