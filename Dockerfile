@@ -20,6 +20,8 @@ COPY README.md ./
 COPY node ./node
 COPY protocol ./protocol
 COPY optim ./optim
+# the benchmarks install with the package (cgad.bench); their results stay out of the image
+COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps .
 
 # the tokenizer and token caches live on a volume, so a restart does not rebuild them
