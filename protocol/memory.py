@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from .codec import Codec, decode, kept_in
 from .scheduling import round_budget
-from .selection import Deliveries, fan_in_order
+from .selection import Deliveries, fan_in_order, takeable
 from .transport import Fragment, FragmentKey, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
@@ -263,9 +263,7 @@ class MemoryTransport(Transport):
         per round, as a daemon's transport measures them."""
         if self.network.bandwidth is None:
             return float("inf")
-        fetchers = len(self.network._receivers(self))
-        if self.network.fan_in is not None:
-            fetchers = min(fetchers, self.network.fan_in)
+        fetchers = takeable(len(self.network._receivers(self)), self.network.fan_in)
         return round_budget(self.network.bandwidth, self.seconds_per_round, fetchers)
 
     def receive(self, index: int, kind: Kind = Kind.DELTA) -> list[Fragment]:

@@ -66,7 +66,7 @@ from cgad.protocol.reachability import (
 from cgad.protocol.receiving import Receiver
 from cgad.protocol.records import Holdings, Identity, Progress, run_validator, top_credits
 from cgad.protocol.scheduling import VersionClock, round_budget
-from cgad.protocol.selection import Candidate, OfferSelector
+from cgad.protocol.selection import Candidate, OfferSelector, takeable
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
@@ -203,8 +203,7 @@ class NetworkTransport(Transport):
         after its announcement, itself a DHT store), and the peers that fetch each fragment (live
         ones, at most ``fan_in``). The uplink is not measured: the downlink stands in for the link
         (symmetric on the testbed; an asymmetric volunteer's uplink is overrated)."""
-        live = len(self.live_peers())
-        fetchers = live if self.options.fan_in is None else min(live, self.options.fan_in)
+        fetchers = takeable(len(self.live_peers()), self.options.fan_in)
         latency = DISCOVERY_POLLS * self.options.poll_interval
         rate = self._receiver.downlink_rate
         return round_budget(rate, self._version_clock.seconds_per_version, fetchers, latency)

@@ -67,6 +67,7 @@ __all__ = [
     "Selection",
     "check_offer",
     "fan_in_order",
+    "takeable",
 ]
 
 STATE_CODEC = "state"  # a snapshot's encoding: the node's own packing, opaque to the transport
@@ -152,6 +153,16 @@ class Deliveries:
 
     def __len__(self) -> int:
         return len(self._taken)
+
+
+def takeable(live: int, fan_in: int | None) -> int:
+    """How many of ``live`` peers' fragments a round takes under ``fan_in`` (None: every peer's).
+
+    Args:
+        live: the live peers.
+        fan_in: the cap, or None.
+    """
+    return live if fan_in is None else min(live, fan_in)
 
 
 def fan_in_order(items: list[T], rng: random.Random, known: Callable[[T], bool]) -> list[T]:

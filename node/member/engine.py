@@ -41,6 +41,7 @@ from cgad.node.member.ledger import Delivery
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
 from cgad.node.member.swarm import SwarmView, behind, rounds_behind, swarm_versions
+from cgad.protocol.selection import takeable
 
 __all__ = ["Member", "MemberHooks", "Schedule"]
 
@@ -237,7 +238,7 @@ class Member:
         # how many fragments end the wait early, counted once here, not at every inner step
         waits = s.apply_delay == "auto" and delay > 0
         live = len(self.swarm.live_peers())
-        awaited = (live if s.fan_in is None else min(live, s.fan_in)) if waits else None
+        awaited = takeable(live, s.fan_in) if waits else None
         early = self.swarm.arrived(fragment, version)
         # taken by the next ``step_if_due``, at once with no delay: a driver that runs several
         # members at one instant publishes all their fragments before any of them steps

@@ -52,6 +52,7 @@ from cgad.optim.averaging import inner_lr_scale as sqrt_scale
 from cgad.optim.cga import running_freshness
 from cgad.protocol.codec import Codec, all_finite, encoded_size
 from cgad.protocol.config import SPARSE_KEPT
+from cgad.protocol.selection import takeable
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
@@ -342,7 +343,7 @@ class OuterLoop:
             peer_phi=newest,
             hold_phi=lambda theirs: self.mixer.hold(f, self.flat_phi(f), theirs, _norm_of(yardstick)),
             live_peers=live,
-            takeable_peers=live if fan_in is None else min(live, fan_in),
+            takeable_peers=takeable(live, fan_in),
             rng=self.rng,
         )
         self.method.step(self.optimizer, step)
