@@ -5,7 +5,7 @@ clipped around the receiver's own, with the direction screen) and with clipping 
 training alone).
 
 8 workers of the sweep model (bench/sweep_model.json, 1024-token BPE of the bundled corpus), the
-last one or two of them attackers (they train, then forge what they publish: protocol/attacks.py;
+last one or two of them attackers (they train, then forge what they publish: node/sim/attacks.py;
 two attackers push one direction together); `cga` at its defaults, random delays up to 4 rounds,
 H = 10, batch 4 × 64, inner lr 1e-3, 30 rounds, seeds 0-2. The loss is the honest workers' mean
 held-out loss at the end. Runs go to bench/results/byzantine.runs.jsonl as they finish (the bench
@@ -77,7 +77,7 @@ def run_cell(cell: tuple[str, str | None, int, str, int]) -> dict[str, Any]:
     optimizer, attack, attackers, aggregation, seed = cell
     import torch
 
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
     from cgad.node.sim.simulate import simulate
     from cgad.node.training.data import load_dataset
     from cgad.node.training.tokenizer import load_tokenizer

@@ -44,7 +44,7 @@ def run_cell(cell: tuple[str, str, str, str, int]) -> dict:
     codec, optimizer, delay, aggregation, seed = cell
     import torch
 
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
     from cgad.node.sim.simulate import simulate
     from cgad.node.training.data import load_dataset
     from cgad.node.training.tokenizer import load_tokenizer

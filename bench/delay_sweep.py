@@ -22,9 +22,9 @@ import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from cgad.node.config import SimConfig
 from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import delay_sort_key, load_runs, plot_records, summarize
+from cgad.node.sim.config import SimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -66,7 +66,7 @@ CURRENT = (BASE["fan_in"], GROUPS)
 
 
 def config(workers: int, rounds: int, every: int, seed: int) -> Any:
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
 
     return SimConfig(
         **BASE, workers=workers, rounds=rounds, consensus_every=every, seed=seed, model=str(MODEL)

@@ -122,7 +122,7 @@ def outer_step(model: torch.nn.Module, device: torch.device, deadline: Deadline)
     ``apply`` are timed."""
     from cgad.node.config import JoinConfig
     from cgad.node.member.outer import OuterLoop
-    from cgad.protocol.memory import VirtualNetwork
+    from cgad.node.sim.memory import VirtualNetwork
 
     options = JoinConfig()  # every outer option at its default (cga, codec auto, one fragment)
     network = VirtualNetwork()

@@ -34,7 +34,7 @@ def run(variant: str, seed: int) -> dict[str, Any]:
     """One simulator run with ``VARIANTS[variant]`` versions kept; the mixes' ages recorded."""
     import cgad.node.member.mixing as mixing
     import cgad.node.member.outer as outer
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
 
     kept, ages = VARIANTS[variant], Counter()
     pull = mixing.gossip_pull

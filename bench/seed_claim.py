@@ -48,9 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from cgad.bench.wan.provenance import describe, tree_state
-from cgad.node.config import SimConfig
 from cgad.node.front.progress import progress_bar
 from cgad.node.front.report import load_runs, summarize
+from cgad.node.sim.config import SimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

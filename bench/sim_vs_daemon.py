@@ -68,7 +68,8 @@ from cgad.bench.sim_vs_daemon_sides import (
     run_simulator,
 )
 from cgad.bench.wan.provenance import tree_state
-from cgad.node.config import JoinConfig, SimConfig
+from cgad.node.config import JoinConfig
+from cgad.node.sim.config import SimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

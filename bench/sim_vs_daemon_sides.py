@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cgad.node.config import SimConfig
 from cgad.node.daemon.admin import call_admin
+from cgad.node.sim.config import SimConfig
 
 if TYPE_CHECKING:
     from cgad.bench.sim_vs_daemon import Scenario

@@ -31,7 +31,7 @@ def run_cell(cell: tuple[int, int, str, int, int]) -> dict:
     inner_steps, rounds, codec, kept, seed = cell
     import torch
 
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
     from cgad.node.sim.simulate import simulate
     from cgad.node.training.data import load_dataset
     from cgad.node.training.tokenizer import load_tokenizer

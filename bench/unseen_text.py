@@ -68,7 +68,7 @@ def run_cell(cell: tuple[str, str, int, int]) -> dict:
     method, delay, h, seed = cell
     import torch
 
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
     from cgad.node.sim.simulate import simulate
     from cgad.node.training.data import load_dataset
     from cgad.node.training.tokenizer import load_tokenizer

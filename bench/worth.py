@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from cgad.bench.runner.sweep import Run, run_sweep
-from cgad.node.config import SimConfig
 from cgad.node.front.report import load_runs, rounds_to_reach
+from cgad.node.sim.config import SimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -1,9 +1,10 @@
 """One configuration model, in parts: inner training, the outer step, the network, the node.
 
-``JoinConfig`` (a daemon), ``SimConfig`` (the simulator) and ``DemoConfig`` (the demo) are built
-from the same parts by inheritance, so a field is declared once: its type, its default, its range
-and its description, which is also the flag's help. ``cgad.node.front.cli`` turns every field into a
-flag (``inner_steps`` is ``--inner-steps``); a YAML file (``--config``) may spell keys either way.
+``JoinConfig`` (a daemon), ``DemoConfig`` (the demo) and the simulator's ``SimConfig``
+(``cgad.node.sim.config``) are built from the same parts by inheritance, so a field is declared
+once: its type, its default, its range and its description, which is also the flag's help.
+``cgad.node.front.cli`` turns every field into a flag (``inner_steps`` is ``--inner-steps``); a
+YAML file (``--config``) may spell keys either way.
 The outer loop takes the ``OuterOptions`` part and the transport the ``NetworkOptions`` part of
 the very same object: nothing is copied field by field.
 
@@ -14,7 +15,6 @@ builds the same parser.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cgad.optim.defaults import DEFAULT_ALPHA, DEFAULT_CUTOFF
-from cgad.protocol.config import CodecName, ExchangeOptions, NetworkOptions, Port
+from cgad.protocol.config import CodecName, NetworkOptions, Port
 
 __all__ = [
     "ADMIN_PORT",
@@ -33,12 +33,9 @@ __all__ = [
     "JoinConfig",
     "NodeOptions",
     "OuterOptions",
-    "SimConfig",
-    "SimOptions",
     "TrainingOptions",
     "build_config",
     "load_yaml",
-    "parse_stragglers",
 ]
 
 ADMIN_PORT = 7780  # where `cgad-node status` and `leave` look by default
@@ -66,11 +63,11 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the key."""
 
 
-class _Part(BaseModel):
+class Part(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class TrainingOptions(_Part):
+class TrainingOptions(Part):
     """The model, the data and the inner AdamW steps."""
 
     model: str = Field("tiny", description="preset (tiny, small, base, 1b) or a Llama config.json")
@@ -102,7 +99,7 @@ class TrainingOptions(_Part):
         return value
 
 
-class OuterOptions(_Part):
+class OuterOptions(Part):
     """The outer step: which method, its settings, and how the model is split into fragments."""
 
     optimizer: OptimizerName = Field("cga", description="the outer method")
@@ -196,7 +193,7 @@ class OuterOptions(_Part):
         return self
 
 
-class NodeOptions(_Part):
+class NodeOptions(Part):
     """One daemon: its device, checkpoints, evaluation, and the ports it serves on localhost."""
 
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -275,85 +272,7 @@ class NodeOptions(_Part):
     )
 
 
-def parse_stragglers(text: str, workers: int) -> list[float]:
-    """'1,1,2,4': one factor per worker; 'K:F': the last K workers are F times slower."""
-    if not text:
-        return []
-    try:
-        if ":" in text:
-            count, factor = text.split(":", 1)
-            k, f = int(count), float(factor)
-            if not 0 <= k <= workers:
-                raise ValueError
-            return [1.0] * (workers - k) + [f] * k
-        factors = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"stragglers must be 'F1,F2,...' or 'K:F' with K <= workers, got {text!r}") from None
-    if len(factors) != workers:
-        raise ValueError(f"stragglers lists {len(factors)} factors for {workers} workers")
-    return factors
-
-
-class SimOptions(_Part):
-    """The virtual swarm: how many workers, for how long, and what the network does to them."""
-
-    workers: Positive = Field(4, description="simulated workers")
-    rounds: Positive = Field(20, description="outer rounds")
-    delay: str = Field("0", description="delay in outer rounds: N, or random:MAX (uniform 0..MAX)")
-    drop: float = Field(0.0, ge=0, lt=1, description="probability a delivery is lost")
-    bandwidth: PositiveFloat | None = Field(None, description="uplink bytes per virtual second")
-    stragglers: list[float] = Field(default_factory=list, description="per-worker slow-down factors")
-    churn: float = Field(0.0, ge=0, lt=1, description="chance per round a worker leaves for 1-4 rounds")
-    step_time: PositiveFloat = Field(1.0, description="virtual seconds per inner step at speed factor 1")
-    data_split: Literal["disjoint", "shared"] = Field(
-        "disjoint",
-        description="disjoint: each worker its own contiguous shard of the corpus (a volunteer's own "
-        "data); shared: every worker draws from the whole corpus with its own stream, as daemons do",
-    )
-    attackers: int = Field(0, ge=0, description="workers (the last ones) that forge what they publish")
-    attack: str | None = Field(
-        None,
-        description="what attackers send: scale:F, signflip, noise:F, nan, inf, tokens:N, future:N, mirror:S"
-        " (several attackers push one direction together)",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _straggler_text(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("stragglers"), str):
-            workers = data.get("workers", cls.model_fields["workers"].default)
-            if isinstance(workers, bool) or not isinstance(workers, int):
-                raise ValueError(f"workers must be a whole number, got {workers!r}")
-            data = {**data, "stragglers": parse_stragglers(data["stragglers"], workers)}
-        delay = data.get("delay") if isinstance(data, dict) else None
-        if isinstance(delay, int) and not isinstance(delay, bool):
-            data = {**data, "delay": str(delay)}  # `delay: 2` in a YAML file
-        return data
-
-    @field_validator("delay")
-    @classmethod
-    def _delay(cls, value: str) -> str:
-        from cgad.protocol.memory import Delay  # the simulator's own parser (imports torch)
-
-        Delay.parse(value)
-        return value
-
-    @field_validator("attack")
-    @classmethod
-    def _attack(cls, value: str | None) -> str | None:
-        from cgad.protocol.attacks import Attack  # imports torch
-
-        return None if value is None else str(Attack.parse(value))
-
-    @field_validator("stragglers")
-    @classmethod
-    def _stragglers(cls, value: list[float]) -> list[float]:
-        if any(not (f > 0 and math.isfinite(f)) for f in value):
-            raise ValueError(f"straggler factors must be finite and > 0, got {value}")
-        return value
-
-
-class RoundOptions(_Part):
+class RoundOptions(Part):
     """The round's schedule: when an outer step is taken, a daemon's and a simulated worker's alike."""
 
     apply_delay: NonNegative | Literal["auto"] = Field(
@@ -371,7 +290,7 @@ class RoundOptions(_Part):
         return self
 
 
-class _Schedule(_Part):
+class ScheduleChecks(Part):
     """Checks across the training and outer parts: fragments sync in turn within a round."""
 
     @model_validator(mode="after")
@@ -384,7 +303,7 @@ class _Schedule(_Part):
         return self
 
 
-class JoinConfig(_Schedule, TrainingOptions, OuterOptions, RoundOptions, NetworkOptions, NodeOptions):
+class JoinConfig(ScheduleChecks, TrainingOptions, OuterOptions, RoundOptions, NetworkOptions, NodeOptions):
     """Everything `cgad-node join` takes."""
 
     @model_validator(mode="after")
@@ -399,23 +318,7 @@ class JoinConfig(_Schedule, TrainingOptions, OuterOptions, RoundOptions, Network
         return self
 
 
-class SimConfig(_Schedule, TrainingOptions, OuterOptions, RoundOptions, ExchangeOptions, SimOptions):
-    """One simulated swarm: one optimizer, one seed."""
-
-    @model_validator(mode="after")
-    def _one_factor_per_worker(self) -> SimConfig:
-        if self.stragglers and len(self.stragglers) != self.workers:
-            raise ValueError(f"{len(self.stragglers)} straggler factors for {self.workers} workers")
-        if self.attackers >= self.workers:
-            raise ValueError(
-                f"{self.attackers} attackers among {self.workers} workers: at least one must be honest"
-            )
-        if self.attackers and self.attack is None:
-            raise ValueError("--attackers needs --attack (what they send)")
-        return self
-
-
-class DemoConfig(_Schedule, TrainingOptions, OuterOptions):
+class DemoConfig(ScheduleChecks, TrainingOptions, OuterOptions):
     """`cgad-node demo`: N real nodes on this machine. Its training defaults are a preset small
     enough for a laptop to show progress within minutes; any of them can be set as for join."""
 

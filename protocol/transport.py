@@ -1,6 +1,6 @@
 """The one transport interface: what a node hands to the swarm and what it takes from it.
 
-Two implementations: ``cgad.protocol.memory`` (in one process, with injected delay, loss,
+Two implementations: ``cgad.node.sim.memory`` (in one process, with injected delay, loss,
 bandwidth and failure, for the simulator and tests) and ``cgad.protocol.network`` (hivemind DHT
 for who-has-what, gRPC or libp2p streams for the bytes). The outer loop sees only this.
 

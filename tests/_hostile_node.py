@@ -1,5 +1,5 @@
 """A hostile `cgad-node join`, for the adversarial daemon tests: it trains like any node, then
-forges every pseudo-gradient it publishes (protocol/attacks.py); with ``future:N`` its progress
+forges every pseudo-gradient it publishes (node/sim/attacks.py); with ``future:N`` its progress
 records also claim to be N versions ahead, so that a careless peer would re-sync from it. With
 ``poison-state`` it publishes honest fragments but offers snapshots of its outer state whose
 parameters are all NaN, claiming to be a version short of the cutoff past the median of the
@@ -23,7 +23,7 @@ from cgad.node.daemon.checkpoint import pack
 from cgad.node.daemon.node import Node
 from cgad.node.front.cli import build_parser
 from cgad.node.front.flags import config_from
-from cgad.protocol.attacks import Attack, ForgingTransport
+from cgad.node.sim.attacks import Attack, ForgingTransport
 
 
 def poison_state(node: Node) -> None:

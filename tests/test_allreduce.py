@@ -13,8 +13,8 @@ from _daemons import CLI, FRESH_LOSS, SETTINGS, NodeProcess  # tests/ is on sys.
 
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.protocol.allreduce import GROUP_PUBLISHER, AllReduceExchange, averager_bootstrap, listen_anywhere
-from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

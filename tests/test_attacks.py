@@ -9,14 +9,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cgad.node.config import SimConfig
+from cgad.node.sim.attacks import Attack, ForgingTransport
+from cgad.node.sim.config import SimConfig
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.node.sim.simulate import simulate
 from cgad.node.training.data import load_dataset
 from cgad.node.training.tokenizer import load_tokenizer
 from cgad.optim.robust import AroundOwn
-from cgad.protocol.attacks import Attack, ForgingTransport
 from cgad.protocol.codec import Codec, decode, encode
-from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 

@@ -5,7 +5,7 @@ import torch
 
 from cgad.node.config import OuterOptions
 from cgad.node.member.outer import OuterLoop
-from cgad.protocol.memory import VirtualNetwork
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.protocol.transport import Kind
 
 NUMEL = 4096

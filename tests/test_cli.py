@@ -45,7 +45,8 @@ def test_join_help_lists_what_a_volunteer_sets_and_help_all_every_option():
 
 
 def test_every_key_join_and_simulate_share_has_one_default():
-    from cgad.node.config import JoinConfig, SimConfig
+    from cgad.node.config import JoinConfig
+    from cgad.node.sim.config import SimConfig
 
     def default(model: type, name: str) -> object:
         return model.model_fields[name].get_default(call_default_factory=True)

@@ -105,7 +105,9 @@ def _engine_missing() -> str | None:
         return "neither `docker compose` nor `docker-compose` is installed"
     running = subprocess.run(
         ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.split()
     if running:
         return f"a compose network '{PROJECT}' is already up here: this test would take it down"
@@ -176,8 +178,10 @@ def test_compose_network_trains_together():
                 and len(bootstrap.get("eval_history") or []) >= 3
                 and metrics.get("cgad_peers", 0) >= 2
                 and all(applied.get(w["peer_id"], 0) > 0 for w in workers.values())
-                and all((w.get("applied_by_peer") or {}).get(bootstrap.get("peer_id"), 0) > 0
-                        for w in workers.values())
+                and all(
+                    (w.get("applied_by_peer") or {}).get(bootstrap.get("peer_id"), 0) > 0
+                    for w in workers.values()
+                )
             ):
                 break
         logs = _compose("logs", "--no-color", "--tail=40").stdout
@@ -197,18 +201,24 @@ def test_compose_network_trains_together():
             assert status["run_id"] == "compose-demo"
         history = [loss for _, loss in bootstrap["eval_history"]]
         assert len(history) >= 3 and history[-1] < history[0] - 0.5, history
-        print(f"compose network: up in {built_s:.0f} s, both workers applied "
-              f"{time.monotonic() - started - built_s:.0f} s later; bootstrap {applied}")
+        print(
+            f"compose network: up in {built_s:.0f} s, both workers applied "
+            f"{time.monotonic() - started - built_s:.0f} s later; bootstrap {applied}"
+        )
     finally:
         down = subprocess.run(["make", "compose-down"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert down.returncode == 0, down.stdout + down.stderr
     left = subprocess.run(
         ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.split()
     assert not left, f"make compose-down left containers: {left}"
     volumes = subprocess.run(
         ["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.split()
     assert not volumes, f"make compose-down left volumes: {volumes}"

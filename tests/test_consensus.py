@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgad.node.config import JoinConfig, OuterOptions, SimConfig
+from cgad.node.config import JoinConfig, OuterOptions
 from cgad.node.member.consensus import ConsensusStep, GroupMean, matchmaking
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.outer import OuterLoop
+from cgad.node.sim.config import SimConfig
 from cgad.node.sim.groups import GroupFinder
-from cgad.protocol.memory import Delay, VirtualNetwork
+from cgad.node.sim.memory import Delay, VirtualNetwork
 
 
 class _Alone:

@@ -20,7 +20,7 @@ ROUNDS = 5
 SHORT = ["--inner-steps", "8"]
 # the attackers send fp32, so that nothing in the encoding stops what they send
 FP32 = [*SHORT, "--codec", "fp32"]
-# a trillion tokens per block, and each Δ shifted a norm along one direction (protocol/attacks.py)
+# a trillion tokens per block, and each Δ shifted a norm along one direction (node/sim/attacks.py)
 INFLATING_MIRROR = "tokens:1000000000000+mirror:1"
 
 

@@ -17,7 +17,7 @@ from cgad.node.config import JoinConfig, OuterOptions
 from cgad.node.daemon.checkpoint import pack
 from cgad.node.daemon.joining import StateSync, state_timeout
 from cgad.node.member.outer import OuterLoop
-from cgad.protocol.memory import VirtualNetwork
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.protocol.records import PROTOCOL_VERSION
 from cgad.protocol.wire import response_stream, serialized_response_stream
 

@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 
-from cgad.node.config import OuterOptions, SimConfig
+from cgad.node.config import OuterOptions
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
+from cgad.node.sim.config import SimConfig
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.node.training.trainer import InnerTrainer
 from cgad.optim.averaging import MAX_AVERAGED, effective_count, running_count
-from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey
 
 

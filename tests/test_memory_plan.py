@@ -12,9 +12,9 @@ from torch import Tensor
 from cgad.node.config import OuterOptions
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.sender import Sender
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.optim import FLOAT64_CHUNK, AroundOwn
 from cgad.protocol.codec import Codec, decode, encode
-from cgad.protocol.memory import VirtualNetwork
 
 NUMEL = 1 << 16
 OWNED_ELSEWHERE = ("phi", "theta", "optimizer", "transport", "method", "options")

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from cgad.node.config import OPTIMIZERS, OuterOptions, SimConfig
+from cgad.node.config import OPTIMIZERS, OuterOptions
 from cgad.node.member.methods import METHODS, method
+from cgad.node.sim.config import SimConfig
 from cgad.optim import AUTO_LR_SCALE, merge, staleness_weight
 
 

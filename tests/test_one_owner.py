@@ -4,7 +4,8 @@ through the same code. Each test names the decision and shows that both sides re
 import pytest
 from pydantic import ValidationError
 
-from cgad.node.config import JoinConfig, RoundOptions, SimConfig
+from cgad.node.config import JoinConfig, RoundOptions
+from cgad.node.sim.config import SimConfig
 from cgad.protocol.config import ExchangeOptions
 
 
@@ -69,7 +70,7 @@ def test_the_fan_in_draws_offers_in_one_order_for_a_daemon_and_the_simulator():
     import inspect
     import random
 
-    from cgad.protocol.memory import VirtualNetwork
+    from cgad.node.sim.memory import VirtualNetwork
     from cgad.protocol.selection import OfferSelector, fan_in_order
 
     drawn = fan_in_order(list("abcdef"), random.Random(0), lambda p: p in "ce")
@@ -85,7 +86,7 @@ def test_the_codec_of_a_delta_is_the_senders_alone():
     its own, and a daemon's publisher sends a delta handed over whole in float32."""
     import inspect
 
-    from cgad.protocol.memory import VirtualNetwork
+    from cgad.node.sim.memory import VirtualNetwork
     from cgad.protocol.publishing import Publisher
 
     assert "codec" not in inspect.signature(VirtualNetwork).parameters
@@ -97,7 +98,7 @@ def test_a_second_delivery_of_a_key_is_refused_by_one_ledger():
     simulator's peers alike: a key's second delivery is a replay on both sides."""
     import torch
 
-    from cgad.protocol.memory import VirtualNetwork
+    from cgad.node.sim.memory import VirtualNetwork
     from cgad.protocol.selection import Deliveries, OfferSelector
     from cgad.protocol.transport import Fragment, FragmentKey
 

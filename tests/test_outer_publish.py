@@ -11,8 +11,8 @@ from cgad.node.config import OuterOptions
 from cgad.node.daemon.checkpoint import pack, unpack
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.outer_state import Phi0
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.protocol.codec import encoded_size
-from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.scheduling import AUTO_LINK_SHARE
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 

@@ -51,7 +51,7 @@ def test_a_member_ahead_of_its_swarm_slows_its_rounds_to_twice_the_block():
     from cgad.node.config import OuterOptions
     from cgad.node.member.engine import Member, Schedule
     from cgad.node.member.outer import OuterLoop
-    from cgad.protocol.memory import VirtualNetwork
+    from cgad.node.sim.memory import VirtualNetwork
 
     loop = OuterLoop([torch.zeros(4)], OuterOptions(optimizer="cga"), VirtualNetwork().join("me"), "run")
     member = Member(loop, _BehindPeers(), Schedule(fragments=1, inner_steps=8))
@@ -94,7 +94,7 @@ def test_the_outer_step_waits_for_the_own_send_while_training_goes_on_not_the_tr
     from cgad.node.config import OuterOptions
     from cgad.node.member.engine import Member, Schedule
     from cgad.node.member.outer import OuterLoop
-    from cgad.protocol.memory import VirtualNetwork
+    from cgad.node.sim.memory import VirtualNetwork
 
     encoder = ThreadPoolExecutor(max_workers=1)
     gate, second = threading.Event(), threading.Event()

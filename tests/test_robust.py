@@ -12,10 +12,10 @@ import torch
 from cgad.node.config import OuterOptions
 from cgad.node.member.mixing import held_phi
 from cgad.node.member.outer import OuterLoop
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.optim import AroundOwn, SpreadBound
 from cgad.optim.robust import FLOAT64_CHUNK
 from cgad.protocol.codec import Codec, decode, encode
-from cgad.protocol.memory import VirtualNetwork
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgad.node.config import JoinConfig, OuterOptions, SimConfig, parse_stragglers
+from cgad.node.config import JoinConfig, OuterOptions
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.sender import Sender
+from cgad.node.sim.config import SimConfig, parse_stragglers
+from cgad.node.sim.memory import Delay, VirtualNetwork
 from cgad.node.sim.simulate import simulate, worker_batches
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model
@@ -20,7 +22,6 @@ from cgad.node.training.tokenizer import load_tokenizer
 from cgad.node.training.trainer import InnerTrainer, evaluate
 from cgad.optim import CGAD
 from cgad.protocol.codec import encoded_size
-from cgad.protocol.memory import Delay, VirtualNetwork
 from cgad.protocol.scheduling import AUTO_LINK_SHARE
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 

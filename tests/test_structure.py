@@ -105,6 +105,28 @@ def test_no_module_imports_itself_round_a_circle():
     assert import_cycles(graph, modules) == []
 
 
+def simulator_only(graph, package: str = "cgad.protocol") -> list[str]:
+    """Modules of ``package`` that nothing but the simulator reaches: protocol/ holds what crosses
+    a process, so each of its modules must be imported, directly or through another of them, by a
+    room of node/ other than the simulator."""
+    users = {m for m in graph.modules if m.startswith("cgad.node.") and not m.startswith("cgad.node.sim")}
+    reached: set[str] = set()
+    todo = [m for u in users for m in graph.find_modules_directly_imported_by(u) if m.startswith(package)]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += [m for m in graph.find_modules_directly_imported_by(module) if m.startswith(package)]
+    own = {m for m in graph.modules if m.startswith(package + ".") and not m.endswith("__init__")}
+    return sorted(own - reached - {package})
+
+
+def test_protocol_has_no_module_only_the_simulator_uses():
+    graph = grimp.build_graph(*(f"cgad.{package}" for package in PACKAGES))
+    assert "cgad.node.sim.memory" in graph.modules  # the in-memory network lives with its simulator
+    assert simulator_only(graph) == []
+
+
 def test_the_rules_catch_what_they_are_for(tmp_path):
     package = tmp_path / "node"
     package.mkdir()
@@ -126,3 +148,18 @@ def test_the_rules_catch_what_they_are_for(tmp_path):
             return edges.get(module, set())
 
     assert import_cycles(Graph(), {"a", "b", "c", "d"}) == [["a", "b", "c"]]
+
+    class Layout(Graph):
+        modules = frozenset({
+            "cgad.node.daemon.node", "cgad.node.sim.simulate", "cgad.protocol",
+            "cgad.protocol.wire", "cgad.protocol.codec", "cgad.protocol.memory",
+        })  # fmt: skip
+
+        def find_modules_directly_imported_by(self, module):
+            return {
+                "cgad.node.daemon.node": {"cgad.protocol.wire"},
+                "cgad.protocol.wire": {"cgad.protocol.codec"},
+                "cgad.node.sim.simulate": {"cgad.protocol.memory", "cgad.protocol.wire"},
+            }.get(module, set())
+
+    assert simulator_only(Layout()) == ["cgad.protocol.memory"]

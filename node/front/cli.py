@@ -286,7 +286,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
 
     sim = subparsers.add_parser(
         "simulate",
@@ -319,7 +319,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     """Run the virtual swarm once per (optimizer, seed); write the JSON and a PNG beside it."""
     from pathlib import Path
 
-    from cgad.node.config import SimConfig
+    from cgad.node.sim.config import SimConfig
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from cgad.node.config import SimConfig
+from cgad.node.sim.config import SimConfig
 from cgad.node.sim.simulate import worker_batches
 from cgad.node.training.data import TokenDataset
 from cgad.node.training.model import build_model

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from cgad.node.member.consensus import GroupMean
-from cgad.protocol.memory import Delay
+from cgad.node.sim.memory import Delay
 
 __all__ = ["GroupFinder"]
 

@@ -3,7 +3,7 @@
 Each worker is what a daemon is: a model replica, an inner AdamW trainer on its own data shard, an
 ``OuterLoop`` driven by the same ``Member`` engine (node/member/engine.py) that drives a daemon,
 and a transport, here a ``MemoryTransport`` with injected delay, loss, bandwidth, stragglers and
-churn; the last ``attackers`` workers forge what they publish (``protocol/attacks.py``), and the
+churn; the last ``attackers`` workers forge what they publish (``node/sim/attacks.py``), and the
 swarm is judged by the others. What differs from a daemon is only the clock and the network: an
 inner step costs ``step_time × speed factor`` virtual seconds, the swarm's progress reports are
 the other workers' versions as they are, and a state is adopted from a live peer's memory.
@@ -28,19 +28,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cgad.node.config import SimConfig
 from cgad.node.member.consensus import matchmaking
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import Delivery, summed_totals
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
 from cgad.node.member.swarm import snapshot_ceiling, snapshot_order
+from cgad.node.sim.attacks import Attack, ForgingTransport
+from cgad.node.sim.config import SimConfig
 from cgad.node.sim.groups import GroupFinder
+from cgad.node.sim.memory import Delay, MemoryTransport, VirtualNetwork
 from cgad.node.training.data import BatchIterator, TokenDataset
 from cgad.node.training.model import build_model
 from cgad.node.training.trainer import InnerTrainer, evaluate
-from cgad.protocol.attacks import Attack, ForgingTransport
-from cgad.protocol.memory import Delay, MemoryTransport, VirtualNetwork
 
 __all__ = ["simulate", "worker_batches"]
 

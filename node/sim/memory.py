@@ -32,10 +32,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .codec import Codec, decode, kept_in
-from .scheduling import round_budget
-from .selection import Deliveries, fan_in_order, takeable
-from .transport import Fragment, FragmentKey, Kind, Transport, TransportStats
+from cgad.protocol.codec import Codec, decode, kept_in
+from cgad.protocol.scheduling import round_budget
+from cgad.protocol.selection import Deliveries, fan_in_order, takeable
+from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
 
