@@ -66,7 +66,8 @@ from cgad.protocol.reachability import (
 from cgad.protocol.receiving import Receiver
 from cgad.protocol.records import Holdings, Identity, Progress, run_validator, top_credits
 from cgad.protocol.scheduling import VersionClock, round_budget
-from cgad.protocol.selection import Candidate, OfferSelector, takeable
+from cgad.protocol.fan_in import takeable
+from cgad.protocol.selection import Candidate, OfferSelector
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats

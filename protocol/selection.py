@@ -49,13 +49,11 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from cgad.protocol.codec import SPARSE_MAX_KEPT, Codec, encoded_size, sparse_kept
+from cgad.protocol.fan_in import PENDING_SECONDS, FanInSlots, RoundKey, fan_in_order, round_key
 from cgad.protocol.records import Holdings, Offer
 from cgad.protocol.transport import FragmentKey, Kind
-
-T = TypeVar("T")
 
 __all__ = [
     "MAX_PENDING_PER_PUBLISHER",
@@ -66,8 +64,6 @@ __all__ = [
     "Rejection",
     "Selection",
     "check_offer",
-    "fan_in_order",
-    "takeable",
 ]
 
 STATE_CODEC = "state"  # a snapshot's encoding: the node's own packing, opaque to the transport
@@ -75,9 +71,6 @@ MAX_RESERVERS = 3  # re-servers a fetch tries (drawn at random) before the publi
 # unverified offers of one fragment and kind a publisher may have chosen at once: an honest one
 # has its own version's and at most the next one's in flight
 MAX_PENDING_PER_PUBLISHER = 2
-# seconds a chosen offer holds its fan-in slot without its bytes verifying: about a fetch's
-# timeout (``fetch_timeout``); a fetch that fails says so at once (``retry_later``)
-PENDING_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -155,32 +148,6 @@ class Deliveries:
         return len(self._taken)
 
 
-def takeable(live: int, fan_in: int | None) -> int:
-    """How many of ``live`` peers' fragments a round takes under ``fan_in`` (None: every peer's).
-
-    Args:
-        live: the live peers.
-        fan_in: the cap, or None.
-    """
-    return live if fan_in is None else min(live, fan_in)
-
-
-def fan_in_order(items: list[T], rng: random.Random, known: Callable[[T], bool]) -> list[T]:
-    """The order in which a round's offers take the fan-in's slots, a daemon's and the
-    simulator's alike: drawn at random, then (stably) the publishers that delivered to this peer
-    before first, so a throwaway identity never pushes out a peer that has done its share.
-    Shuffles ``items`` in place and returns them.
-
-    Args:
-        items: the round's offers (one per publisher).
-        rng: the peer's draw.
-        known: whether an offer's publisher delivered before.
-    """
-    rng.shuffle(items)
-    items.sort(key=lambda item: not known(item))
-    return items
-
-
 def _holders_by_hash(holdings: Sequence[Holdings]) -> dict[bytes, list[Holdings]]:
     by_hash: dict[bytes, list[Holdings]] = defaultdict(list)
     for holder in holdings:
@@ -205,9 +172,9 @@ def swarm_version(reports: Sequence[Sequence[int]], fragment: int) -> int | None
 class OfferSelector:
     """The policy above, with its ledgers: ``delivered`` (DELTA or PARAMS key to the content hash
     accepted for it), ``attempted`` (content hash to its fragment and base version), per fragment,
-    kind and base version ``chosen`` (publishers chosen once: never again), ``pending`` (chosen,
-    bytes not verified yet, with when), ``verified`` (publishers whose bytes verified: the fan-in
-    cap's ledger) and ``passed`` (publishers counted as skipped), ``earned`` (publishers whose
+    kind and base version ``chosen`` (publishers chosen once: never again), ``slots`` (the fan-in
+    cap's ledger, ``fan_in.FanInSlots``: chosen and pending, or verified) and ``passed``
+    (publishers counted as skipped), ``earned`` (publishers whose
     bytes verified, with when) and ``judged`` (faulty records already counted, with when).
     ``forget`` bounds them all.
 
@@ -240,13 +207,11 @@ class OfferSelector:
         self.history_versions = history_versions
         self.max_ahead = history_versions if max_ahead is None else max_ahead
         self.record_ttl = record_ttl
-        self.pending_seconds = pending_seconds
         self.rng = rng or random.Random()
         self.delivered = Deliveries()
         self.attempted: dict[bytes, tuple[int, int]] = {}
         self.chosen: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
-        self.pending: dict[tuple[int, Kind, int], dict[str, float]] = defaultdict(dict)
-        self.verified: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
+        self.slots = FanInSlots(fan_in, pending_seconds)
         self.passed: dict[tuple[int, Kind, int], set[str]] = defaultdict(set)
         self.earned: dict[str, float] = {}
         self.judged: dict[Hashable, float] = {}
@@ -258,16 +223,14 @@ class OfferSelector:
         again once a holder not among these announces the same bytes (see the rules)."""
         tried = self.failed.setdefault(candidate.offer.content_hash, set())
         tried.update(h.peer_id for h in candidate.holders)
-        key = candidate.key
-        self.pending.get((key.fragment, key.kind, key.base_version), {}).pop(key.publisher, None)
+        self.slots.release(round_key(candidate.key), candidate.key.publisher)
 
     def release(self, candidate: Candidate) -> None:
         """``candidate`` leaves without its bytes verifying (dropped from the fetch queue, its
         fetch cancelled or failed, its bytes refused): its fan-in slot is free again. A slot
         held until the pending expiry instead made its publisher "busy" for minutes after two
         cancelled fetches, and every later offer of it was skipped."""
-        key = candidate.key
-        self.pending.get((key.fragment, key.kind, key.base_version), {}).pop(key.publisher, None)
+        self.slots.release(round_key(candidate.key), candidate.key.publisher)
 
     def too_old(self, base_version: int, own: int) -> bool:
         return base_version < own - self.history_versions
@@ -290,9 +253,7 @@ class OfferSelector:
         a second announcement that raced this fetch."""
         if not self.delivered.take(key, digest):
             return False
-        round_key = (key.fragment, key.kind, key.base_version)
-        self.pending.get(round_key, {}).pop(key.publisher, None)
-        self.verified[round_key].add(key.publisher)
+        self.slots.verify(round_key(key), key.publisher)
         self.earned[key.publisher] = self._now
         return True
 
@@ -312,7 +273,7 @@ class OfferSelector:
         selection = Selection()
         self._now = now
         by_hash = _holders_by_hash(holdings)
-        fresh: dict[tuple[int, Kind, int], list[Candidate]] = defaultdict(list)
+        fresh: dict[RoundKey, list[Candidate]] = defaultdict(list)
         for holder, offer in self._vouched(holdings):
             if offer.kind == Kind.STATE:
                 continue  # a snapshot in a fragment's record: only choose_states takes those
@@ -347,7 +308,7 @@ class OfferSelector:
                 ]
                 if untried:  # chosen already, at the first try: it takes its slot again
                     del self.failed[offer.content_hash]
-                    self.pending[(fragment, kind, offer.base_version)][key.publisher] = now
+                    self.slots.take(round_key(key), key.publisher, now)
                     selection.candidates.append(Candidate(key, offer, untried))
                 continue
             problem = check_offer(offer, numel)
@@ -359,47 +320,27 @@ class OfferSelector:
                 continue
             holders = self._holders(offer, holder, by_hash)
             fresh[(fragment, kind, offer.base_version)].append(Candidate(key, offer, holders))
-        for round_key, candidates in fresh.items():
-            taken, pending = self.chosen[round_key], self._pending(round_key, now)
+        for slot, candidates in fresh.items():
+            taken = self.chosen[slot]
             # a version ahead of this peer (and of the swarm) is a claim nobody can use yet:
             # half its slots wait for this peer to get there
-            ahead = round_key[2] > max(own, swarm if swarm is not None else own)
+            ahead = slot[2] > max(own, swarm if swarm is not None else own)
             fan_in_order(candidates, self.rng, lambda c: c.key.publisher in self.earned)
             for candidate in candidates:
                 publisher = candidate.key.publisher
                 if publisher in taken:
                     continue
-                fan_in = self.fan_in if self.fan_in is not None else 1 << 30  # None: every peer's
-                room = fan_in - len(self.verified.get(round_key, ())) - len(pending)
-                if ahead:
-                    room = min(room, max(1, fan_in // 2) - len(pending))
-                busy = self._pending_of(publisher, fragment, round_key[1], now) >= MAX_PENDING_PER_PUBLISHER
-                if room <= 0 or busy:
-                    if publisher not in self.passed[round_key]:  # counted once
-                        self.passed[round_key].add(publisher)
+                busy = self.slots.waiting_of(publisher, fragment, slot[1], now) >= MAX_PENDING_PER_PUBLISHER
+                if self.slots.room(slot, now, ahead=ahead) <= 0 or busy:
+                    if publisher not in self.passed[slot]:  # counted once
+                        self.passed[slot].add(publisher)
                         selection.fan_in_skipped += 1
                     continue
                 self.mark_attempted(candidate.offer.content_hash, fragment, candidate.key.base_version)
                 taken.add(publisher)
-                pending[publisher] = now
+                self.slots.take(slot, publisher, now)
                 selection.candidates.append(candidate)
         return selection
-
-    def _pending(self, round_key: tuple[int, Kind, int], now: float) -> dict[str, float]:
-        """The chosen publishers of ``round_key`` whose bytes may still come (not verified, not
-        failed, chosen less than ``pending_seconds`` ago)."""
-        pending = self.pending[round_key]
-        for publisher in [p for p, since in pending.items() if now - since >= self.pending_seconds]:
-            del pending[publisher]
-        return pending
-
-    def _pending_of(self, publisher: str, fragment: int, kind: Kind, now: float) -> int:
-        """``publisher``'s unverified offers of ``fragment`` and ``kind`` at any version."""
-        return sum(
-            publisher in self._pending(round_key, now)
-            for round_key in list(self.pending)
-            if round_key[:2] == (fragment, kind)
-        )
 
     def choose_states(self, holdings: Sequence[Holdings], max_bytes: int, now: float) -> Selection:
         """Every state snapshot on offer (none of this peer's own), vouched for by its
@@ -452,9 +393,10 @@ class OfferSelector:
         self.delivered.forget(lambda k: old(k.fragment, k.base_version))
         self.attempted = {h: fb for h, fb in self.attempted.items() if not old(*fb)}
         self.failed = {h: tried for h, tried in self.failed.items() if h in self.attempted}
-        for ledger in (self.chosen, self.pending, self.verified, self.passed):
-            for round_key in [k for k in ledger if old(k[0], k[2])]:
-                del ledger[round_key]
+        for ledger in (self.chosen, self.passed):
+            for slot in [k for k in ledger if old(k[0], k[2])]:
+                del ledger[slot]
+        self.slots.forget(lambda slot: old(slot[0], slot[2]))
         oldest = now - 2 * self.record_ttl
         self.earned = {publisher: when for publisher, when in self.earned.items() if when > oldest}
         self.judged = {record: when for record, when in self.judged.items() if when > oldest}

@@ -88,7 +88,7 @@ def test_identities_announcing_ahead_and_sending_nothing_do_not_take_the_honest_
     assert delivered == {(h, b) for h in HONEST for b in ahead}  # 16 of 16 honest offers
     # the cap still holds per version: at most fan_in verified publishers
     for base in ahead:
-        assert len(selector.verified[(0, Kind.DELTA, base)]) == 4
+        assert len(selector.slots.verified[(0, Kind.DELTA, base)]) == 4
 
 
 def test_a_slot_held_by_bytes_that_never_verify_is_freed_after_the_pending_time() -> None:

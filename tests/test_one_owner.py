@@ -65,13 +65,14 @@ def test_the_daemon_and_the_simulator_choose_a_snapshot_by_one_order():
 
 
 def test_the_fan_in_draws_offers_in_one_order_for_a_daemon_and_the_simulator():
-    """``selection.fan_in_order``: at random, then publishers that delivered before first. The
+    """``fan_in.fan_in_order``: at random, then publishers that delivered before first. The
     daemon's offer selector and the simulator's network both draw through it."""
     import inspect
     import random
 
     from cgad.node.sim.memory import VirtualNetwork
-    from cgad.protocol.selection import OfferSelector, fan_in_order
+    from cgad.protocol.fan_in import fan_in_order
+    from cgad.protocol.selection import OfferSelector
 
     drawn = fan_in_order(list("abcdef"), random.Random(0), lambda p: p in "ce")
     assert set(drawn[:2]) == {"c", "e"} and sorted(drawn) == list("abcdef")
@@ -79,6 +80,45 @@ def test_the_fan_in_draws_offers_in_one_order_for_a_daemon_and_the_simulator():
     assert len(orders) > 10  # drawn, not fixed
     for side in (OfferSelector.choose, VirtualNetwork._draw):
         assert "fan_in_order(" in inspect.getsource(side)
+
+
+def test_the_fan_ins_slots_are_counted_by_one_ledger():
+    """``fan_in.FanInSlots`` holds the slots of a daemon's offer selector and of the simulator's
+    peers: taken, spent when the bytes arrive, free again when they do not; half the slots at most
+    for a version ahead. A delivery lost in flight frees its slot on the simulator's side as a
+    failed fetch does on the daemon's."""
+    import torch
+
+    from cgad.node.sim.memory import VirtualNetwork
+    from cgad.protocol.fan_in import FanInSlots
+    from cgad.protocol.selection import OfferSelector
+    from cgad.protocol.transport import Fragment, FragmentKey, Kind
+
+    slots, key = FanInSlots(2, pending_seconds=10.0), (0, Kind.DELTA, 3)
+    assert slots.room(key, 0.0) == 2 and slots.room(key, 0.0, ahead=True) == 1
+    slots.take(key, "a", 0.0)
+    assert slots.holds(key, "a", 1.0) and slots.room(key, 1.0) == 1 and slots.room(key, 1.0, ahead=True) == 0
+    slots.release(key, "a")
+    assert not slots.holds(key, "a", 1.0) and slots.room(key, 1.0) == 2
+    slots.take(key, "a", 0.0), slots.take(key, "b", 0.0)
+    assert slots.room(key, 5.0) == 0 and slots.room(key, 10.0) == 2  # a fetch that never reports back
+    slots.take(key, "a", 20.0), slots.verify(key, "a")
+    assert slots.room(key, 1e9) == 1  # spent for good
+    assert FanInSlots(None).room(key, 0.0) > 1000
+
+    selector = OfferSelector("run", "me", fan_in=4, history_versions=64, record_ttl=120.0)
+    assert isinstance(selector.slots, FanInSlots) and selector.slots.fan_in == 4
+    network = VirtualNetwork(fan_in=1, drop=0.5, seed=3)
+    peers = [network.join(p) for p in "abc"]
+    assert all(isinstance(p._slots, FanInSlots) and p._slots.fan_in == 1 for p in peers)
+    for version in range(40):
+        for sender in peers[1:]:
+            sender.publish(Fragment(FragmentKey("run", 0, version, sender.peer_id), torch.ones(4), tokens=1))
+    lost = peers[1].stats.rejected["dropped_in_flight"] + peers[2].stats.rejected["dropped_in_flight"]
+    got = peers[0].receive(0)
+    # one publisher per version at most; a version whose first send was lost takes the second
+    assert len({f.key.base_version for f in got}) == len(got) and lost > 0
+    assert len(got) > 40 - lost / 2
 
 
 def test_the_codec_of_a_delta_is_the_senders_alone():

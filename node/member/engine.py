@@ -41,7 +41,7 @@ from cgad.node.member.ledger import Delivery
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.pacing import Turn, adopted_block_over, phase_nudge
 from cgad.node.member.swarm import SwarmView, behind, rounds_behind, swarm_versions
-from cgad.protocol.selection import takeable
+from cgad.protocol.fan_in import takeable
 
 __all__ = ["Member", "MemberHooks", "Schedule"]
 

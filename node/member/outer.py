@@ -52,7 +52,7 @@ from cgad.optim.averaging import inner_lr_scale as sqrt_scale
 from cgad.optim.cga import running_freshness
 from cgad.protocol.codec import Codec, all_finite, encoded_size
 from cgad.protocol.config import SPARSE_KEPT
-from cgad.protocol.selection import takeable
+from cgad.protocol.fan_in import takeable
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000

@@ -33,8 +33,9 @@ import random
 from dataclasses import dataclass
 
 from cgad.protocol.codec import Codec, decode, kept_in
+from cgad.protocol.fan_in import FanInSlots, RoundKey, fan_in_order, round_key, takeable
 from cgad.protocol.scheduling import round_budget
-from cgad.protocol.selection import Deliveries, fan_in_order, takeable
+from cgad.protocol.selection import Deliveries
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport, TransportStats
 
 __all__ = ["Delay", "MemoryTransport", "VirtualNetwork"]
@@ -123,10 +124,10 @@ class VirtualNetwork:
         alive = [p for p in self.peers.values() if p.alive]
         takers: list[set[str]] = [set() for _ in held]
         for receiver in alive:
-            offers: dict[tuple[int, str, int], list[int]] = {}
+            offers: dict[RoundKey, list[int]] = {}
             for i, (sender, fragment, _) in enumerate(held):
                 if sender is not receiver:
-                    offers.setdefault(_slot(fragment.key), []).append(i)
+                    offers.setdefault(round_key(fragment.key), []).append(i)
             for indices in offers.values():
                 if self.fan_in is not None and len(indices) > 1:
                     heard = receiver._heard_from
@@ -136,7 +137,7 @@ class VirtualNetwork:
 
                     fan_in_order(indices, self._slot_rng, known)
                 for i in indices:
-                    if receiver._take_slot(held[i][1].key, self.fan_in):
+                    if receiver._take_slot(held[i][1].key):
                         takers[i].add(receiver.peer_id)
         # in the peers' order, as sends that are not held go: the delay draws follow it
         return [[p for p in alive if p.peer_id in taken] for taken in takers]
@@ -158,7 +159,7 @@ class VirtualNetwork:
         if self._held is not None:
             self._held.append((sender, fragment, size))
             return
-        receivers = [r for r in self._receivers(sender) if r._take_slot(fragment.key, self.fan_in)]
+        receivers = [r for r in self._receivers(sender) if r._take_slot(fragment.key)]
         self._dispatch(sender, fragment, size, receivers)
 
     def _dispatch(
@@ -175,16 +176,12 @@ class VirtualNetwork:
             sender.stats.bytes_sent += size
             if self.rng.random() < self.drop:
                 sender.stats.rejected["dropped_in_flight"] += 1
-                receiver._free_slot(fragment.key, self.fan_in)  # as a fetch that failed frees it
+                receiver._slots.release(round_key(fragment.key), fragment.key.publisher)  # as a failed fetch
                 continue
+            receiver._slots.verify(round_key(fragment.key), fragment.key.publisher)
             delivery = _Delivery(fragment, receiver.round + self.delay.draw(self.rng), ready_time, size)
             receiver._heard_from.add(fragment.key.publisher)
             receiver.inbox.append(delivery)
-
-
-def _slot(key: FragmentKey) -> tuple[int, str, int]:
-    """What the fan-in cap counts publishers per: fragment, kind and base version."""
-    return key.fragment, str(key.kind), key.base_version
 
 
 class MemoryTransport(Transport):
@@ -204,30 +201,23 @@ class MemoryTransport(Transport):
         self.seconds_per_round: float | None = None  # virtual, over the last round
         self._round_began = 0.0  # when the round under way began (the driver may advance per step)
         self._delivered = Deliveries()  # DELTA keys taken, as a daemon's selector keeps them
-        self._slots: dict[tuple[int, str, int], set[str]] = {}  # (fragment, kind, base) -> publishers taken
+        self._slots = FanInSlots(network.fan_in)  # the fan-in's ledger, as a daemon's selector keeps it
         self._heard_from: set[str] = set()  # publishers whose fragments reached this peer
 
-    def _take_slot(self, key: FragmentKey, fan_in: int | None) -> bool:
-        """Whether this peer takes ``key``'s fragment: its publisher holds one of the ``fan_in``
-        slots of (fragment, kind, base version) already, or takes one that is left (None: no cap)."""
-        if fan_in is None:
+    def _take_slot(self, key: FragmentKey) -> bool:
+        """Whether this peer takes ``key``'s fragment: its publisher holds one of the fan-in's
+        slots of (fragment, kind, base version) already, or takes one that is left."""
+        slot = round_key(key)
+        if self._slots.holds(slot, key.publisher, self.now):
             return True
-        taken = self._slots.setdefault(_slot(key), set())
-        if key.publisher in taken:
-            return True
-        if len(taken) >= fan_in:
+        if self._slots.room(slot, self.now) <= 0:
             self.stats.skipped["fan_in"] += 1
             return False
-        taken.add(key.publisher)
-        if len(self._slots) > 4096:  # versions long past: their counts are done with
-            newest = max(s[2] for s in self._slots)
-            for old in [s for s in self._slots if s[2] < newest - 256]:
-                del self._slots[old]
+        self._slots.take(slot, key.publisher, self.now)
+        if len(self._slots.verified) > 4096:  # versions long past: their counts are done with
+            newest = max(s[2] for s in self._slots.verified)
+            self._slots.forget(lambda s: s[2] < newest - 256)
         return True
-
-    def _free_slot(self, key: FragmentKey, fan_in: int | None) -> None:
-        if fan_in is not None:
-            self._slots.get(_slot(key), set()).discard(key.publisher)
 
     def advance(self, now: float, round_: int) -> None:
         """Move this peer's virtual clock and round counter (the driver calls this)."""
