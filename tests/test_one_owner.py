@@ -153,3 +153,23 @@ def test_a_second_delivery_of_a_key_is_refused_by_one_ledger():
     assert isinstance(b._delivered, Deliveries)
     selector = OfferSelector("run", "me", fan_in=4, history_versions=64, record_ttl=120.0)
     assert isinstance(selector.delivered, Deliveries)
+
+
+def test_which_versions_can_count_has_one_owner():
+    """``methods.UsableVersions``: the member's step drops a delta further ahead than the cutoff,
+    and a daemon's transport is built to fetch nothing outside the same window (stale or ahead)."""
+    import inspect
+
+    from cgad.node.config import OuterOptions
+    from cgad.node.daemon import node
+    from cgad.node.member.methods import UsableVersions
+    from cgad.node.member.outer import OuterLoop
+
+    usable = UsableVersions.of(OuterOptions(optimizer="cga", cutoff=4))
+    assert usable.stale_after == 4 and usable.max_ahead == 4
+    assert usable.too_far_ahead(15, 10) and not usable.too_far_ahead(14, 10)
+    assert UsableVersions.of(OuterOptions(optimizer="nesterov")).stale_after is None  # every age counts
+    assert "self.usable.too_far_ahead(" in inspect.getsource(OuterLoop.apply)
+    built = inspect.getsource(node.Node)
+    assert "UsableVersions.of(" in built and "stale_after=usable.stale_after" in built
+    assert "max_ahead=usable.max_ahead" in built

@@ -39,7 +39,7 @@ from cgad.node.daemon.stall import StallMeter
 from cgad.node.daemon.status import cpu_seconds_by_thread, status_line
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import layout_numels
-from cgad.node.member.methods import method
+from cgad.node.member.methods import UsableVersions, method
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
 from cgad.node.training.data import load_dataset
@@ -111,13 +111,14 @@ class Node(MemberHooks):
         # a snapshot holds φ and at most two more model-sized tensors of outer state, in fp32, and a
         # little metadata: a record announcing more is refused before any byte moves
         state_bound = 16 * sum(p.numel() for p in params) + (1 << 20)
+        usable = UsableVersions.of(c)  # what the outer step can use is all the transport fetches
         self.transport = NetworkTransport(
             c.model_copy(update={"max_state_bytes": min(c.max_state_bytes, state_bound)}),
             num_fragments=c.fragments,
             fragment_numel=dict(enumerate(numels)),
             identity=self.identity,
-            stale_after=method(c.optimizer).stale_after(c),
-            max_ahead=c.cutoff,
+            stale_after=usable.stale_after,
+            max_ahead=usable.max_ahead,
         )
         self.transport.describe_as(json.dumps(self.swarm))
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind

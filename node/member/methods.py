@@ -30,7 +30,7 @@ from cgad.optim import (
     staleness_weight,
 )
 
-__all__ = ["METHODS", "Contribution", "OuterMethod", "method"]
+__all__ = ["METHODS", "Contribution", "OuterMethod", "UsableVersions", "method"]
 
 
 @dataclass(frozen=True)
@@ -389,3 +389,25 @@ def method(name: str) -> OuterMethod:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(METHODS)}") from None
+
+
+@dataclass(frozen=True)
+class UsableVersions:
+    """Which versions of a peer's delta can count in an outer step. The member's step drops what
+    falls outside (a delta further ahead than the cutoff, counted ``future``; one aged to a
+    weight of 0); a daemon's transport does not fetch it, so both clocks keep one window.
+
+    Args:
+        stale_after: the age from which a delivery counts for nothing (None: every age counts).
+        max_ahead: how far ahead of the member's own version a delta may claim to be.
+    """
+
+    stale_after: int | None
+    max_ahead: float
+
+    @classmethod
+    def of(cls, options: OuterOptions) -> UsableVersions:
+        return cls(method(options.optimizer).stale_after(options), options.cutoff)
+
+    def too_far_ahead(self, version: int, own: int) -> bool:
+        return version > own + self.max_ahead

@@ -20,8 +20,8 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
 
 A peer that fell more than the cutoff behind the swarm should re-sync its state; the driver
 judges that from the swarm's progress records and does it with ``state_dict`` /
-``load_state_dict`` (and ``fast_forward``) from a live peer. Deliveries claiming a base more than
-the cutoff ahead are dropped (counted as ``future``): they are no evidence of anything.
+``load_state_dict`` (and ``fast_forward``) from a live peer. Deliveries outside the usable
+versions (``methods.UsableVersions``: more than the cutoff ahead, counted ``future``) are dropped.
 The loop is driven from one thread (the trainer's); a daemon that serves its state to joiners
 from another thread holds its own lock around ``sync`` and ``state_dict``.
 """
@@ -43,7 +43,7 @@ from cgad.node.config import OuterOptions, TrainingOptions
 from cgad.node.member.audience import Audience
 from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
-from cgad.node.member.methods import Contribution, StepInput, fresh_share, method, unflatten
+from cgad.node.member.methods import Contribution, StepInput, UsableVersions, fresh_share, method, unflatten
 from cgad.node.member.mixing import Mixer, remember_phi
 from cgad.node.member.outer_state import HEARD, Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Sender, Yardstick
@@ -90,6 +90,7 @@ class OuterLoop:
         self.theta = params
         self.options = options
         self.method, self.transport, self.run_id = method(options.optimizer), transport, run_id
+        self.usable = UsableVersions.of(options)
         self.fragments = strided_fragments(len(params), options.fragments)
         # the outer state lives in host memory whatever device θ trains on: peers' deltas arrive
         # there, and a GPU keeps its memory for the model (θ crosses over once per block)
@@ -108,8 +109,7 @@ class OuterLoop:
         # the tokens of the latest finite block per fragment, shared or not: a peer's claim is
         # capped at TOKEN_CAP times them (the Δ itself, judged against, is the sender's: Yardstick)
         self._own_tokens: dict[int, int] = {}
-        # peers' deltas of versions this peer has not reached yet, per fragment (within the cutoff)
-        self._ahead: dict[int, list[Fragment]] = {}
+        self._ahead: dict[int, list[Fragment]] = {}  # peers' deltas of versions not reached yet
         # the running count of members whose deltas a fresh step averages (1: alone); the inner lr
         # follows it (``inner_lr_scale``); not outer state: a joiner counts its own from 1
         self.averaged = 1.0
@@ -252,7 +252,7 @@ class OuterLoop:
                 self.counters.rejected["bad_shape"] += 1
                 self.counters.rejected_by_peer[frag.key.publisher] += 1
                 continue
-            if frag.key.base_version > base + self.options.cutoff:
+            if self.usable.too_far_ahead(frag.key.base_version, base):
                 # claims to be further ahead than any honest peer gets before re-syncing us: it
                 # moves neither the outer step nor this peer's idea of how far behind it is
                 self.counters.rejected["future"] += 1
