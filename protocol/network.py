@@ -49,6 +49,7 @@ from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.dhtbounds import bound_dht
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.event_thread import EventLoopThread, side_worker
+from cgad.protocol.fan_in import takeable
 from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
@@ -66,7 +67,6 @@ from cgad.protocol.reachability import (
 from cgad.protocol.receiving import Receiver
 from cgad.protocol.records import Holdings, Identity, Progress, run_validator, top_credits
 from cgad.protocol.scheduling import VersionClock, round_budget
-from cgad.protocol.fan_in import takeable
 from cgad.protocol.selection import Candidate, OfferSelector
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment

@@ -38,3 +38,16 @@ def netswarm():
 
     with running_swarm() as peers:
         yield peers
+
+
+def pytest_collection_modifyitems(items):
+    """The tiers (Makefile): the system tier runs with the daemons, one test at a time, so a test
+    marked ``system`` must be marked ``integration`` too, or `make test` would run it side by side
+    with others."""
+    loose = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("system") and not item.get_closest_marker("integration")
+    ]
+    if loose:
+        raise pytest.UsageError(f"marked system but not integration: {loose}")

@@ -147,6 +147,7 @@ def _worker_status(name: str) -> dict | None:
     return json.loads(result.stdout) if result.returncode == 0 else None
 
 
+@pytest.mark.system
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(1800)

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.integration
 CLI = str(Path(sys.executable).with_name("cgad-node"))
 
 
+@pytest.mark.system
 def test_demo_runs_a_swarm_and_ends_with_a_summary_and_a_plot(tmp_path, token_cache):
     env = {**os.environ, "CGAD_CACHE_DIR": token_cache}
     result = subprocess.run(

@@ -61,6 +61,7 @@ def test_an_offer_no_holder_delivered_is_fetched_again_from_a_new_holder():
     assert not selector.choose(0, 32, both, own=3, now=3.0).candidates  # once, while it runs
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.skipif(available(nat=True) is not None, reason=str(available(nat=True)))

@@ -27,6 +27,7 @@ def token_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
+@pytest.mark.system
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -88,6 +89,7 @@ def test_gpu_check_says_there_is_no_gpu_and_exits_0(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.system
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(900)

@@ -37,6 +37,7 @@ def _bench():
     return module
 
 
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_the_daemons_keep_the_simulators_prediction(tmp_path, monkeypatch):
     monkeypatch.setenv("CGAD_CACHE_DIR", str(tmp_path / "cache"))

@@ -370,6 +370,7 @@ def test_the_runner_runs_a_named_floor_first_and_checks_the_swarm_against_it(run
         runner.main()
 
 
+@pytest.mark.system
 @pytest.mark.integration
 @pytest.mark.skipif(available() is not None, reason=str(available()))
 @pytest.mark.timeout(600)
