@@ -432,6 +432,7 @@ def test_costs_per_round_count_the_steady_state_and_node_0_lists_the_swarm_in_ti
     assert not next(v for v in checks.check(result) if v["check"] == "listed_within")["ok"]
 
 
+@pytest.mark.integration  # it measures CPU time: alone, not beside other tests
 @pytest.mark.skipif(available(cpu=True) is not None, reason=str(available(cpu=True)))
 @pytest.mark.timeout(120)
 def test_a_node_held_to_a_cpu_share_computes_at_that_share(tmp_path):
