@@ -37,6 +37,7 @@ from google.protobuf.wrappers_pb2 import StringValue
 from hivemind.p2p import P2P, P2PContext, PeerID
 
 from cgad.protocol.records import MAX_ADDRESSES
+from cgad.protocol.text import printable
 
 __all__ = [
     "DIAL_BACK",
@@ -195,7 +196,7 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
             failures.append(f"{_short(peer)}: {type(error).__name__}")
             continue
         if not isinstance(reply, dict) or "error" in reply or not isinstance(reply.get("reachable"), list):
-            failures.append(f"{_short(peer)}: {str(reply.get('error', 'a malformed answer'))[:80]}")
+            failures.append(f"{_short(peer)}: {printable(reply.get('error', 'a malformed answer'), 80)}")
             continue
         reachable = [
             a for a in reply["reachable"][: MAX_PORTS * 2]

@@ -8,6 +8,8 @@ import re
 import threading
 from typing import Any
 
+from cgad.protocol.text import printable
+
 __all__ = ["cpu_seconds_by_thread", "status_line", "status_report"]
 
 
@@ -17,7 +19,7 @@ def _number(value: float | None) -> str:
 
 def status_line(s: dict[str, Any]) -> str:
     """Round, step, losses, throughput, peers, fragments out and in, and their mean age."""
-    return (
+    return printable(
         f"round {s['round']} step {s['inner_step']} loss {_number(s['loss'])} eval {_number(s['eval_loss'])} "
         f"tok/s {s['tokens_per_second']:.0f} peers {s['peers']} "
         f"out {s['published']} in {s['applied']} age {s['mean_age']:.2f}"
@@ -26,7 +28,8 @@ def status_line(s: dict[str, Any]) -> str:
 
 def status_report(s: dict[str, Any]) -> str:
     """``cgad-node status`` without ``--json``: the node, its training, its exchange with the
-    swarm, and the ages of what it applied as a text histogram."""
+    swarm, and the ages of what it applied as a text histogram. Peers' strings in it (their ids,
+    the reasons they were refused, a dial-back answer) print escaped (``protocol.text``)."""
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(s.get("rejected", {}).items())) or "none"
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items()) if v) or "none"
     stored = ", ".join(f"{k} {v}" for k, v in sorted((s.get("records_stored") or {}).items())) or "none"
@@ -76,7 +79,7 @@ def status_report(s: dict[str, Any]) -> str:
         lines += [
             f"  {age:>3}  {'#' * max(1, round(40 * n / widest))} {n}" for age, n in sorted(ages.items())
         ]
-    return "\n".join(lines)
+    return printable("\n".join(lines), lines=True)
 
 
 def _duration(seconds: float) -> str:
