@@ -117,6 +117,7 @@ def test_the_dashboard_shows_the_swarm_and_its_loss_in_a_browser(daemons):
     points = int(re.search(r'id="by-round" data-points="(\d+)"', dom).group(1))
     assert points >= 3 + 5  # its evaluations, and the floor's 5 points
     assert 'data-floor-points="5"' in dom
+    assert "held-out (claimed)" in dom  # a peer's loss is its own word
     assert not console_errors(seen.stderr), console_errors(seen.stderr)
 
     # the node trains on: a later look draws more points

@@ -15,7 +15,7 @@ import pytest
 import torch
 from _netswarm import RUN, SMALL, key, make_transport, settle, wait_for
 
-from cgad.node.daemon.credit import Credit, contributions
+from cgad.node.daemon.credit import Credit, contributions, most_applied
 from cgad.node.daemon.monitor import render
 from cgad.protocol.records import Progress
 from cgad.protocol.transport import Fragment
@@ -108,11 +108,12 @@ def test_the_table_names_each_peer_and_sums_the_swarm() -> None:
     assert text.splitlines()[1].split()[4:8] == ["4.250", "31", "12", "by"]
     assert text.splitlines()[2].split()[4:6] == ["-", "7"]  # QmB: no held-out loss, 7 published
     assert "run r: 2 live peer(s), median version 8, 1500 tokens/s in all, 12 fragment(s)" in text
+    assert "held-out, tokens/s, published: each peer's own claim, not checked" in text
     assert "no live peer found" in render("r", [])
 
 
-def _progress(peer: str, applied_from: dict[str, int]) -> Progress:
-    return Progress(peer_id=peer, versions=[1], inner_step=1, tokens_per_second=1.0, time=0.0,
+def _progress(peer: str, applied_from: dict[str, int], versions: tuple[int, ...] = (10,)) -> Progress:
+    return Progress(peer_id=peer, versions=list(versions), inner_step=1, tokens_per_second=1.0, time=0.0,
                     applied_from=applied_from)  # fmt: skip
 
 
@@ -136,3 +137,20 @@ def test_no_peer_can_credit_itself_and_each_reporter_counts_once() -> None:
         )
         == {}
     )
+
+
+def test_a_credit_is_at_most_what_any_peer_could_have_applied() -> None:
+    """One throwaway identity signed 2^64 − 1 applications of a friend who published nothing: the
+    contribution table showed the friend at 100% and every honest peer at 0%. A reporter's count
+    is cut to the swarm's versions summed over its fragments (one fragment per fragment and
+    version), which a liar claiming far-ahead versions of its own does not move."""
+    records = {
+        "QmA": _progress("QmA", {"QmB": 37}, versions=(20, 19)),
+        "QmB": _progress("QmB", {"QmA": 30}, versions=(20, 20)),
+        "QmC": _progress("QmC", {"QmA": 35, "QmB": 36}, versions=(19, 19)),
+        "QmLiar": _progress("QmLiar", {"QmFriend": 2**64 - 1}, versions=(10**9, 10**9)),
+    }
+    assert most_applied(records) == 20 + 19  # the low medians: (19, 20, 20, 1e9) and (19, 19, 20, 1e9)
+    credit = contributions(records)
+    assert credit["QmFriend"] == Credit(39, 1)  # as much as one honest peer can be credited by one
+    assert credit["QmA"] == Credit(30 + 35, 2) and credit["QmB"] == Credit(37 + 36, 2)  # honest: whole

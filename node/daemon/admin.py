@@ -3,19 +3,30 @@
 The service ``cgad.node.Admin`` has two unary methods whose messages are JSON documents (the
 status is a flat, growing set of keys that tools read by name), beside the standard
 ``grpc.health.v1.Health`` service for container and orchestrator probes.
+
+``Status`` answers anyone who reaches the port. ``Leave`` stops the node, so it needs the
+node's token: a random secret the node writes, readable by its own user alone, to a file named
+by its admin address (``token_path``) in a folder of that user's, and removes when it stops.
+`cgad-node leave` run by the same user reads it; another local user cannot.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import os
+import secrets
 from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-__all__ = ["SERVICE", "AdminServer", "call_admin", "check_health"]
+from cgad.protocol.files import atomic_write
+
+__all__ = ["SERVICE", "AdminServer", "call_admin", "check_health", "token_path"]
 
 SERVICE = "cgad.node.Admin"
 
@@ -26,6 +37,27 @@ def _encode(obj: Any) -> bytes:
 
 def _decode(data: bytes) -> Any:
     return json.loads(data.decode()) if data else {}
+
+
+def token_path(address: str) -> Path:
+    """Where the node listening at ``address`` (HOST:PORT) keeps its ``Leave`` token: under
+    $XDG_RUNTIME_DIR (a folder of the user's own), else ~/.cache, in ``cgad-node/admin``."""
+    root = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache")
+    host, _, port = address.rpartition(":")
+    safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in host.strip("[]"))
+    return root / "cgad-node" / "admin" / f"{safe}_{port}.token"
+
+
+def _read_token(address: str) -> str | None:
+    """The token of the node at ``address``; a node listening on every address wrote its token
+    under that name, so the any-address names of the port are tried too."""
+    port = address.rpartition(":")[2]
+    for name in (address, f"0.0.0.0:{port}", f"[::]:{port}", f"127.0.0.1:{port}"):
+        try:
+            return token_path(name).read_text().strip()
+        except OSError:
+            continue
+    return None
 
 
 class AdminServer:
@@ -43,6 +75,9 @@ class AdminServer:
             return status()
 
         def on_leave(request: Any, context: grpc.ServicerContext) -> Any:
+            token = request.get("token") if isinstance(request, dict) else None
+            if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, "Leave needs this node's token")
             leave()
             return {"leaving": True}
 
@@ -59,23 +94,44 @@ class AdminServer:
         if bound == 0:
             raise ValueError(f"admin API cannot listen on {host}:{port}")
         self.address = f"{host}:{bound}"
+        self._token = secrets.token_hex(16)
+        self.token_file = token_path(self.address)
+        self.token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(self.token_file, self._token.encode(), mode=0o600)
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=1.0).wait()
+        self.token_file.unlink(missing_ok=True)
 
 
-def call_admin(address: str, method: str, timeout: float = 10.0) -> dict[str, Any]:
-    """Call ``Status`` or ``Leave`` on a node; raises ``ConnectionError`` when nobody answers."""
+def call_admin(address: str, method: str, timeout: float = 10.0, token: str | None = None) -> dict[str, Any]:
+    """Call ``Status`` or ``Leave`` on a node; raises ``ConnectionError`` when nobody answers
+    and ``PermissionError`` when it refuses.
+
+    Args:
+        address: the node's admin API, HOST:PORT.
+        method: ``Status`` or ``Leave``.
+        timeout: seconds.
+        token: ``Leave``'s token; None: read from the node's token file (``token_path``).
+    """
+    request: dict[str, Any] = {}
+    if method == "Leave":
+        request["token"] = token if token is not None else _read_token(address)
     with grpc.insecure_channel(address) as channel:
         rpc = channel.unary_unary(
             f"/{SERVICE}/{method}", request_serializer=_encode, response_deserializer=_decode
         )
         try:
-            return rpc({}, timeout=timeout)
+            return rpc(request, timeout=timeout)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionError(
+                    f"the node at {address} refused {method}: run it as the node's user, who can"
+                    f" read {token_path(address)}"
+                ) from exc
             raise ConnectionError(f"no cgad-node admin API at {address}: {exc.code().name}") from exc
 
 

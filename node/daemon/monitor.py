@@ -109,8 +109,9 @@ def render(run_id: str, rows: list[dict[str, Any]]) -> str:
     )
     lines.append(
         "applied by others: N by K = K other live peers signed that they applied N of its fragments"
-        " (a peer's word about itself counts for nothing)"
+        " (a peer's word about itself counts for nothing; one peer's word at most what any could apply)"
     )
+    lines.append("held-out, tokens/s, published: each peer's own claim, not checked")
     return "\n".join(lines)
 
 
