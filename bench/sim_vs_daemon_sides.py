@@ -244,6 +244,7 @@ def run_daemons(
         str(R + 1),
         *(["--admin-port", "0"] if bed is None else []),  # the testbed gives each its address and port
         "--no-dashboard",
+        "--private-endpoints",  # on 127.0.0.1 or a testbed's private addresses
     ]
     what = "each alone" if alone else "node 0 starts the swarm, the others join it"
     where = "127.0.0.1" if bed is None else f"the testbed's namespaces ({_links(bed)})"

@@ -173,6 +173,12 @@ class NetworkOptions(ExchangeOptions):
         description="encrypt the gRPC data path, its certificate pinned by the signed records"
         " (always on with --swarm-key)",
     )
+    private_endpoints: bool = Field(
+        False,
+        description="dial gRPC endpoints that peers' records name by host name or at private, loopback"
+        " or link-local addresses (one machine, a LAN, a testbed); off: public IP addresses only, the"
+        " rest over libp2p, so that no record aims this node at a service on its own network",
+    )
     grpc_announce_host: str | None = Field(
         None, pattern=HOST, description="the host others dial for gRPC, when it differs from --grpc-host"
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -143,12 +144,28 @@ def states_due(now: float, looked_at: float, wanted_at: float, versions: Sequenc
     return False
 
 
-class EndpointClaims:
-    """Which holder may name which gRPC endpoint: the first to name one keeps it while it is
-    remembered, and a host gets at most ``per_host`` endpoints; a holder over either bound keeps
-    its record without the endpoint (it is still reached over libp2p)."""
+def public_endpoint(endpoint: str) -> bool:
+    """Whether a record's gRPC endpoint is a public IP address: not a host name (which may resolve
+    to anything), nor a private, loopback, link-local, multicast or reserved address."""
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+        return address.is_global and not address.is_multicast
+    except ValueError:
+        return False
 
-    def __init__(self, per_host: int = MAX_ENDPOINTS_PER_HOST, size: int = MAX_ENDPOINTS) -> None:
+
+class EndpointClaims:
+    """Which holder may name which gRPC endpoint: only a public IP address unless ``private`` (a
+    record naming a private one would aim this node's fetches at a service on its own network),
+    the first to name one keeps it while it is remembered, and a host gets at most ``per_host``
+    endpoints; a holder over any bound keeps its record without the endpoint (it is still reached
+    over libp2p)."""
+
+    def __init__(
+        self, per_host: int = MAX_ENDPOINTS_PER_HOST, size: int = MAX_ENDPOINTS, *, private: bool = True
+    ) -> None:
+        self.private = private
         self.per_host = per_host
         self.size = size
         self._owner: OrderedDict[str, str] = OrderedDict()  # endpoint -> peer id
@@ -164,6 +181,8 @@ class EndpointClaims:
         endpoint = holdings.grpc
         if endpoint is None:
             return holdings
+        if not self.private and not public_endpoint(endpoint):
+            return holdings.copy(update={"grpc": None, "tls": None})
         owner = self._owner.get(endpoint)
         if owner is None:
             host = endpoint.rsplit(":", 1)[0]
@@ -227,7 +246,7 @@ class Poller:
         self._reject = reject
         self._holdings = ParseCache(parse_holdings)  # holders' records, parsed once while they stand
         self.faulty = FaultLedger(keep=2 * options.record_ttl)  # faulty records counted once
-        self.endpoints = EndpointClaims()
+        self.endpoints = EndpointClaims(private=options.private_endpoints)
         # whom to ping when no peer is left: --peers always, and the peers last seen live (newest
         # last; bounded, as identities are free to make)
         self._bootstrap_ids = _peer_ids(options.peers)

@@ -21,6 +21,7 @@ SETTINGS = [
     "--run-id", "itest", "--model", "tiny", "--inner-steps", "16", "--batch-size", "2", "--seq-len", "32",
     "--eval-batches", "4", "--eval-every", "1", "--inner-lr", "2e-3", "--codec", "fp16",
     "--checkpoint-every", "1", "--admin-port", "0", "--dashboard-port", "0",
+    "--private-endpoints",  # one machine: every gRPC endpoint is on 127.0.0.1
 ]  # fmt: skip
 
 

@@ -34,6 +34,7 @@ def make_transport(fragment_numel: dict[int, int] = NUMEL, **overrides: object) 
         connect_timeout=1.0,
         chunk_timeout=3.0,
         max_norm=MAX_NORM,
+        private_endpoints=True,  # one machine: every gRPC endpoint is on 127.0.0.1
     )
     settings.update(overrides)
     return NetworkTransport(

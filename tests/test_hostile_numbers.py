@@ -12,7 +12,14 @@ import torch
 
 from cgad.protocol import FragmentError
 from cgad.protocol.codec import decode, encode
-from cgad.protocol.polling import MAX_FAULTY_RECORDS, EndpointClaims, FaultLedger, live_progress
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.polling import (
+    MAX_FAULTY_RECORDS,
+    EndpointClaims,
+    FaultLedger,
+    live_progress,
+    public_endpoint,
+)
 from cgad.protocol.records import Holdings, Progress
 from cgad.protocol.selection import swarm_version
 
@@ -98,3 +105,25 @@ def test_records_cannot_aim_fetchers_at_any_number_of_endpoints() -> None:
     for i in range(1000):
         claims.check(_holder(_pid("H", i), f"h{i}.example:5000"))
     assert len(claims._owner) <= 64
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["127.0.0.1:22", "10.0.0.1:80", "192.168.1.1:443", "172.16.5.5:8080", "169.254.169.254:80",
+     "[::1]:22", "[fe80::1]:80", "[fd00::1]:80", "0.0.0.0:22", "224.0.0.1:80", "203.0.113.9:4000",
+     "localhost:22", "metadata.google.internal:80", "example.com:443"],
+)  # fmt: skip
+def test_a_record_cannot_aim_fetchers_at_a_private_address_or_a_name(endpoint: str) -> None:
+    """A record naming a loopback, private, link-local or reserved address, or a host name (which
+    may resolve to one), keeps its offers, and is reached over libp2p; unless the swarm runs on
+    one machine, a LAN or a testbed and says so (``--private-endpoints``)."""
+    assert not public_endpoint(endpoint)
+    assert EndpointClaims(private=False).check(_holder("QmA", endpoint)).grpc is None
+    assert EndpointClaims(private=True).check(_holder("QmA", endpoint)).grpc == endpoint
+
+
+def test_a_public_address_is_dialed() -> None:
+    for endpoint in ("8.8.8.8:31338", "[2606:4700::1111]:443"):
+        assert public_endpoint(endpoint)
+        assert EndpointClaims(private=False).check(_holder("QmA", endpoint)).grpc == endpoint
+    assert NetworkOptions(run_id="r").private_endpoints is False  # the default: public only

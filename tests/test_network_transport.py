@@ -567,3 +567,20 @@ def test_fetches_wait_their_turn_youngest_first_and_stop_when_too_old() -> None:
     finally:
         receiver.close()
         publisher.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_fetcher_that_does_not_opt_in_never_dials_a_loopback_endpoint() -> None:
+    """A record's gRPC endpoint on 127.0.0.1 is this machine's own to a fetcher elsewhere: by
+    default (no ``--private-endpoints``) the fragment comes over libp2p, and no byte over gRPC."""
+    holder_node = make_transport()
+    fetcher = make_transport(peers=holder_node.maddrs(), private_endpoints=False, paths=["grpc", "libp2p"])
+    try:
+        assert holder_node.grpc_endpoint.startswith("127.0.0.1:")
+        holder_node.publish(Fragment(key(holder_node, 0, 0), torch.randn(BIG), tokens=7), codec=Codec.FP16)
+        [got] = collect(fetcher, 0, 1)
+        assert got.key == key(holder_node, 0, 0)
+        assert fetcher.bytes_by_path["grpc"] == 0 and fetcher.bytes_by_path["libp2p"] > 0
+    finally:
+        fetcher.close()
+        holder_node.close()

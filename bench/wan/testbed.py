@@ -247,7 +247,9 @@ class Testbed:
                       "--grpc-host", address, "--grpc-port", "31338"]  # fmt: skip
         command = [
             *self._held(index), "ip", "netns", "exec", self.namespace(index), executable, "join", *listen,
-            "--admin-host", address, "--admin-port", str(admin_port), *args,
+            "--admin-host", address, "--admin-port", str(admin_port),
+            "--private-endpoints",  # the testbed's addresses are private ones (10.x, 203.0.113.x)
+            *args,
         ]  # fmt: skip
         if "--eval-every" not in args:  # the checks and reports read every round's held-out loss
             command += ["--eval-every", "1"]

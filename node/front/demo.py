@@ -77,6 +77,7 @@ def _join_command(
     cmd += ["--checkpoint-dir", str(workdir / name), "--admin-port", str(ports[0])]
     cmd += ["--dashboard-port", str(ports[1])]
     cmd += ["--eval-every", "1"]  # the demo compares the swarm with the lone node round by round
+    cmd += ["--private-endpoints"]  # its nodes' gRPC endpoints are on 127.0.0.1
     cmd += ["--identity", str(workdir / f"{name}.key")]
     # paired data orders: the lone node sees node 0's batches
     cmd += ["--data-seed", str(max(index, 0))]
