@@ -141,7 +141,7 @@ class NetworkTransport(Transport):
             time=get_dht_time(),
         )
         self._closed = False
-        self._dial_back = DialBackServer()
+        self._dial_back = DialBackServer(self._allow, self.swarm_key)
         self.reachability = Reachability(None, detail="not started")
         self.client_mode = self.options.client_mode
 
@@ -365,7 +365,7 @@ class NetworkTransport(Transport):
                 self.p2p = await self._create_p2p(identity_path, True, listen)
                 await self._dial_back.start(self.p2p)
                 ports = tcp_ports([str(a) for a in await self.p2p.get_visible_maddrs()])
-                self.reachability = await ask_dial_back(self.p2p, options.peers, ports)
+                self.reachability = await ask_dial_back(self.p2p, options.peers, ports, self.swarm_key)
                 if self.reachability.public is not True:
                     await self.p2p.shutdown()
                     self.p2p = None
@@ -409,7 +409,7 @@ class NetworkTransport(Transport):
             self._runner.spawn(self._learn_reach())
 
     async def _learn_reach(self) -> None:
-        self.reachability = await ask_when_peers(self.p2p, self.live_peers)
+        self.reachability = await ask_when_peers(self.p2p, self.live_peers, self.swarm_key)
         logger.info("%s", self.reachability.line([]))
 
     async def _create_p2p(self, identity_path: str | None, public: bool | None, listen: list[str]) -> P2P:

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import ipaddress
 import json
 import math
 import random
 import re
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from google.protobuf.wrappers_pb2 import StringValue
 from hivemind.p2p import P2P, P2PContext, PeerID
 
+from cgad.protocol.auth import CLOCK_SKEW, NonceLedger, SwarmKey
 from cgad.protocol.records import MAX_ADDRESSES
 from cgad.protocol.text import printable
 
@@ -54,7 +57,7 @@ __all__ = [
 
 DIAL_BACK = "cgad.DialBack"  # the libp2p handler's name
 MAX_PORTS = 4  # ports one request may ask about
-MAX_REQUEST = 256  # characters of a request (JSON)
+MAX_REQUEST = 512  # characters of a request (JSON, a private swarm's ticket included)
 MAX_REPLY = 1024  # characters of a reply
 MIN_INTERVAL = 10.0  # seconds between two requests of one peer that are served
 MAX_CONCURRENT = 4  # requests served at once
@@ -126,9 +129,15 @@ async def _opens(ip: str, port: int) -> bool:
 
 
 class DialBackServer:
-    """Answers ``DIAL_BACK``: which of the caller's ports open from here (see the module)."""
+    """Answers ``DIAL_BACK``: which of the caller's ports open from here (see the module). In a
+    private swarm only a member's request is answered: one from a peer outside ``allow`` (when
+    set), or one without a fresh ticket under ``swarm_key`` for this caller and this node, gets an
+    error and no dial."""
 
-    def __init__(self) -> None:
+    def __init__(self, allow: frozenset[str] = frozenset(), swarm_key: SwarmKey | None = None) -> None:
+        self.allow = allow
+        self.swarm_key = swarm_key
+        self._nonces = NonceLedger()
         self.p2p: P2P | None = None
         self._served: dict[PeerID, float] = {}
         self._slots = asyncio.Semaphore(MAX_CONCURRENT)
@@ -140,14 +149,20 @@ class DialBackServer:
     async def _dial_back(self, request: StringValue, context: P2PContext) -> StringValue:
         if len(request.value) > MAX_REQUEST:
             return _reply(error="request too long")
+        caller = context.remote_id.to_base58()
+        if self.allow and caller not in self.allow:
+            return _reply(error="not allowed")
         try:
-            ports = json.loads(request.value)["ports"]
+            body = json.loads(request.value)
+            ports = body["ports"]
         except (ValueError, TypeError, KeyError):
             return _reply(error="not a request")
         if not isinstance(ports, list) or not 0 < len(ports) <= MAX_PORTS:
             return _reply(error=f"1 to {MAX_PORTS} ports")
         if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports):
             return _reply(error="ports are integers 1-65535")
+        if self.swarm_key is not None and not self._member(body.get("ticket"), caller, context, ports):
+            return _reply(error="unauthorized: this swarm is private")
         now = time.monotonic()
         self._served = {p: t for p, t in self._served.items() if t > now - MIN_INTERVAL}
         if context.remote_id in self._served:
@@ -159,6 +174,21 @@ class DialBackServer:
             opened = await asyncio.gather(*(_opens(ip, port) for ip, port in dials))
         reachable = [f"/ip4/{ip}/tcp/{port}" for (ip, port), ok in zip(dials, opened, strict=True) if ok]
         return _reply(seen=[f"/ip4/{ip}" for ip in seen], reachable=reachable)
+
+    def _member(self, ticket: object, caller: str, context: P2PContext, ports: list[int]) -> bool:
+        """Whether ``ticket`` proves the swarm key, for this caller asking this node about these
+        ports, is fresh and was not seen before."""
+        assert self.swarm_key is not None
+        if not isinstance(ticket, dict):
+            return False
+        when, nonce, mac = ticket.get("time"), ticket.get("nonce"), ticket.get("mac")
+        if not isinstance(when, float) or not math.isfinite(when) or abs(when - time.time()) > CLOCK_SKEW:
+            return False
+        if not isinstance(nonce, str) or not isinstance(mac, str) or len(nonce) > 64:
+            return False
+        callee = context.local_id.to_base58()
+        expected = self.swarm_key.mac(DIAL_PURPOSE, _signed(caller, callee, ports, when, nonce)).hex()
+        return hmac.compare_digest(mac, expected) and self._nonces.first_time(nonce.encode())
 
     async def _seen_at(self, peer: PeerID) -> list[str]:
         """The IPv4 addresses of the caller's direct connections to this peer (two at most)."""
@@ -177,7 +207,26 @@ def _reply(**fields: object) -> StringValue:
     return StringValue(value=json.dumps(fields))
 
 
-async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachability:
+DIAL_PURPOSE = b"dial back"
+
+
+def _signed(caller: str, callee: str, ports: list[int], when: float, nonce: str) -> bytes:
+    return json.dumps([caller, callee, ports, when, nonce]).encode()
+
+
+def _request(ports: list[int], caller: str, callee: str, key: SwarmKey | None) -> str:
+    """A dial-back request; in a private swarm with a ticket for this caller and callee."""
+    body: dict[str, object] = {"ports": ports}
+    if key is not None:
+        when, nonce = time.time(), secrets.token_hex(16)
+        mac = key.mac(DIAL_PURPOSE, _signed(caller, callee, ports, when, nonce)).hex()
+        body["ticket"] = {"time": when, "nonce": nonce, "mac": mac}
+    return json.dumps(body)
+
+
+async def ask_dial_back(
+    p2p: P2P, peers: list[str], ports: list[int], key: SwarmKey | None = None
+) -> Reachability:
     """Ask the peers in ``peers`` (multiaddrs with a peer id), in turn, to dial this node back at
     ``ports``; the first well-formed answer decides."""
     failures = []
@@ -186,8 +235,8 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
         try:
             answer = await asyncio.wait_for(
                 p2p.call_protobuf_handler(
-                    PeerID.from_base58(peer), DIAL_BACK, StringValue(value=json.dumps({"ports": ports})),
-                    StringValue,
+                    PeerID.from_base58(peer), DIAL_BACK,
+                    StringValue(value=_request(ports, p2p.peer_id.to_base58(), peer, key)), StringValue,
                 ),
                 ASK_TIMEOUT,
             )  # fmt: skip
@@ -209,7 +258,9 @@ async def ask_dial_back(p2p: P2P, peers: list[str], ports: list[int]) -> Reachab
     return Reachability(None, detail="no peer answered the dial-back request (" + "; ".join(failures) + ")")
 
 
-async def ask_when_peers(p2p: P2P, live_peers: Callable[[], list[str]]) -> Reachability:
+async def ask_when_peers(
+    p2p: P2P, live_peers: Callable[[], list[str]], key: SwarmKey | None = None
+) -> Reachability:
     """A swarm's first node had nobody to ask at start: ask three of its live peers, drawn at
     random, as soon as there are some, and again every ``ASK_AGAIN`` seconds (doubling, up to
     ten times that) until one answers. Its mode stays what it started in (a DHT server: the
@@ -220,7 +271,7 @@ async def ask_when_peers(p2p: P2P, live_peers: Callable[[], list[str]]) -> Reach
         peers = live_peers()
         if peers:
             asked = random.sample(peers, min(3, len(peers)))
-            found = await ask_dial_back(p2p, [f"/p2p/{peer}" for peer in asked], ports)
+            found = await ask_dial_back(p2p, [f"/p2p/{peer}" for peer in asked], ports, key)
             if found.public:
                 return found
             if found.public is False:
