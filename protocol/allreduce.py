@@ -9,8 +9,10 @@ has failed: the slowest peer in the group sets everyone's pace.
 The averager runs on a hivemind DHT of its own: its matchmaking records are not this run's signed
 schema, which the fragment DHT refuses. A node states that DHT's addresses when asked who it is
 (``Describe``), and a joiner bootstraps from those of the peers at ``--peers``. The averager trusts
-its group: no allowlist, swarm key or clipping applies inside it (the outer step still clips the
-group's mean around the own update with ``--aggregation clip``).
+its group: no allowlist or clipping applies inside it (the outer step still clips the group's
+mean around the own update with ``--aggregation clip``). In a private swarm the averager's DHT
+takes the swarm key (``SwarmAuthorizer``: every DHT request and answer carries a ticket), so an
+averager without it can neither join the DHT nor find a group's records there.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import get_dht_time
 
+from cgad.protocol.auth import SwarmAuthorizer, SwarmKey
 from cgad.protocol.codec import Codec, all_finite, decode
 from cgad.protocol.config import check_multiaddr
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
@@ -71,9 +74,11 @@ class AllReduceExchange(Transport):
         group_size: int,
         matchmaking_time: float,
         timeout: float,
+        swarm_key: SwarmKey | None = None,
     ) -> None:
         if group_size < 2:
             raise ValueError(f"an all-reduce group of {group_size}: at least 2")
+        self._swarm_key = swarm_key
         self.peer_id = peers.peer_id
         self.stats = TransportStats()
         self.fan_in = group_size - 1  # a group brings the other members' deliveries, no more
@@ -93,7 +98,7 @@ class AllReduceExchange(Transport):
         # other for good (measured on 10 Mbit: four nodes averaged in two fixed pairs)
         self.dht, self.averager = _start_averager(
             initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, self._group_size,
-            self._matchmaking_time,
+            self._matchmaking_time, swarm_key=self._swarm_key,
         )  # fmt: skip
 
     def maddrs(self) -> list[str]:
@@ -155,10 +160,18 @@ class GroupAverager:
     averager's DHT, as ``AllReduceExchange.start``."""
 
     def __init__(
-        self, numel: int, *, prefix: str, group_size: int, matchmaking_time: float, timeout: float
+        self,
+        numel: int,
+        *,
+        prefix: str,
+        group_size: int,
+        matchmaking_time: float,
+        timeout: float,
+        swarm_key: SwarmKey | None = None,
     ) -> None:
         if group_size < 2:
             raise ValueError(f"a group of {group_size}: at least 2")
+        self._swarm_key = swarm_key
         self._numel = numel
         self._prefix = prefix
         self._group_size = group_size
@@ -175,6 +188,7 @@ class GroupAverager:
         self.dht, self.averager = _start_averager(
             initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, 2,
             self._matchmaking_time, NoCompression(), allreduce_timeout=self.timeout,
+            swarm_key=self._swarm_key,
         )  # fmt: skip
 
     def maddrs(self) -> list[str]:
@@ -252,6 +266,7 @@ def _start_averager(
     matchmaking_time: float,
     compression: CompressionBase | None = None,
     allreduce_timeout: float | None = None,
+    swarm_key: SwarmKey | None = None,
 ) -> tuple[hivemind.DHT, DecentralizedAverager]:
     """A hivemind DHT of the averager's own and an averager of one flat tensor on it (fp16 on the
     wire unless ``compression`` says otherwise; a formed group's all-reduce limited to
@@ -261,7 +276,10 @@ def _start_averager(
     for _ in range(START_TRIES):
         dht = start_child(
             lambda: hivemind.DHT(
-                initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), start=False
+                initial_peers=list(initial_peers),
+                host_maddrs=list(host_maddrs),
+                start=False,
+                **({"authorizer": SwarmAuthorizer(swarm_key)} if swarm_key is not None else {}),
             ),
             "DHT",
         )

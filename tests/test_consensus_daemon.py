@@ -14,6 +14,7 @@ from cgad.node.daemon.consensus import join_group
 from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
 from cgad.node.member.consensus import ConsensusStep
 from cgad.protocol.allreduce import GroupAverager
+from cgad.protocol.auth import SwarmKey
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -121,3 +122,36 @@ def test_two_daemons_take_the_blocking_step_beside_the_exchange(daemons) -> None
     # Ctrl-C still stops it: hivemind's averager start sets SIGINT to ignored in its parent
     second.proc.send_signal(signal.SIGINT)
     assert second.proc.wait(timeout=120) == 0, second.log.read_text()[-3000:]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_an_averager_without_the_swarm_key_is_never_in_a_private_swarms_group() -> None:
+    """Two members of a private swarm and an outsider bootstrapping from them step together: the
+    members average with each other alone, and the outsider's φ is in no group (without the key
+    it had joined theirs, its share in their mean)."""
+    key = SwarmKey.generate()
+    members_ = [
+        GroupAverager(1000, prefix="t", group_size=3, matchmaking_time=2.0, timeout=15, swarm_key=key)
+        for _ in range(2)
+    ]
+    outsider = _averager(group=3, wait=2.0, timeout=15)
+    averagers = [*members_, outsider]
+    try:
+        members_[0].start([], LOOPBACK)
+        members_[1].start(members_[0].maddrs(), LOOPBACK)
+        try:
+            outsider.start(members_[0].maddrs(), LOOPBACK)
+        except Exception:  # its DHT could not bootstrap from the members' (refused): nothing to step
+            averagers.pop()
+        members = [_Member(torch.full((1000,), float(i))) for i in range(len(averagers))]
+        _step_all(members, averagers, late={})
+        for member in members[:2]:
+            (group,) = member.joined
+            assert group is not None and group.members == 2, group
+            assert torch.allclose(group.mean, torch.full((1000,), 0.5))  # the two members' φ alone
+        if len(members) == 3:
+            assert members[2].joined == [None]
+    finally:
+        for averager in averagers:
+            averager.close()

@@ -19,6 +19,7 @@ from cgad.node.config import JoinConfig
 from cgad.node.member.consensus import GroupMean, matchmaking
 from cgad.node.member.engine import Member
 from cgad.protocol.allreduce import AllReduceExchange, GroupAverager, averager_bootstrap, listen_anywhere
+from cgad.protocol.auth import SwarmKey
 from cgad.protocol.records import run_prefix
 
 __all__ = ["consensus_averager", "join_group", "start_averaging"]
@@ -26,12 +27,15 @@ __all__ = ["consensus_averager", "join_group", "start_averaging"]
 logger = logging.getLogger(__name__)
 
 
-def consensus_averager(config: JoinConfig, numel: int) -> GroupAverager | None:
+def consensus_averager(
+    config: JoinConfig, numel: int, swarm_key: SwarmKey | None = None
+) -> GroupAverager | None:
     """The averager of the blocking step, or None when it is off.
 
     Args:
         config: the node's configuration (``consensus_*``).
         numel: the values of the whole φ.
+        swarm_key: a private swarm's key: the averager's DHT takes it.
     """
     if not config.consensus_every:
         return None
@@ -41,6 +45,7 @@ def consensus_averager(config: JoinConfig, numel: int) -> GroupAverager | None:
         group_size=config.consensus_group,
         matchmaking_time=config.consensus_timeout / 3,
         timeout=config.consensus_timeout,
+        swarm_key=swarm_key,
     )
 
 

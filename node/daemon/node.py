@@ -132,11 +132,12 @@ class Node(MemberHooks):
                     group_size=c.allreduce_group,
                     matchmaking_time=c.allreduce_matchmaking,
                     timeout=c.allreduce_timeout,
+                    swarm_key=self.transport.swarm_key,
                 )
                 if c.sync == "allreduce"
                 else None
             )
-            self.groups = consensus_averager(c, sum(numels))  # --consensus-every: φ with a group
+            self.groups = consensus_averager(c, sum(numels), self.transport.swarm_key)  # φ with a group
             self.loop = OuterLoop(
                 params,
                 c,
