@@ -25,7 +25,7 @@ from cgad.protocol.event_thread import EventLoopThread
 from cgad.protocol.fetching import Fetcher, decode_and_check
 from cgad.protocol.multisource import fetch_from_many
 from cgad.protocol.records import Progress
-from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
+from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, bytes_ahead, flowing
 from cgad.protocol.selection import Candidate, OfferSelector
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, TransportStats
@@ -115,12 +115,12 @@ class Receiver:
         self._meter()
         versions = self._progress().versions
         while len(self._in_flight) < self.options.max_fetches:
-            ahead = sum(a.byte_length - a.received for a in list(self._fetcher.transfers.values()))
+            transfers = list(self._fetcher.transfers.values())
             candidate, passed = self._queue.pop(
                 versions,
-                link_rate=self._downlink.current(time.monotonic(), idle=not self._in_flight),
+                link_rate=self._downlink.current(time.monotonic(), idle=not flowing(transfers)),
                 seconds_per_version=self._version_clock.seconds_per_version,
-                bytes_ahead=ahead,
+                bytes_ahead=bytes_ahead(transfers),
             )
             for item in passed:
                 self.stats.skipped[item.reason] += 1
@@ -129,7 +129,6 @@ class Receiver:
                 break
             task = self._runner.spawn(self._fetch(candidate))
             self._in_flight[candidate.key] = (task, candidate)
-            self._metered = (self._metered[0], True)
 
     # ---------------------------------------------------------------- fetching and accepting
 
@@ -137,7 +136,7 @@ class Receiver:
         """Feed the downlink meter what arrived since its last reading."""
         fetched, was_busy = self._metered
         self._downlink.update(time.monotonic(), self._fetcher.bytes_in - fetched, was_busy)
-        self._metered = (self._fetcher.bytes_in, bool(self._in_flight))
+        self._metered = (self._fetcher.bytes_in, flowing(list(self._fetcher.transfers.values())))
 
     async def _fetch(self, candidate: Candidate) -> None:
         try:
