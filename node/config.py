@@ -360,7 +360,11 @@ def build_config(model: type[BaseModel], *layers: tuple[str, dict[str, Any]]) ->
             if item["type"] == "extra_forbidden":
                 problems.append(f"{where}unknown option {key!r}{_suggest(key, _field_names(model))}")
             elif key:
-                problems.append(f"{where}{key} (--{key.replace('_', '-')}): {message}")
+                field = model.model_fields.get(key)
+                extra = field.json_schema_extra if field is not None else None
+                internal = isinstance(extra, dict) and extra.get("file_only")  # a key of the file alone
+                flag = "" if internal else f" (--{key.replace('_', '-')})"
+                problems.append(f"{where}{key}{flag}: {message}")
             else:
                 problems.append(message)
         raise ConfigError("; ".join(problems)) from None

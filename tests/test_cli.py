@@ -159,3 +159,18 @@ def test_an_internal_is_set_in_the_config_file(tmp_path):
     dry = cli("join", "--dry-run", "--config", str(config))
     assert dry.returncode == 0, dry.stderr
     assert '"record_ttl": 60' in dry.stdout and '"fan_in": 3' in dry.stdout
+
+
+def test_an_error_names_a_flag_only_where_the_key_has_one() -> None:
+    """A file-only key (an internal) is named as the config file's key, not as a flag that does
+    not exist; a key with a flag names both."""
+    from cgad.node.config import ConfigError, JoinConfig, build_config
+
+    with pytest.raises(ConfigError) as internal:
+        build_config(JoinConfig, ("node.yaml", {"record_ttl": -1}))
+    assert str(internal.value).startswith("node.yaml: record_ttl: ") and "--record-ttl" not in str(
+        internal.value
+    )
+    with pytest.raises(ConfigError) as flagged:
+        build_config(JoinConfig, ("flags", {"inner_steps": 0}))
+    assert "inner_steps (--inner-steps): " in str(flagged.value)
