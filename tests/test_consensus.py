@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cgad.node.config import JoinConfig, OuterOptions
-from cgad.node.member.consensus import ConsensusStep, GroupMean, matchmaking
+from cgad.node.member.consensus import RADIUS, ConsensusStep, GroupMean, matchmaking
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.outer import OuterLoop
 from cgad.node.sim.config import SimConfig
@@ -97,8 +97,39 @@ def test_the_step_sets_phi_to_the_groups_mean_and_moves_theta_with_it():
     assert torch.allclose(torch.cat([p.detach().flatten() for p in member.loop.phi]), expected)
     assert torch.allclose(theta[0], expected[:3] + 0.05) and torch.allclose(theta[1], expected[3:])
     assert member.consensus.summary() == {
-        "every": 1, "averaged": 1, "alone": 0, "group_sizes": {"2": 1}, "waited_s": 1.5
+        "every": 1, "averaged": 1, "alone": 0, "group_sizes": {"2": 1}, "waited_s": 1.5, "clipped": 0
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("target", [10.0, 1e30])
+def test_a_share_aimed_at_a_chosen_model_moves_phi_no_further_than_its_own_steps_allow(target: float):
+    """A member of a group of three sends 3·target − own − other, so that the mean is the model of
+    its choosing (a share of 1e30 was taken too): the member's φ moves toward it at most RADIUS
+    times as far as its own outer steps moved φ since the last step (one round: 0.2 per value)."""
+    member, _, theta = _member(every=1)
+    _run_round(member, theta, 0)
+    phi = member.group_phi()
+    other = phi + 0.05  # an honest member, close by
+    share = 3 * torch.full((5,), target) - phi - other
+    mean = (phi + other + share) / 3
+    assert member.join_group(GroupMean(mean, members=3))
+    moved = float(torch.linalg.vector_norm(member.group_phi() - phi))
+    room = RADIUS * 0.2 * 5**0.5
+    assert moved == pytest.approx(room, rel=1e-4)  # along the mean's direction, cut to the room
+    assert member.consensus.clipped == 1 and member.consensus.moved == 0.0
+    assert torch.isfinite(member.group_phi()).all()
+    # the next step's room is the next round's movement again
+    _run_round(member, theta, 2)
+    assert member.consensus.moved == pytest.approx(0.2 * 5**0.5, rel=1e-3)
+
+
+def test_an_honest_groups_mean_is_taken_whole():
+    member, _, theta = _member(every=1)
+    _run_round(member, theta, 0)
+    phi = member.group_phi()
+    mean = phi + 0.1  # the group a little off: within the room of one round's movement
+    assert member.join_group(GroupMean(mean, members=2))
+    assert torch.allclose(member.group_phi(), mean) and member.consensus.clipped == 0
 
 
 def test_a_member_whose_group_did_not_form_goes_on_alone():

@@ -11,15 +11,22 @@ or a round, and two thirds of the timeout) or does not finish within the timeout
 it: the step never blocks for ever. The time spent waiting is time not training:
 K is the knob between utilisation (large K, or 0: never) and agreement (small K).
 
+The group's mean is a claim of its members: a member sending 3·target − 2·own would set its
+peers' φ to a model of its choosing. So a member moves at most ``RADIUS`` times as far as its own
+outer steps moved φ since its last step with a group (honest members' φ drift apart no faster
+than their steps move them, and the mean lies among them): a mean further off is taken only that
+far along its direction (counted ``clipped``).
+
 The step's state is explicit (``ConsensusStep``): when it is due, the round that awaits its
-group, and what the steps so far did. Who the group is and how its φ travel is the driver's: a
-daemon averages over the network (hivemind's all-reduce, ``protocol/allreduce.py``), the
-simulator finds the group on its virtual clock (``node/sim/groups.py``); either hands the group's
-mean to ``Member.join_group``.
+group, how far φ moved since the last step, and what the steps so far did. Who the group is and
+how its φ travel is the driver's: a daemon averages over the network (hivemind's all-reduce,
+``protocol/allreduce.py``), the simulator finds the group on its virtual clock
+(``node/sim/groups.py``); either hands the group's mean to ``Member.join_group``.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -28,7 +35,11 @@ from torch import Tensor
 
 from cgad.node.member.outer import OuterLoop
 
-__all__ = ["ConsensusStep", "GroupMean", "flat_phi", "matchmaking", "move_phi"]
+__all__ = ["RADIUS", "ConsensusStep", "GroupMean", "flat_phi", "matchmaking", "move_phi"]
+
+# how far a group's mean may move φ, in units of how far this member's own outer steps moved it
+# since its last step with a group: the honest members' φ are at most about twice that apart
+RADIUS = 2.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,8 @@ class ConsensusStep:
     group_sizes: Counter[int] = field(default_factory=Counter)  # members per averaged step
     waited_s: float = 0.0  # seconds blocked awaiting groups, on the driver's clock (wall or virtual)
     last_round: int | None = None  # the round the last step was taken at
+    moved: float = 0.0  # how far the outer steps moved φ since the last step with a group (L2, summed)
+    clipped: int = 0  # steps whose group mean lay further than ``RADIUS`` × ``moved``: cut to it
 
     def due(self, round_: int, lag: int = 0) -> int | None:
         """The mark (a multiple of K) whose step round ``round_``, just ended, ends in; None when
@@ -110,10 +123,16 @@ class ConsensusStep:
         if group is None or group.members < 2:
             self.alone += 1
             return False
-        move_phi(loop, group.mean)
+        self.clipped += move_phi(loop, group.mean, RADIUS * self.moved)
+        self.moved = 0.0
         self.averaged += 1
         self.group_sizes[group.members] += 1
         return True
+
+    def record_move(self, distance: float) -> None:
+        """An outer step moved φ by ``distance`` (L2): the room the next group's mean gets."""
+        if math.isfinite(distance):
+            self.moved += distance
 
     def summary(self) -> dict[str, object]:
         """The record a status document or a simulation reports."""
@@ -124,6 +143,7 @@ class ConsensusStep:
             "alone": self.alone,
             "group_sizes": sizes,
             "waited_s": round(self.waited_s, 3),
+            "clipped": self.clipped,
         }
 
 
@@ -150,17 +170,30 @@ def flat_phi(loop: OuterLoop) -> Tensor:
 
 
 @torch.no_grad()
-def move_phi(loop: OuterLoop, mean: Tensor) -> None:
-    """φ ← ``mean``; θ moves by the same amount, so the inner steps carried past the last outer
-    step stay on it. The φ kept to measure gossip drift at a common version belong to the
-    trajectory before the move (the drift they measure is closed): they are forgotten."""
+def move_phi(loop: OuterLoop, mean: Tensor, radius: float = math.inf) -> bool:
+    """φ ← ``mean``, or, where ``mean`` is further than ``radius`` (L2) from φ, that far along the
+    way to it; θ moves by the same amount, so the inner steps carried past the last outer step stay
+    on it. The φ kept to measure gossip drift at a common version belong to the trajectory before
+    the move (the drift they measure is closed): they are forgotten. Whether the move was cut.
+
+    Args:
+        loop: the member's outer loop.
+        mean: the group's mean φ, flat.
+        radius: the longest move taken.
+    """
     if mean.numel() != sum(p.numel() for p in loop.phi):
         raise ValueError(f"a group mean of {mean.numel()} values for {len(loop.phi)} tensors of φ")
+    distance = float(torch.linalg.vector_norm(mean.double() - flat_phi(loop).double()))
+    if not math.isfinite(distance):
+        scale = 0.0  # a mean off the map: no move
+    else:
+        scale = 1.0 if distance <= radius else radius / distance
     offset = 0
     for phi, theta in zip(loop.phi, loop.theta, strict=True):
         target = mean[offset : offset + phi.numel()].view_as(phi).to(phi.dtype)
         offset += phi.numel()
-        shift = target - phi
+        shift = (target - phi) * scale
         phi.add_(shift)
         theta.add_(shift.to(theta.device, theta.dtype))
     loop.forget_published_phi()
+    return scale < 1.0

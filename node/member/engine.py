@@ -354,9 +354,16 @@ class Member:
             self._align_phase(turn, self.swarm.arrived(fragment, turn.version), swarm)
         self._adopted_from = None  # caught up with the source once; the median rules after
         with self.lock:  # carrying only when inner steps ran since the publish
+            # the consensus step's room is how far the outer steps move φ (a fragment's copy)
+            own = self.loop.fragments[fragment] if self.consensus.every else []
+            before = [self.loop.phi[i].detach().clone() for i in own]
             deliveries = self.loop.apply(
                 fragment, carry=steps > self.block_start, swarm_version=swarm[fragment] if swarm else None
             )
+            if own:
+                pairs = zip(own, before, strict=True)
+                moved = sum(float((self.loop.phi[i].detach() - b).double().square().sum()) for i, b in pairs)
+                self.consensus.record_move(moved**0.5)
         self.hooks.applied(fragment)
         round_ended = fragment == self.schedule.fragments - 1
         if round_ended:

@@ -424,6 +424,7 @@ def _consensus_record(workers: list[_Worker], groups: GroupFinder | None) -> dic
         "alone": sum(s.alone for s in steps),
         "group_sizes": {str(n): k for n, k in sorted(sizes.items())},
         "wait_seconds": sum(groups.wait_seconds),
+        "clipped": sum(s.clipped for s in steps),  # group means further off than a member's room
     }
 
 
