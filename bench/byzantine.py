@@ -12,7 +12,8 @@ held-out loss at the end. Runs go to bench/results/byzantine.runs.jsonl as they 
 resumes where it stopped); the summary to byzantine.json and byzantine.png; docs/SECURITY.md
 quotes the table.
 
-    python bench/byzantine.py [--jobs 2] [--seeds 0 1 2] [--aggregations clip ...] [--name NAME] [--report]
+    python bench/byzantine.py [--jobs 2] [--seeds 0 1 2] [--aggregations clip ...] [--attacks LABEL ...]
+                              [--name NAME] [--report]
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ ATTACKS: list[tuple[str, int]] = [
     ("mirror:1", 1),
     ("signflip", 2),
     ("mirror:1", 2),
+    # adaptive: its honest Δ plus the longest push on the final norm's gains inside every screen
+    ("edge:norm.weight", 1),
+    ("edge:norm.weight", 2),
 ]
 # name -> the settings that make it (the default: none)
 AGGREGATIONS: dict[str, dict[str, Any]] = {
@@ -121,6 +125,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only write the summary from the log")
     parser.add_argument("--aggregations", nargs="+", choices=AGGREGATIONS, default=list(AGGREGATIONS))
+    labels = [label(a, n) for a, n in ATTACKS]
+    parser.add_argument(
+        "--attacks",
+        nargs="+",
+        choices=labels,
+        default=labels,
+        help="the attacks to play (their rows' labels)",
+    )
     parser.add_argument(
         "--name", default=OUT.stem, help="results as bench/results/NAME.{runs.jsonl,json,png} (a rerun apart)"
     )
@@ -129,7 +141,7 @@ def main() -> None:
     LOG = OUT.with_suffix(".runs.jsonl")
     cells = [("local", None, 0, DEFAULT, seed) for seed in args.seeds]
     cells += [("cga", attack, n, agg, seed) for seed in args.seeds for agg in args.aggregations
-              for attack, n in [(None, 0), *ATTACKS]
+              for attack, n in [(None, 0), *[(a, k) for a, k in ATTACKS if label(a, k) in args.attacks]]
               if agg != "clip, no screen" or attack in SCREEN_MATTERS]  # fmt: skip
     done = load_runs(LOG)
     todo = [] if args.report else [c for c in cells if run_key(*c) not in done]
@@ -194,8 +206,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = ["none", *[label(a, n) for a, n in ATTACKS]]
     aggregations = list(result["table"])
+    played = {name for agg in aggregations for name in result["table"][agg]}
+    labels = ["none", *[label(a, n) for a, n in ATTACKS if label(a, n) in played]]
     fig, ax = plt.subplots(figsize=(13, 4.5))
     width = 0.8 / len(aggregations)
     for k, agg in enumerate(aggregations):

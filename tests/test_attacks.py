@@ -4,12 +4,13 @@ does to the honest ones with and without the robust aggregation."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from cgad.node.sim.attacks import Attack, ForgingTransport
+from cgad.node.sim.attacks import EDGE_MIN_COSINE, Attack, ForgingTransport, edge_targets
 from cgad.node.sim.config import SimConfig
 from cgad.node.sim.memory import VirtualNetwork
 from cgad.node.sim.simulate import simulate
@@ -21,7 +22,19 @@ from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 
 @pytest.mark.parametrize(
-    "text", ["scale:1e6", "signflip", "noise:3", "nan", "inf", "tokens:1000", "future:5", "mirror:1"]
+    "text",
+    [
+        "scale:1e6",
+        "signflip",
+        "noise:3",
+        "nan",
+        "inf",
+        "tokens:1000",
+        "future:5",
+        "mirror:1",
+        "edge:96",
+        "edge:norm.weight",
+    ],
 )
 def test_every_kind_parses_and_prints_back(text: str) -> None:
     attack = Attack.parse(text)
@@ -80,6 +93,49 @@ def test_mirror_hides_inside_the_clip_and_colluders_push_one_way() -> None:
 
     assert pushed(3, 5) > 0.999
     assert abs(pushed(3, 6)) < 0.05 and abs(pushed(4, 5)) < 0.05
+
+
+def test_the_edge_attack_stays_inside_every_screen_and_aims_at_a_few_values() -> None:
+    """``edge:K``: its own Δ plus the longest push on K values that keeps its cosine with that Δ
+    at 0.15 or more (at most 4 norms), a token claim at the receivers' cap. The screen and the clip
+    around an honest receiver's Δ let it through, and what passes is aimed at those K values."""
+    torch.manual_seed(0)
+    common = torch.randn(50_000)
+    own, theirs = common + 2 * torch.randn(50_000), common + 2 * torch.randn(50_000)
+    fragment = Fragment(FragmentKey("run", 3, 7, "evil", Kind.DELTA), theirs, tokens=100)
+    forged = Attack.parse("edge:96").forge(fragment, direction_seed=5)
+    push = forged.tensor - theirs
+    assert int((push != 0).sum()) == 96 and forged.tokens == 200
+    cosine = float(torch.nn.functional.cosine_similarity(forged.tensor, theirs, dim=0))
+    assert cosine >= EDGE_MIN_COSINE - 1e-6 and float(push.norm()) <= 4 * float(theirs.norm()) * (1 + 1e-6)
+    cosine_own, _, _ = AroundOwn(own, radius=2.0).judge(forged.tensor)
+    assert cosine_own > 0  # the direction screen (0) passes it
+    # colluders of a run push the same K values of a fragment; another fragment, others
+    again = Attack.parse("edge:96").forge(
+        Fragment(replace(fragment.key, publisher="evil2"), own, 100), direction_seed=5
+    )
+    assert torch.equal((again.tensor - own) != 0, push != 0)
+
+
+def test_the_edge_attack_finds_a_named_parameter_in_its_fragment() -> None:
+    """``edge:norm.weight`` pushes on the final RMSNorm's gains alone, wherever the strided
+    fragments put them (not on a layer's ``input_layernorm.weight``)."""
+    named = [("model.embed_tokens.weight", 10), ("model.layers.0.input_layernorm.weight", 4),
+             ("model.layers.0.mlp.weight", 6), ("model.norm.weight", 3)]  # fmt: skip
+    fragments = [[0, 2], [1, 3]]  # strided, F = 2
+    targets = edge_targets(named, fragments, "norm.weight")
+    assert list(targets) == [1] and targets[1].tolist() == [4, 5, 6]
+    with pytest.raises(ValueError, match="no parameter"):
+        edge_targets(named, fragments, "lm_head.weight")
+    delta = torch.randn(7)
+    forged = Attack.parse("edge:norm.weight").forge(
+        Fragment(FragmentKey("r", 1, 0, "e"), delta, 10), targets=targets
+    )
+    assert torch.equal(forged.tensor[:4], delta[:4]) and not torch.equal(forged.tensor[4:], delta[4:])
+    other = Attack.parse("edge:norm.weight").forge(
+        Fragment(FragmentKey("r", 0, 0, "e"), delta, 10), targets=targets
+    )
+    assert torch.equal(other.tensor, delta) and other.tokens == 20  # no such values here: the claim only
 
 
 def test_what_each_kind_forges() -> None:

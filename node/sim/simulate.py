@@ -30,11 +30,11 @@ import torch
 
 from cgad.node.member.consensus import matchmaking
 from cgad.node.member.engine import Member, MemberHooks, Schedule
-from cgad.node.member.ledger import Delivery, summed_totals
+from cgad.node.member.ledger import Delivery, strided_fragments, summed_totals
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
 from cgad.node.member.swarm import snapshot_ceiling, snapshot_order
-from cgad.node.sim.attacks import Attack, ForgingTransport
+from cgad.node.sim.attacks import Attack, ForgingTransport, edge_targets
 from cgad.node.sim.config import SimConfig
 from cgad.node.sim.groups import GroupFinder
 from cgad.node.sim.memory import Delay, MemoryTransport, VirtualNetwork
@@ -139,8 +139,14 @@ def _workers(
         model = copy.deepcopy(base_model)  # DiLoCo: every worker starts from the same weights
         batches = worker_batches(dataset, c, w)
         hostile = attack is not None and w >= c.workers - c.attackers  # the last K workers
+        targets = None  # edge:NAME: where that parameter lies in each fragment
+        if hostile and attack.target is not None:
+            named = [(n, p.numel()) for n, p in model.named_parameters()]
+            targets = edge_targets(named, strided_fragments(len(named), c.fragments), attack.target)
         transport = (
-            ForgingTransport(transports[w], attack, seed=c.seed * 17 + w, direction_seed=c.seed)
+            ForgingTransport(
+                transports[w], attack, seed=c.seed * 17 + w, direction_seed=c.seed, targets=targets
+            )
             if hostile
             else transports[w]
         )
