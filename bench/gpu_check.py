@@ -214,6 +214,7 @@ def exchange(scale: Any, settings: Any, device: str, workdir: Path, timeout: flo
                 "--model", settings.preset, "--batch-size", str(settings.batch_size), "--seq-len",
                 str(settings.seq_len), "--inner-steps", str(settings.inner_steps), "--admin-port", "0",
                 "--dashboard-port", "0", "--maddrs-file", str(maddrs), "--device", device,
+                "--private-endpoints",  # both on 127.0.0.1
             ]  # fmt: skip
             if nodes:
                 flags += ["--peers", *(workdir / "a.maddrs").read_text().split()]

@@ -22,9 +22,8 @@ Threads, and who owns what:
   ``_inbox``, which the trainer pops (an ``Inbox``, with its own lock).
 - the codec worker thread "cgad-codec" (one torch thread): encoding for ``publish``, with the
   publisher's error-feedback residuals (touched nowhere else), and decoding fetched bytes.
-- ``store`` is shared by all three and guarded by its own lock. ``stats`` counters are bumped from
-  the loop thread, and ``published`` from whichever thread publishes; they are counts to read,
-  not to synchronise on.
+- ``store`` is shared by all three, under its own lock. ``stats`` counters are bumped from the
+  loop thread (``published`` from whichever publishes): counts to read, not to synchronise on.
 """
 
 from __future__ import annotations
@@ -70,6 +69,7 @@ from cgad.protocol.scheduling import VersionClock, round_budget
 from cgad.protocol.selection import Candidate, OfferSelector
 from cgad.protocol.serving import FragmentServer
 from cgad.protocol.store import FragmentStore, StoredFragment
+from cgad.protocol.text import printable
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
 from cgad.protocol.wire import ChunkAssembler
 
@@ -347,7 +347,7 @@ class NetworkTransport(Transport):
         self.stats.rejected[reason] += 1
         if reason not in self._logged_reasons:
             self._logged_reasons.add(reason)
-            logger.warning("rejected (%s): %s; more of these are only counted", reason, detail)
+            logger.warning("rejected (%s): %s; more are only counted", reason, printable(detail, 500))
 
     # ---------------------------------------------------------------- start and stop (on the loop)
 

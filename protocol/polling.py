@@ -150,9 +150,18 @@ def public_endpoint(endpoint: str) -> bool:
     host = endpoint.rsplit(":", 1)[0].strip("[]")
     try:
         address = ipaddress.ip_address(host)
-        return address.is_global and not address.is_multicast
     except ValueError:
         return False
+    if not address.is_global or address.is_multicast:
+        return False
+    if isinstance(address, ipaddress.IPv6Address):  # an IPv4 address inside it must be public too
+        inside = [address.ipv4_mapped, address.sixtofour, address.teredo[1] if address.teredo else None]
+        value = int(address)
+        # IPv4-compatible (::/96), IPv4-translated (::ffff:0:0/96), NAT64 (64:ff9b::/96, 64:ff9b:1::/48)
+        if value >> 32 in (0, 0xFFFF0000, 0x64FF9B << 64) or value >> 80 == 0x64FF9B0001:
+            inside.append(ipaddress.IPv4Address(value & 0xFFFFFFFF))
+        return all(v is None or (v.is_global and not v.is_multicast) for v in inside)
+    return True
 
 
 class EndpointClaims:
@@ -163,7 +172,7 @@ class EndpointClaims:
     over libp2p)."""
 
     def __init__(
-        self, per_host: int = MAX_ENDPOINTS_PER_HOST, size: int = MAX_ENDPOINTS, *, private: bool = True
+        self, per_host: int = MAX_ENDPOINTS_PER_HOST, size: int = MAX_ENDPOINTS, *, private: bool = False
     ) -> None:
         self.private = private
         self.per_host = per_host

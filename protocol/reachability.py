@@ -245,7 +245,10 @@ async def ask_dial_back(
             failures.append(f"{_short(peer)}: {type(error).__name__}")
             continue
         if not isinstance(reply, dict) or "error" in reply or not isinstance(reply.get("reachable"), list):
-            failures.append(f"{_short(peer)}: {printable(reply.get('error', 'a malformed answer'), 80)}")
+            said = (
+                reply.get("error", "a malformed answer") if isinstance(reply, dict) else "a malformed answer"
+            )
+            failures.append(f"{_short(peer)}: {printable(said, 80)}")
             continue
         reachable = [
             a for a in reply["reachable"][: MAX_PORTS * 2]

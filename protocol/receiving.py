@@ -129,6 +129,9 @@ class Receiver:
                 break
             task = self._runner.spawn(self._fetch(candidate))
             self._in_flight[candidate.key] = (task, candidate)
+            # busy until the next reading, which asks whether bytes flow (a fetch that starts
+            # and ends between two readings would otherwise bring bytes without link time)
+            self._metered = (self._metered[0], True)
 
     # ---------------------------------------------------------------- fetching and accepting
 

@@ -13,9 +13,10 @@ import re
 
 __all__ = ["printable"]
 
-# C0 controls but tab and newline, DEL, C1 controls (ESC's 8-bit forms), and the bidirectional
-# embeddings, overrides and isolates
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0 controls but tab and newline, DEL, C1 controls (ESC's 8-bit forms), the bidirectional marks,
+# embeddings, overrides and isolates, the line and paragraph separators, and lone surrogates (a
+# terminal's encoder raises on them: a crash of whatever prints)
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(text: object, limit: int | None = None, *, lines: bool = False) -> str:

@@ -101,6 +101,19 @@ def test_the_step_sets_phi_to_the_groups_mean_and_moves_theta_with_it():
     }  # fmt: skip
 
 
+def test_a_non_finite_group_mean_moves_nothing():
+    member, _, theta = _member(every=1)
+    _run_round(member, theta, 0)
+    before = member.group_phi()
+    for bad in (float("nan"), float("inf")):
+        mean = before.clone()
+        mean[2] = bad
+        assert member.join_group(GroupMean(mean, members=3)) and torch.equal(member.group_phi(), before)
+        _run_round(member, theta, 2)
+        before = member.group_phi()
+    assert member.consensus.clipped == 2 and torch.isfinite(torch.cat([t.flatten() for t in theta])).all()
+
+
 @pytest.mark.parametrize("target", [10.0, 1e30])
 def test_a_share_aimed_at_a_chosen_model_moves_phi_no_further_than_its_own_steps_allow(target: float):
     """A member of a group of three sends 3·target − own − other, so that the mean is the model of

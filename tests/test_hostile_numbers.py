@@ -93,7 +93,7 @@ def _holder(peer: str, endpoint: str) -> Holdings:
 
 
 def test_records_cannot_aim_fetchers_at_any_number_of_endpoints() -> None:
-    claims = EndpointClaims(per_host=4, size=64)
+    claims = EndpointClaims(per_host=4, size=64, private=True)  # documentation addresses: not public
     # the first peer to name an endpoint keeps it; another naming it is reached over libp2p
     assert claims.check(_holder("QmA", "203.0.113.9:4000")).grpc == "203.0.113.9:4000"
     assert claims.check(_holder("QmB", "203.0.113.9:4000")).grpc is None
@@ -111,7 +111,8 @@ def test_records_cannot_aim_fetchers_at_any_number_of_endpoints() -> None:
     "endpoint",
     ["127.0.0.1:22", "10.0.0.1:80", "192.168.1.1:443", "172.16.5.5:8080", "169.254.169.254:80",
      "[::1]:22", "[fe80::1]:80", "[fd00::1]:80", "0.0.0.0:22", "224.0.0.1:80", "203.0.113.9:4000",
-     "localhost:22", "metadata.google.internal:80", "example.com:443"],
+     "localhost:22", "metadata.google.internal:80", "example.com:443", "[::127.0.0.1]:22",
+     "[::ffff:0:7f00:1]:22", "[2002:7f00:1::1]:22", "[64:ff9b::a00:1]:80", "[::ffff:10.0.0.1]:80"],
 )  # fmt: skip
 def test_a_record_cannot_aim_fetchers_at_a_private_address_or_a_name(endpoint: str) -> None:
     """A record naming a loopback, private, link-local or reserved address, or a host name (which

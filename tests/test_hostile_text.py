@@ -18,7 +18,7 @@ from cgad.protocol.text import printable
 
 # an OSC title with BEL, a screen clear, an 8-bit CSI and a right-to-left override
 EVIL = "\x1b]0;pwned\x07\x1b[2J\x9b31m\u202eevil"
-RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def test_printable_shows_every_control_as_an_escape() -> None:
@@ -28,6 +28,10 @@ def test_printable_shows_every_control_as_an_escape() -> None:
     assert printable("a\nb\tc") == "a\\nb\\tc" and printable("a\nb", lines=True) == "a\nb"
     assert printable("x" * 100, limit=10) == "x" * 10 + "…"
     assert printable("ünïcode ok, 日本") == "ünïcode ok, 日本"
+    # a lone surrogate (a terminal's encoder raises on it), line separators, bidirectional marks
+    for sly in ("\ud800", "\u2028", "\u2029", "\u200e", "\u200f", "\u061c"):
+        shown = printable(f"a{sly}b")
+        assert shown.startswith("a\\u") and shown.encode("utf-8") and not RAW.search(shown), shown
 
 
 def test_the_status_a_volunteer_reads_holds_no_raw_control() -> None:
@@ -48,15 +52,17 @@ def test_the_status_a_volunteer_reads_holds_no_raw_control() -> None:
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-def test_a_peers_dial_back_error_is_shown_escaped() -> None:
-    """A real libp2p peer answers the dial-back request with an error full of escapes; the line
-    this node prints about its reachability holds them escaped."""
+@pytest.mark.parametrize("reply", [json.dumps({"error": EVIL}), "[]"])
+def test_a_peers_dial_back_error_is_shown_escaped(reply: str) -> None:
+    """A real libp2p peer answers the dial-back request with an error full of escapes, or with
+    something that is no mapping; the line this node prints about its reachability holds them
+    escaped, and the ask ends in an answer, not an exception."""
 
     async def main() -> str:
         hostile = await P2P.create()
 
         async def answer(request: StringValue, context: object) -> StringValue:
-            return StringValue(value=json.dumps({"error": EVIL}))
+            return StringValue(value=reply)
 
         await hostile.add_protobuf_handler(DIAL_BACK, answer, StringValue)
         asker = await P2P.create(initial_peers=await hostile.get_visible_maddrs())
@@ -69,4 +75,4 @@ def test_a_peers_dial_back_error_is_shown_escaped() -> None:
         return found.line([])
 
     line = asyncio.run(main())
-    assert "pwned" in line and not RAW.search(line), line
+    assert ("pwned" if "error" in reply else "a malformed answer") in line and not RAW.search(line), line

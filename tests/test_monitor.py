@@ -154,3 +154,9 @@ def test_a_credit_is_at_most_what_any_peer_could_have_applied() -> None:
     credit = contributions(records)
     assert credit["QmFriend"] == Credit(39, 1)  # as much as one honest peer can be credited by one
     assert credit["QmA"] == Credit(30 + 35, 2) and credit["QmB"] == Credit(37 + 36, 2)  # honest: whole
+    # a liar listing a hundred fragments more, each at 2^62, lifts no bound: the swarm has two
+    longer = {
+        **records,
+        "QmLiar": _progress("QmLiar", {"QmFriend": 2**64 - 1}, versions=(0, 0, *(2**62,) * 100)),
+    }
+    assert most_applied(longer) <= 20 + 19 and contributions(longer)["QmFriend"].applied_by_others <= 39

@@ -7,13 +7,15 @@ status is a flat, growing set of keys that tools read by name), beside the stand
 ``Status`` answers anyone who reaches the port. ``Leave`` stops the node, so it needs the
 node's token: a random secret the node writes, readable by its own user alone, to a file named
 by its admin address (``token_path``) in a folder of that user's, and removes when it stops.
-`cgad-node leave` run by the same user reads it; another local user cannot.
+`cgad-node leave` run by the same user reads it; another local user cannot. Where the folder
+cannot be written (a read-only home), the node runs with ``Leave`` off (a signal still stops it).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from cgad.protocol.files import atomic_write
 
 __all__ = ["SERVICE", "AdminServer", "call_admin", "check_health", "token_path"]
 
+logger = logging.getLogger(__name__)
+
 SERVICE = "cgad.node.Admin"
 
 
@@ -40,19 +44,20 @@ def _decode(data: bytes) -> Any:
 
 
 def token_path(address: str) -> Path:
-    """Where the node listening at ``address`` (HOST:PORT) keeps its ``Leave`` token: under
-    $XDG_RUNTIME_DIR (a folder of the user's own), else ~/.cache, in ``cgad-node/admin``."""
-    root = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache")
+    """Where the node listening at ``address`` (HOST:PORT) keeps its ``Leave`` token: in
+    $CGAD_ADMIN_DIR, else ~/.cache/cgad-node/admin (the same for the user's every session: a
+    service and a shell of one user find the same file)."""
+    root = Path(os.environ.get("CGAD_ADMIN_DIR") or Path.home() / ".cache" / "cgad-node" / "admin")
     host, _, port = address.rpartition(":")
     safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in host.strip("[]"))
-    return root / "cgad-node" / "admin" / f"{safe}_{port}.token"
+    return root / f"{safe}_{port}.token"
 
 
 def _read_token(address: str) -> str | None:
     """The token of the node at ``address``; a node listening on every address wrote its token
     under that name, so the any-address names of the port are tried too."""
     port = address.rpartition(":")[2]
-    for name in (address, f"0.0.0.0:{port}", f"[::]:{port}", f"127.0.0.1:{port}"):
+    for name in (address, f"0.0.0.0:{port}", f"[::]:{port}", f"127.0.0.1:{port}", f"localhost:{port}"):
         try:
             return token_path(name).read_text().strip()
         except OSError:
@@ -76,7 +81,11 @@ class AdminServer:
 
         def on_leave(request: Any, context: grpc.ServicerContext) -> Any:
             token = request.get("token") if isinstance(request, dict) else None
-            if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+            if (
+                self._token is None
+                or not isinstance(token, str)
+                or not hmac.compare_digest(token.encode(), self._token.encode())
+            ):
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, "Leave needs this node's token")
             leave()
             return {"leaving": True}
@@ -94,17 +103,22 @@ class AdminServer:
         if bound == 0:
             raise ValueError(f"admin API cannot listen on {host}:{port}")
         self.address = f"{host}:{bound}"
-        self._token = secrets.token_hex(16)
         self.token_file = token_path(self.address)
-        self.token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        atomic_write(self.token_file, self._token.encode(), mode=0o600)
+        self._token: str | None = secrets.token_hex(16)
+        try:
+            self.token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            atomic_write(self.token_file, self._token.encode(), mode=0o600)
+        except OSError as exc:
+            logger.warning("no Leave through the admin API (its token cannot be written: %s)", exc)
+            self._token = None
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace=1.0).wait()
-        self.token_file.unlink(missing_ok=True)
+        if self._token is not None:
+            self.token_file.unlink(missing_ok=True)
 
 
 def call_admin(address: str, method: str, timeout: float = 10.0, token: str | None = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ over the fragments (each the low median of the live reports, which no single pee
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -57,5 +58,9 @@ def most_applied(records: Mapping[str, Progress]) -> int:
         records: the latest progress record of each live peer.
     """
     reports = [p.versions for p in records.values()]
-    fragments = max((len(v) for v in reports), default=0)
+    if not reports:
+        return 0
+    # the fragments the low median of the reports has: a liar listing more (each a median of its
+    # own claim alone) adds none
+    fragments = statistics.median_low(len(v) for v in reports)
     return sum(swarm_version(reports, f) or 0 for f in range(fragments))

@@ -183,11 +183,10 @@ def move_phi(loop: OuterLoop, mean: Tensor, radius: float = math.inf) -> bool:
     """
     if mean.numel() != sum(p.numel() for p in loop.phi):
         raise ValueError(f"a group mean of {mean.numel()} values for {len(loop.phi)} tensors of φ")
-    distance = float(torch.linalg.vector_norm(mean.double() - flat_phi(loop).double()))
+    distance = math.sqrt(_distance_sq(loop, mean))
     if not math.isfinite(distance):
-        scale = 0.0  # a mean off the map: no move
-    else:
-        scale = 1.0 if distance <= radius else radius / distance
+        return True  # a mean off the map (NaN or infinite values): no move, counted as cut
+    scale = 1.0 if distance <= radius else radius / distance
     offset = 0
     for phi, theta in zip(loop.phi, loop.theta, strict=True):
         target = mean[offset : offset + phi.numel()].view_as(phi).to(phi.dtype)
@@ -197,3 +196,16 @@ def move_phi(loop: OuterLoop, mean: Tensor, radius: float = math.inf) -> bool:
         theta.add_(shift.to(theta.device, theta.dtype))
     loop.forget_published_phi()
     return scale < 1.0
+
+
+def _distance_sq(loop: OuterLoop, mean: Tensor, chunk: int = 1 << 20) -> float:
+    """‖mean − φ‖², in float64 a chunk at a time (no model-sized copy)."""
+    total, offset = 0.0, 0
+    for phi in loop.phi:
+        flat = phi.detach().reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start : start + chunk]
+            other = mean[offset + start : offset + start + part.numel()]
+            total += float((other.double() - part.double()).square().sum())
+        offset += flat.numel()
+    return total
