@@ -235,7 +235,7 @@ def run_daemon(
     flags = [
         "--model", settings.preset, "--batch-size", str(settings.batch_size), "--seq-len",
         str(settings.seq_len), "--inner-steps", str(settings.inner_steps), "--admin-port", "0",
-        "--dashboard-port", "0", "--maddrs-file", str(maddrs_file), "--private-endpoints", *(extra or []),
+        "--dashboard-port", "0", "--maddrs-file", str(maddrs_file), *(extra or []), "--private-endpoints",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "cgad.node.front.cli", "join", *flags]
     with log.open("w") as out:

@@ -25,7 +25,7 @@ from cgad.protocol.event_thread import EventLoopThread
 from cgad.protocol.fetching import Fetcher, decode_and_check
 from cgad.protocol.multisource import fetch_from_many
 from cgad.protocol.records import Progress
-from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock, bytes_ahead, flowing
+from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
 from cgad.protocol.selection import Candidate, OfferSelector
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, TransportStats
@@ -115,12 +115,12 @@ class Receiver:
         self._meter()
         versions = self._progress().versions
         while len(self._in_flight) < self.options.max_fetches:
-            transfers = list(self._fetcher.transfers.values())
+            ahead = sum(a.byte_length - a.received for a in list(self._fetcher.transfers.values()))
             candidate, passed = self._queue.pop(
                 versions,
-                link_rate=self._downlink.current(time.monotonic(), idle=not flowing(transfers)),
+                link_rate=self._downlink.current(time.monotonic(), idle=not self._in_flight),
                 seconds_per_version=self._version_clock.seconds_per_version,
-                bytes_ahead=bytes_ahead(transfers),
+                bytes_ahead=ahead,
             )
             for item in passed:
                 self.stats.skipped[item.reason] += 1
@@ -129,8 +129,6 @@ class Receiver:
                 break
             task = self._runner.spawn(self._fetch(candidate))
             self._in_flight[candidate.key] = (task, candidate)
-            # busy until the next reading, which asks whether bytes flow (a fetch that starts
-            # and ends between two readings would otherwise bring bytes without link time)
             self._metered = (self._metered[0], True)
 
     # ---------------------------------------------------------------- fetching and accepting
@@ -139,7 +137,7 @@ class Receiver:
         """Feed the downlink meter what arrived since its last reading."""
         fetched, was_busy = self._metered
         self._downlink.update(time.monotonic(), self._fetcher.bytes_in - fetched, was_busy)
-        self._metered = (self._fetcher.bytes_in, flowing(list(self._fetcher.transfers.values())))
+        self._metered = (self._fetcher.bytes_in, bool(self._in_flight))
 
     async def _fetch(self, candidate: Candidate) -> None:
         try:

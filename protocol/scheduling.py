@@ -27,25 +27,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from cgad.protocol.codec import Codec, encoded_size
 from cgad.protocol.config import AUTO_DENSE, SPARSE_KEPT
 from cgad.protocol.selection import Candidate, own_version
 from cgad.protocol.transport import Kind
 
-__all__ = [
-    "FetchQueue",
-    "LinkMeter",
-    "VersionClock",
-    "auto_codec",
-    "bytes_ahead",
-    "flowing",
-    "poll_pause",
-    "round_budget",
-]
+__all__ = ["FetchQueue", "LinkMeter", "VersionClock", "auto_codec", "poll_pause", "round_budget"]
 
 # --codec auto: the share of a round's link time (at the measured downlink rate) this peer's
 # pseudo-gradients may take. A peer's fragment counts fresh only if it lands before the
@@ -300,25 +290,3 @@ class FetchQueue:
             return False  # nothing measured yet: try it
         seconds = (bytes_ahead + candidate.offer.byte_length) / link_rate
         return self.age(candidate, versions) + seconds / seconds_per_version >= self.stale_after
-
-
-class Transfer(Protocol):
-    """A fetch under way: its length and what has arrived of it."""
-
-    byte_length: int
-    received: int
-
-
-def flowing(transfers: Iterable[Transfer]) -> bool:
-    """Whether the link is busy: some fetch under way has received bytes. A fetch whose holder
-    accepted the connection and sent nothing (a tarpit, or a holder gone quiet) keeps no link
-    busy, so the meter does not read its silence as a slow link."""
-    return any(t.received > 0 for t in transfers)
-
-
-def bytes_ahead(transfers: Iterable[Transfer]) -> int:
-    """What the fetches under way still have to receive and share the link for: those that
-    received bytes. A fetch that has received none (whatever it claims to be) is not counted, so
-    identities announcing offers whose holders never answer cannot make every honest offer look
-    too late to fetch."""
-    return sum(t.byte_length - t.received for t in transfers if t.received > 0)

@@ -28,6 +28,9 @@ def test_nine_peers_each_list_every_other() -> None:
             peer.report_progress([1], n, 1.0)
         listed = lambda: all(len(p.live_peers()) == PEERS - 1 for p in peers)  # noqa: E731
         wait_for(listed, 90, "every peer listing every other")
+        # its next poll's lookup (every peer may have listed the others from polls made before the
+        # recording began)
+        wait_for(lambda: beams["lookup"], 30, "a lookup of peer 1's while recorded")
         # with the replicas' beam, not hivemind's bucket of 20 (in a swarm this size: every node)
         replicas = peers[1].dht_node.num_replicas
         assert beams["store"] and set(beams["store"]) == {2 * replicas}, beams

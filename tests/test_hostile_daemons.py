@@ -17,9 +17,14 @@ pytestmark = pytest.mark.integration
 
 ROUNDS = 5
 UNDER_ATTACK = 6  # rounds each honest node trains on while judged, after the attackers send
-# how far below its loss before the attack an honest node must end: two nodes alone fall about 0.8
-# over the 30 or more rounds the attackers take to join and be judged
-LEARNED = 0.3
+# how far below its loss before the attack an honest node must end: two nodes alone fell 0.24 to
+# 0.8 over the rounds the attackers take to join and be judged (the first node trains alone while
+# the second starts, so "before" may already be round 20), and an attack that gets through lifts
+# the loss by tenths
+LEARNED = 0.1
+# how far the mean of three evaluations may rise over six rounds by chance: at the plateau one
+# evaluation (4 batches) jumps by up to 0.5 now and then, in swarms with and without attackers
+SPIKES = 0.25
 # half the usual block: five daemons share the machine, and what is tested is per round
 SHORT = ["--inner-steps", "8"]
 # the attackers send fp32, so that nothing in the encoding stops what they send
@@ -51,10 +56,10 @@ def _rounds_under_attack(
 ) -> list[dict]:
     """Each honest node's status once it has trained ``UNDER_ATTACK`` more rounds, the attackers
     sending all along, and ``judged`` holds of it. Its held-out losses (means of three
-    evaluations, each of 4 batches, ±0.05) are all finite; no worse at the end than when those
-    rounds began (an attack that gets through lifts them by tenths); and ``LEARNED`` below what
-    the node had reached before any attacker started (``before_attack``), so that harm done while
-    the attackers joined shows too."""
+    evaluations, each of 4 batches) are all finite; at most ``SPIKES`` worse at the end than when
+    those rounds began (an attack that gets through lifts them by more, at once); and ``LEARNED``
+    below what the node had reached before any attacker started (``before_attack``), so that harm
+    done while the attackers joined shows too."""
     marks = [node.status()["round"] for node in honest]
     finals = []
     for i, (node, mark) in enumerate(zip(honest, marks, strict=True)):
@@ -66,7 +71,7 @@ def _rounds_under_attack(
         assert len(before) == 3, f"{node.name}: evaluations by round {mark}: {status['eval_history']}"
         assert losses[-1] < FRESH_LOSS - 0.5, f"{node.name} never learned: {losses}"
         end, start = sum(losses[-3:]) / 3, sum(before) / 3
-        assert end < start + 0.1, f"{node.name} lost ground under attack: {before} -> {losses[-3:]}"
+        assert end < start + SPIKES, f"{node.name} lost ground under attack: {before} -> {losses[-3:]}"
         assert end < before_attack[i] - LEARNED, f"{node.name}: {before_attack[i]:.3f} before, {losses}"
         finals.append(status)
     return finals

@@ -60,9 +60,11 @@ def test_scale_measures_a_lone_daemon_against_a_bare_loop(tmp_path, monkeypatch,
     # one repeat: its own pair's ratio is the ratio of the medians
     assert summary["tokens_ratio_pairs"] == [summary["tokens_ratio"]]
     assert abs(summary["tokens_ratio_of_medians"] - summary["tokens_ratio"]) < 1e-9
-    # the flags the daemon ran with: only batch, sequence, H and where it listens were given
+    # the flags the daemon ran with: only batch, sequence, H and where it listens were given, and
+    # that its peers' gRPC endpoints on 127.0.0.1 are dialed (the last, a switch)
     flags = run["daemon"]["flags"]
-    given = {flags[i] for i in range(0, len(flags), 2)}
+    assert flags[-1] == "--private-endpoints"
+    given = {flags[i] for i in range(0, len(flags) - 1, 2)}
     assert given == {"--model", "--batch-size", "--seq-len", "--inner-steps", "--admin-port",
                      "--dashboard-port", "--maddrs-file"}  # fmt: skip
     # a node alone encodes for nobody (node/member/audience.py): no pseudo-gradient published

@@ -186,29 +186,3 @@ def test_auto_sends_4bit_when_it_fits_else_the_most_sparse_values_that_do() -> N
     assert all(kept in AUTO_KEPT for kept in (auto_codec(numel, b)[1] for b in range(10, four_bit, 9973)))
     assert auto_codec(numel, 10.0) == (Codec.SPARSE, AUTO_MIN_KEPT)  # never fewer
     assert auto_codec(numel, None) == (Codec.FP4, SPARSE_KEPT)  # not measured: dense, as early rounds need
-
-
-def test_fetches_whose_holders_never_answer_keep_no_link_busy() -> None:
-    """Four throwaway identities announced future versions whose holders accept a connection and
-    never answer: counted among the bytes still to come, their claimed lengths made every honest
-    offer "too_late" (66-95 per node), and their silence read as a slow link. Only fetches that
-    have received bytes share the link."""
-    from dataclasses import dataclass
-
-    from cgad.protocol.scheduling import bytes_ahead, flowing
-
-    @dataclass
-    class Under:
-        byte_length: int
-        received: int
-
-    tarpits = [Under(50_000_000, 0) for _ in range(4)]
-    honest = Under(1_000_000, 250_000)
-    assert bytes_ahead(tarpits) == 0 and not flowing(tarpits)
-    assert bytes_ahead([*tarpits, honest]) == 750_000 and flowing([*tarpits, honest])
-    queue = FetchQueue(stale_after=4)
-    offer = _candidate(base=9, length=1_000_000)
-    queue.push(offer)
-    # 1 MB/s, 1 s per version: the tarpits' claims would have made it arrive 200 versions late
-    got, passed = queue.pop([10], link_rate=1e6, seconds_per_version=1.0, bytes_ahead=bytes_ahead(tarpits))
-    assert got is offer and passed == []
