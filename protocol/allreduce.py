@@ -24,7 +24,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -39,7 +39,14 @@ from cgad.protocol.codec import Codec, all_finite, decode
 from cgad.protocol.config import check_multiaddr
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
 
-__all__ = ["GROUP_PUBLISHER", "AllReduceExchange", "GroupAverager", "averager_bootstrap", "listen_anywhere"]
+__all__ = [
+    "GROUP_PUBLISHER",
+    "AllReduceExchange",
+    "AveragerSettings",
+    "GroupAverager",
+    "averager_bootstrap",
+    "listen_anywhere",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,23 @@ START_TIMEOUT = 60.0
 START_TRIES = 3
 
 
+@dataclass(frozen=True)
+class AveragerSettings:
+    """What an averager of either kind is started with: its DHT's key prefix, the group it
+    forms (``group_size`` peers at most), the matchmaking window (``matchmaking_time`` seconds),
+    how long a step may take (``timeout``), and a private swarm's key for its DHT (None: public)."""
+
+    prefix: str
+    group_size: int
+    matchmaking_time: float
+    timeout: float
+    swarm_key: SwarmKey | None = None
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"a group of {self.group_size}: at least 2")
+
+
 class AllReduceExchange(Transport):
     """``Transport`` for one fragment's pseudo-gradients, exchanged by a blocking all-reduce.
 
@@ -65,29 +89,13 @@ class AllReduceExchange(Transport):
     ``peers`` answers who is alive (the fragment transport's progress records). ``start`` joins
     the averager's DHT."""
 
-    def __init__(
-        self,
-        peers: Transport,
-        numel: int,
-        *,
-        prefix: str,
-        group_size: int,
-        matchmaking_time: float,
-        timeout: float,
-        swarm_key: SwarmKey | None = None,
-    ) -> None:
-        if group_size < 2:
-            raise ValueError(f"an all-reduce group of {group_size}: at least 2")
-        self._swarm_key = swarm_key
+    def __init__(self, peers: Transport, numel: int, settings: AveragerSettings) -> None:
+        self.settings = settings
         self.peer_id = peers.peer_id
         self.stats = TransportStats()
-        self.fan_in = group_size - 1  # a group brings the other members' deliveries, no more
+        self.fan_in = settings.group_size - 1  # a group brings the other members' deliveries, no more
         self._peers = peers
         self._numel = numel
-        self._prefix = prefix
-        self._group_size = group_size
-        self._matchmaking_time = matchmaking_time
-        self._timeout = timeout
         self._inbox = Inbox()
         self.dht: hivemind.DHT | None = None
         self.averager: DecentralizedAverager | None = None
@@ -97,9 +105,8 @@ class AllReduceExchange(Transport):
         # the whole group or none: smaller groups that form first stay out of phase with each
         # other for good (measured on 10 Mbit: four nodes averaged in two fixed pairs)
         self.dht, self.averager = _start_averager(
-            initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, self._group_size,
-            self._matchmaking_time, swarm_key=self._swarm_key,
-        )  # fmt: skip
+            initial_peers, host_maddrs, self._numel, self.settings, self.settings.group_size
+        )
 
     def maddrs(self) -> list[str]:
         """Where the averager's DHT can be reached: what this node states in ``Describe``."""
@@ -112,7 +119,7 @@ class AllReduceExchange(Transport):
             raise RuntimeError("AllReduceExchange.publish before start")
         own = fragment.tensor.detach().float()
         mean, members = _average_once(
-            self.averager, own, self._timeout, "this round steps on the own update alone"
+            self.averager, own, self.settings.timeout, "this round steps on the own update alone"
         )
         self.groups[members] += 1
         self.stats.published += 1
@@ -159,24 +166,10 @@ class GroupAverager:
     window, and each further one of a peer that found nobody (hivemind's). ``start`` joins the
     averager's DHT, as ``AllReduceExchange.start``."""
 
-    def __init__(
-        self,
-        numel: int,
-        *,
-        prefix: str,
-        group_size: int,
-        matchmaking_time: float,
-        timeout: float,
-        swarm_key: SwarmKey | None = None,
-    ) -> None:
-        if group_size < 2:
-            raise ValueError(f"a group of {group_size}: at least 2")
-        self._swarm_key = swarm_key
+    def __init__(self, numel: int, settings: AveragerSettings) -> None:
+        self.settings = settings
         self._numel = numel
-        self._prefix = prefix
-        self._group_size = group_size
-        self._matchmaking_time = matchmaking_time
-        self.timeout = timeout
+        self.timeout = settings.timeout
         self.dht: hivemind.DHT | None = None
         self.averager: DecentralizedAverager | None = None
         self.groups: Counter[int] = Counter()  # sizes of the groups each step averaged in; 1: none
@@ -186,10 +179,14 @@ class GroupAverager:
         # whoever matched within the window averages (at least two): a member never waits on
         # one that is slow or gone for longer than the window
         self.dht, self.averager = _start_averager(
-            initial_peers, host_maddrs, self._numel, self._prefix, self._group_size, 2,
-            self._matchmaking_time, NoCompression(), allreduce_timeout=self.timeout,
-            swarm_key=self._swarm_key,
-        )  # fmt: skip
+            initial_peers,
+            host_maddrs,
+            self._numel,
+            self.settings,
+            2,
+            NoCompression(),
+            allreduce_timeout=self.timeout,
+        )
 
     def maddrs(self) -> list[str]:
         """Where the averager's DHT can be reached: what this node states in ``Describe``."""
@@ -210,7 +207,7 @@ class GroupAverager:
         """
         if self.averager is None:
             raise RuntimeError("GroupAverager.average before start")
-        window = window if window is not None else self._matchmaking_time
+        window = window if window is not None else self.settings.matchmaking_time
         timeout = timeout if timeout is not None else self.timeout
         if not 0 < window < timeout:
             raise ValueError(f"a matchmaking window of {window} s within a timeout of {timeout} s")
@@ -260,13 +257,10 @@ def _start_averager(
     initial_peers: Sequence[str],
     host_maddrs: Sequence[str],
     numel: int,
-    prefix: str,
-    group_size: int,
+    settings: AveragerSettings,
     min_group_size: int,
-    matchmaking_time: float,
     compression: CompressionBase | None = None,
     allreduce_timeout: float | None = None,
-    swarm_key: SwarmKey | None = None,
 ) -> tuple[hivemind.DHT, DecentralizedAverager]:
     """A hivemind DHT of the averager's own and an averager of one flat tensor on it (fp16 on the
     wire unless ``compression`` says otherwise; a formed group's all-reduce limited to
@@ -279,7 +273,7 @@ def _start_averager(
                 initial_peers=list(initial_peers),
                 host_maddrs=list(host_maddrs),
                 start=False,
-                **({"authorizer": SwarmAuthorizer(swarm_key)} if swarm_key is not None else {}),
+                **({"authorizer": SwarmAuthorizer(settings.swarm_key)} if settings.swarm_key else {}),
             ),
             "DHT",
         )
@@ -288,11 +282,11 @@ def _start_averager(
                 lambda dht=dht: DecentralizedAverager(
                     [torch.zeros(numel)],
                     dht=dht,
-                    prefix=prefix,
-                    target_group_size=group_size,
+                    prefix=settings.prefix,
+                    target_group_size=settings.group_size,
                     min_group_size=min_group_size,
-                    min_matchmaking_time=matchmaking_time,
-                    request_timeout=min(3.0, matchmaking_time / 2),  # below the window: hivemind's advice
+                    min_matchmaking_time=settings.matchmaking_time,
+                    request_timeout=min(3.0, settings.matchmaking_time / 2),  # below the window: hivemind's
                     compression=compression or Float16Compression(),
                     allreduce_timeout=allreduce_timeout,
                     start=False,

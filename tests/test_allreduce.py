@@ -14,16 +14,20 @@ from _daemons import CLI, FRESH_LOSS, SETTINGS, NodeProcess  # tests/ is on sys.
 from cgad.node.config import JoinConfig
 from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
 from cgad.node.sim.memory import VirtualNetwork
-from cgad.protocol.allreduce import GROUP_PUBLISHER, AllReduceExchange, averager_bootstrap, listen_anywhere
+from cgad.protocol.allreduce import (
+    GROUP_PUBLISHER,
+    AllReduceExchange,
+    AveragerSettings,
+    averager_bootstrap,
+    listen_anywhere,
+)
 from cgad.protocol.transport import Fragment, FragmentKey
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def _exchange(net: VirtualNetwork, name: str, group: int, wait: float, timeout: float) -> AllReduceExchange:
-    return AllReduceExchange(
-        net.join(name), 4096, prefix="t", group_size=group, matchmaking_time=wait, timeout=timeout
-    )
+    return AllReduceExchange(net.join(name), 4096, AveragerSettings("t", group, wait, timeout))
 
 
 def _publish_together(exchanges: list[AllReduceExchange], deltas: list[torch.Tensor]) -> None:

@@ -13,14 +13,14 @@ import torch
 from cgad.node.daemon.consensus import join_group
 from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
 from cgad.node.member.consensus import ConsensusStep
-from cgad.protocol.allreduce import GroupAverager
+from cgad.protocol.allreduce import AveragerSettings, GroupAverager
 from cgad.protocol.auth import SwarmKey
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 def _averager(group: int, wait: float, timeout: float) -> GroupAverager:
-    return GroupAverager(1000, prefix="t", group_size=group, matchmaking_time=wait, timeout=timeout)
+    return GroupAverager(1000, AveragerSettings("t", group, wait, timeout))
 
 
 class _Member:
@@ -131,10 +131,7 @@ def test_an_averager_without_the_swarm_key_is_never_in_a_private_swarms_group() 
     members average with each other alone, and the outsider's φ is in no group (without the key
     it had joined theirs, its share in their mean)."""
     key = SwarmKey.generate()
-    members_ = [
-        GroupAverager(1000, prefix="t", group_size=3, matchmaking_time=2.0, timeout=15, swarm_key=key)
-        for _ in range(2)
-    ]
+    members_ = [GroupAverager(1000, AveragerSettings("t", 3, 2.0, 15, swarm_key=key)) for _ in range(2)]
     outsider = _averager(group=3, wait=2.0, timeout=15)
     averagers = [*members_, outsider]
     try:

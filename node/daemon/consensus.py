@@ -18,7 +18,13 @@ from typing import Any
 from cgad.node.config import JoinConfig
 from cgad.node.member.consensus import GroupMean, matchmaking
 from cgad.node.member.engine import Member
-from cgad.protocol.allreduce import AllReduceExchange, GroupAverager, averager_bootstrap, listen_anywhere
+from cgad.protocol.allreduce import (
+    AllReduceExchange,
+    AveragerSettings,
+    GroupAverager,
+    averager_bootstrap,
+    listen_anywhere,
+)
 from cgad.protocol.auth import SwarmKey
 from cgad.protocol.records import run_prefix
 
@@ -41,11 +47,13 @@ def consensus_averager(
         return None
     return GroupAverager(
         numel,
-        prefix=f"{run_prefix(config.run_id)}_consensus",
-        group_size=config.consensus_group,
-        matchmaking_time=config.consensus_timeout / 3,
-        timeout=config.consensus_timeout,
-        swarm_key=swarm_key,
+        AveragerSettings(
+            prefix=f"{run_prefix(config.run_id)}_consensus",
+            group_size=config.consensus_group,
+            matchmaking_time=config.consensus_timeout / 3,
+            timeout=config.consensus_timeout,
+            swarm_key=swarm_key,
+        ),
     )
 
 

@@ -46,7 +46,7 @@ from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model, model_fingerprint
 from cgad.node.training.tokenizer import load_tokenizer
 from cgad.node.training.trainer import EvalSchedule, InnerTrainer, evaluate
-from cgad.protocol.allreduce import AllReduceExchange
+from cgad.protocol.allreduce import AllReduceExchange, AveragerSettings
 from cgad.protocol.event_thread import side_worker
 from cgad.protocol.files import atomic_write
 from cgad.protocol.network import NetworkTransport
@@ -128,11 +128,13 @@ class Node(MemberHooks):
                 AllReduceExchange(
                     self.transport,
                     numels[0],
-                    prefix=f"{run_prefix(c.run_id)}_allreduce",
-                    group_size=c.allreduce_group,
-                    matchmaking_time=c.allreduce_matchmaking,
-                    timeout=c.allreduce_timeout,
-                    swarm_key=self.transport.swarm_key,
+                    AveragerSettings(
+                        f"{run_prefix(c.run_id)}_allreduce",
+                        c.allreduce_group,
+                        c.allreduce_matchmaking,
+                        c.allreduce_timeout,
+                        self.transport.swarm_key,
+                    ),
                 )
                 if c.sync == "allreduce"
                 else None
