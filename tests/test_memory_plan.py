@@ -118,11 +118,11 @@ def test_judging_a_chunk_at_a_time_is_judging_against_the_whole_reference(codec:
     for yardstick in (sender.yardstick(0, own), sender.yardstick(0, None), withheld.yardstick(0, own)):
         got = yardstick.judge(deliveries, 2.0)
         clipped = 0
-        for (delta, k), (cosine, held, was_clipped) in zip(deliveries, got, strict=True):
+        for (delta, k), judged in zip(deliveries, got, strict=True):
             want = AroundOwn(yardstick.reference(k), 2.0).judge(delta)
-            assert cosine == want[0] and was_clipped == want[2] and torch.equal(held, want[1])
-            clipped += was_clipped
-        assert clipped >= 1 and got[2][0] < 0
+            assert judged.cosine == want[0] and judged.clipped == want[2] and torch.equal(judged.delta, want[1])
+            clipped += judged.clipped
+        assert clipped >= 1 and got[2].cosine < 0
         # the chunks put together are the whole target picked at once
         assert torch.equal(yardstick.reference(4), decode(encode(yardstick.target, Codec.SPARSE, 4)))
         norm = float(torch.linalg.vector_norm(yardstick.target, dtype=torch.float64))

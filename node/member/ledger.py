@@ -42,7 +42,7 @@ def layout_numels(params: list[Any], fragments: int) -> list[int]:
 
 # what every report of a loop counts (a daemon's status, the simulator's record): one list
 COUNTED = ("published", "unheard", "applied", "dropped_stale", "clipped", "tokens_capped", "discarded",
-           "held_ahead", "mixed", "clipped_params", "replayed")  # fmt: skip
+           "held_ahead", "mixed", "clipped_params", "replayed", "tensors_cut")  # fmt: skip
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Counters:
     applied: int = 0
     dropped_stale: int = 0
     clipped: int = 0  # peers' deliveries clipped around the own update (--aggregation clip)
+    tensors_cut: int = 0  # peers' deliveries with a tensor cut around the own update's (the same)
     tokens_capped: int = 0  # peers' token claims cut to TOKEN_CAP × the own block's
     discarded: int = 0  # own blocks kept from peers and from the own step (after adopting a state)
     held_ahead: int = 0  # peers' deltas of a version this peer had not reached, kept for it

@@ -46,7 +46,7 @@ from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, UsableVersions, fresh_share, method, unflatten
 from cgad.node.member.mixing import Mixer, remember_phi
 from cgad.node.member.outer_state import HEARD, Phi0, Reference, load_checked_state, snapshot_state
-from cgad.node.member.sender import Sender, Yardstick
+from cgad.node.member.sender import Judged, Sender, Yardstick
 from cgad.optim.averaging import effective_count, running_count
 from cgad.optim.averaging import inner_lr_scale as sqrt_scale
 from cgad.optim.cga import running_freshness
@@ -118,13 +118,11 @@ class OuterLoop:
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
+        sizes = [[self.phi[i].numel() for i in f] for f in self.fragments]  # each fragment's tensors
         self.sender = Sender(
-            codec,
-            sparse_keep=sparse_keep,
-            link_budget=link_budget,
-            total_numel=sum(p.numel() for p in params),
-            error_feedback=error_feedback,
-        )
+            codec, sparse_keep=sparse_keep, link_budget=link_budget, total_numel=sum(map(sum, sizes)),
+            error_feedback=error_feedback, segments=sizes,
+        )  # fmt: skip
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -393,7 +391,7 @@ class OuterLoop:
             self.counters.rejected["no_yardstick"] += sum(frag is not own for frag, _ in incoming)
             incoming = [(frag, age) for frag, age in incoming if frag is own]
         scales = [self.method.scale(a, self.options) if self.method.age_aware else 1.0 for _, a in incoming]
-        judged: dict[int, tuple[float, Tensor, bool]] = {}  # by position in incoming
+        judged: dict[int, Judged] = {}  # by position in incoming
         if self.options.aggregation == "clip" and yardstick is not None:
             peers = [n for n, (frag, _) in enumerate(incoming) if frag is not own and scales[n] != 0.0]
             deltas = [(incoming[n][0].tensor, incoming[n][0].kept) for n in peers]
@@ -406,12 +404,14 @@ class OuterLoop:
             is_own = frag is own
             delta, clipped = frag.tensor, False
             if n in judged:
-                cosine, delta, clipped = judged[n]
-                if cosine < self.options.min_cosine:
+                j = judged[n]
+                if j.cosine < self.options.min_cosine:
                     self.counters.rejected["opposed"] += 1
                     self.counters.rejected_by_peer[frag.key.publisher] += 1
                     continue
+                delta, clipped = j.delta, j.clipped
                 self.counters.clipped += clipped
+                self.counters.tensors_cut += j.tensors_cut > 0
             tokens = frag.tokens
             if cap is not None and not is_own and tokens > cap:
                 tokens = cap

@@ -21,7 +21,9 @@ outer step at 26M parameters.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,7 +42,18 @@ from cgad.protocol.scheduling import auto_codec
 # at a time, a sparse reference is the whole one's
 assert FLOAT64_CHUNK % 256 == 0
 
-__all__ = ["Sender", "Yardstick"]
+__all__ = ["Judged", "Sender", "Yardstick"]
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A peer's delta as judged against the own Δ: its cosine with it, the delta as taken (cut
+    where it lay too far), whether the whole clip cut it, and how many of its tensors were cut."""
+
+    cosine: float
+    delta: Tensor
+    clipped: bool
+    tensors_cut: int = 0
 
 
 class _How(enum.Enum):
@@ -78,6 +91,7 @@ class Yardstick:
             (decoded, or None: never sent).
         sent: the own Δ as it went out (None: never sent: the target is this round's Δ).
         numel: values in the fragment.
+        segments: the values of each tensor of the fragment, in order (None: judged whole only).
     """
 
     def __init__(
@@ -86,10 +100,14 @@ class Yardstick:
         sent: _Sent | None,
         numel: int,
         from_sent: bool = False,
+        segments: Sequence[int] | None = None,
     ) -> None:
         self._part = part
         self._sent_record = sent
         self.numel = numel
+        if segments is not None and sum(segments) != numel:
+            raise ValueError(f"segments of {sum(segments)} values for {numel}")
+        self.segments = list(segments) if segments is not None and len(segments) > 1 else None
         self._from_sent = from_sent  # whether ``part`` reads the own Δ as sent (decoded only then)
         self._norm: float | None = None
 
@@ -126,13 +144,17 @@ class Yardstick:
             return self._sent  # type: ignore[return-value]
         return _whole(self._chunks(kept), self.numel)
 
-    def judge(
-        self, deliveries: Sequence[tuple[Tensor, int | None]], radius: float
-    ) -> list[tuple[float, Tensor, bool]]:
+    def judge(self, deliveries: Sequence[tuple[Tensor, int | None]], radius: float) -> list[Judged]:
         """``AroundOwn(self.reference(kept), radius).judge(delta)`` for each (delta, kept): flat
         float32 deltas carrying ``kept`` values per block (None: dense). One pass over the
         reference per sparsity, built a chunk at a time, and one more where a delta is clipped:
         the same floats as ``AroundOwn``'s, without a whole reference.
+
+        With ``segments``, each tensor is judged first: a tensor of a delta further from the
+        reference's than ``radius`` × (its own norm there + its share of the whole norm,
+        ‖ref‖·√(n_t/n)) is cut to that distance, and the whole verdict is taken on what is left.
+        A push the whole clip lets through, concentrated on a few small tensors (the final norm's
+        gains), is cut there to about the size of the own Δ of those tensors.
 
         Args:
             deliveries: the peers' deltas and the values per block each carries.
@@ -145,34 +167,79 @@ class Yardstick:
         by_kept: dict[int | None, list[int]] = {}
         for n, (_, kept) in enumerate(deliveries):
             by_kept.setdefault(kept, []).append(n)
-        judged: dict[int, tuple[float, Tensor, bool]] = {}
+        judged: dict[int, Judged] = {}
         for kept, positions in by_kept.items():
             deltas = [deliveries[n][0] for n in positions]
             judged.update(zip(positions, self._judge_alike(deltas, kept, radius), strict=True))
         return [judged[n] for n in range(len(deliveries))]
 
-    def _judge_alike(
-        self, deltas: list[Tensor], kept: int | None, radius: float
-    ) -> list[tuple[float, Tensor, bool]]:
-        dots, norms, reference_sq = [0.0] * len(deltas), [0.0] * len(deltas), 0.0
+    def _judge_alike(self, deltas: list[Tensor], kept: int | None, radius: float) -> list[Judged]:
+        bounds = [0, *itertools.accumulate(self.segments or [self.numel])]
+        count = len(bounds) - 1
+        # per tensor: ‖ref_t‖², and per delta ⟨d_t, ref_t⟩ and ‖d_t‖² (float64 sums, in order)
+        ref_sq = [0.0] * count
+        dots = [[0.0] * count for _ in deltas]
+        norms = [[0.0] * count for _ in deltas]
         for start, ref in self._chunks(kept):
             stop = start + ref.numel()
-            reference_sq += chunk_dots(ref, None)[1]
-            for n, d in enumerate(deltas):
-                dot, norm_sq = chunk_dots(d[start:stop], ref)
-                dots[n], norms[n] = dots[n] + dot, norms[n] + norm_sq
+            for t in range(bisect.bisect_right(bounds, start) - 1, count):
+                a, b = max(start, bounds[t]), min(stop, bounds[t + 1])
+                if a >= b:
+                    break
+                piece = ref[a - start : b - start]
+                ref_sq[t] += chunk_dots(piece, None)[1]
+                for n, d in enumerate(deltas):
+                    dot, norm_sq = chunk_dots(d[a:b], piece)
+                    dots[n][t], norms[n][t] = dots[n][t] + dot, norms[n][t] + norm_sq
+        reference_sq = math.fsum(ref_sq)
         if not math.isfinite(reference_sq):
             raise ValueError("AroundOwn needs a finite reference")
-        bound = radius * math.sqrt(reference_sq)
-        verdicts = [verdict(dot, sq, reference_sq, bound) for dot, sq in zip(dots, norms, strict=True)]
-        held = {n: torch.empty(self.numel) for n, v in enumerate(verdicts) if v.weight is not None}
-        if held:  # reference + (delta − reference) · weight, as AroundOwn's lerp
+        pairs = zip(dots, norms, strict=True)
+        weights = [self._tensor_weights(ref_sq, d, s, reference_sq, radius) for d, s in pairs]
+        verdicts = []
+        for n, w in enumerate(weights):  # the whole verdict on each delta as its tensors' cuts left it
+            dot = norm_sq = 0.0
+            for t, wt in enumerate(w):
+                if wt == 1.0:  # as sent: the sums as they are (one tensor: AroundOwn's floats)
+                    dot, norm_sq = dot + dots[n][t], norm_sq + norms[n][t]
+                    continue
+                along = dots[n][t] - ref_sq[t]  # ⟨d − ref, ref⟩ of tensor t
+                away = max(norms[n][t] - 2.0 * dots[n][t] + ref_sq[t], 0.0)  # ‖d − ref‖²
+                dot += ref_sq[t] + wt * along
+                norm_sq += ref_sq[t] + 2.0 * wt * along + wt * wt * away
+            verdicts.append(verdict(dot, norm_sq, reference_sq, radius * math.sqrt(reference_sq)))
+        cut = {n for n, v in enumerate(verdicts) if v.weight is not None or min(weights[n]) < 1.0}
+        held = {n: torch.empty(self.numel) for n in cut}
+        if held:  # reference + (delta − reference) · weight, as AroundOwn's lerp, tensor by tensor
             for start, ref in self._chunks(kept):
                 stop = start + ref.numel()
-                for n, out in held.items():
-                    weight = verdicts[n].weight
-                    torch.lerp(ref, deltas[n][start:stop].float(), weight, out=out[start:stop])
-        return [(v.cosine, held.get(n, deltas[n]), n in held) for n, v in enumerate(verdicts)]
+                for t in range(bisect.bisect_right(bounds, start) - 1, count):
+                    a, b = max(start, bounds[t]), min(stop, bounds[t + 1])
+                    if a >= b:
+                        break
+                    for n, out in held.items():
+                        weight = weights[n][t] * (1.0 if verdicts[n].weight is None else verdicts[n].weight)
+                        torch.lerp(ref[a - start : b - start], deltas[n][a:b].float(), weight, out=out[a:b])
+        return [
+            Judged(v.cosine, held.get(n, deltas[n]), v.weight is not None, sum(w < 1.0 for w in weights[n]))
+            for n, v in enumerate(verdicts)
+        ]
+
+    def _tensor_weights(
+        self, ref_sq: list[float], dots: list[float], norms: list[float], reference_sq: float, radius: float
+    ) -> list[float]:
+        """Each tensor's cut (1: as sent): its distance from the reference's within ``radius`` ×
+        (‖ref_t‖ + ‖ref‖·√(n_t/n)). One tensor (no ``segments``): 1, the whole verdict decides."""
+        if self.segments is None:
+            return [1.0]
+        weights = []
+        for t, size in enumerate(self.segments):
+            if not (math.isfinite(dots[t]) and math.isfinite(norms[t])):
+                raise ValueError("AroundOwn needs finite deliveries")
+            distance = math.sqrt(max(norms[t] - 2.0 * dots[t] + ref_sq[t], 0.0))
+            bound = radius * (math.sqrt(ref_sq[t]) + math.sqrt(reference_sq * size / self.numel))
+            weights.append(1.0 if distance <= bound else bound / distance)
+        return weights
 
     def norm(self) -> float:
         """‖target‖, in float64 (a finite fp32 tensor of 1e20s overflows fp32's), a chunk at a time."""
@@ -198,6 +265,8 @@ class Sender:
             yet; infinite: not what limits), for "auto".
         total_numel: values in the whole model (a fragment gets its share of the budget).
         error_feedback: carry what a rounding codec drops into later rounds (sparse always does).
+        segments: per fragment, the values of each of its tensors (peers' deltas are judged
+            tensor by tensor as well as whole); None: whole only.
     """
 
     def __init__(
@@ -208,8 +277,10 @@ class Sender:
         link_budget: Callable[[], float | None] | None = None,
         total_numel: int = 1,
         error_feedback: bool = True,
+        segments: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.codec = codec
+        self.segments = segments
         self.sparse_keep = sparse_keep
         self.link_budget = link_budget or (lambda: float("inf"))
         self.total_numel = max(total_numel, 1)
@@ -280,7 +351,7 @@ class Sender:
             if own is None:
                 return None
             whole = own.reshape(-1)
-            return Yardstick(lambda _, a, b: whole[a:b], None, own.numel())
+            return Yardstick(lambda _, a, b: whole[a:b], None, own.numel(), segments=self._segments(fragment))
         feedback = self._unsent.get(fragment)
         residual = (
             feedback.residual.view(-1) if feedback is not None and feedback.residual is not None else None
@@ -302,7 +373,11 @@ class Sender:
             flat = own.reshape(-1)
             part = lambda _, a, b: flat[a:b]  # noqa: E731
         numel = own.numel() if own is not None else sent.numel
-        return Yardstick(part, sent, numel, from_sent=sent.how is _How.FED_BACK or own is None)
+        from_sent = sent.how is _How.FED_BACK or own is None
+        return Yardstick(part, sent, numel, from_sent=from_sent, segments=self._segments(fragment))
+
+    def _segments(self, fragment: int) -> Sequence[int] | None:
+        return None if self.segments is None else self.segments[fragment]
 
     def forget(self) -> None:
         """Drop what the old trajectory left unsent (the member adopted another state)."""

@@ -1,0 +1,76 @@
+"""Peers' deltas judged tensor by tensor as well as whole (``Yardstick`` with ``segments``): a push
+the whole clip lets through, concentrated on one small tensor, is cut there; an honest peer's
+delta, whose tensors lie about as far from the own Δ's as the whole does, passes as sent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cgad.node.member.sender import Sender, Yardstick
+from cgad.optim import AroundOwn, FLOAT64_CHUNK
+
+BIG, SMALL = FLOAT64_CHUNK + 5000, 96  # the big tensor straddles a chunk; the small one lies past it
+
+
+def _yardstick(own: torch.Tensor, segments: list[int] | None) -> Yardstick:
+    whole = own.reshape(-1)
+    return Yardstick(lambda _, a, b: whole[a:b], None, own.numel(), segments=segments)
+
+
+def _pair() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    common = torch.randn(BIG + SMALL)
+    own, theirs = common + 2 * torch.randn(BIG + SMALL), common + 2 * torch.randn(BIG + SMALL)
+    own[BIG:] *= 0.01  # the small tensor's own Δ is tiny beside the whole (a norm's gains)
+    theirs[BIG:] *= 0.01
+    return own, theirs
+
+
+def test_a_push_on_one_small_tensor_is_cut_there_and_the_rest_passes_as_sent() -> None:
+    own, theirs = _pair()
+    forged = theirs.clone()
+    forged[BIG:] += 1.5 * float(own.norm()) / math.sqrt(SMALL)  # 1.5 ‖own‖, all on 96 values
+    whole = AroundOwn(own, 2.0).judge(forged)
+    assert not whole[2] and whole[0] > 0  # the whole clip and the direction screen (0) take it as sent
+
+    judged = _yardstick(own, [BIG, SMALL]).judge([(forged, None), (theirs, None)], 2.0)
+    cut, honest = judged
+    assert cut.tensors_cut == 1 and not cut.clipped
+    assert torch.equal(cut.delta[:BIG], forged[:BIG])  # the big tensor as sent
+    bound = 2.0 * (float(own[BIG:].norm()) + float(own.norm()) * math.sqrt(SMALL / (BIG + SMALL)))
+    assert float((cut.delta[BIG:] - own[BIG:]).norm()) == pytest.approx(bound, rel=1e-4)
+    assert float((cut.delta[BIG:] - own[BIG:]).norm()) < 0.05 * float(forged[BIG:].norm())
+    assert honest.tensors_cut == 0 and not honest.clipped and honest.delta is theirs
+
+    # judged whole only (one tensor, or no segments), the push passes: what the cut adds
+    for stick in (_yardstick(own, None), _yardstick(own, [BIG + SMALL])):
+        assert stick.judge([(forged, None)], 2.0)[0].delta is forged
+
+
+def test_a_delta_cut_in_a_tensor_and_then_whole_is_cut_by_both() -> None:
+    """The whole verdict is taken on what the tensors' cuts left: a delta far off everywhere is
+    held within the whole radius, and its pushed tensor within its own bound too."""
+    own, theirs = _pair()
+    forged = 10 * theirs
+    forged[BIG:] += 1.5 * float(own.norm()) / math.sqrt(SMALL)
+    (judged,) = _yardstick(own, [BIG, SMALL]).judge([(forged, None)], 2.0)
+    assert judged.clipped and judged.tensors_cut >= 1
+    distance = float((judged.delta - own).norm())
+    assert distance <= 2.0 * float(own.norm()) * (1 + 1e-4)
+    bound = 2.0 * (float(own[BIG:].norm()) + float(own.norm()) * math.sqrt(SMALL / (BIG + SMALL)))
+    assert float((judged.delta[BIG:] - own[BIG:]).norm()) <= bound * (1 + 1e-4)
+
+
+def test_the_sender_judges_each_fragment_by_its_own_tensors() -> None:
+    own, theirs = _pair()
+    forged = theirs.clone()
+    forged[BIG:] += 1.5 * float(own.norm()) / math.sqrt(SMALL)
+    sender = Sender(None, segments=[[BIG, SMALL], [7]])
+    sender.sent_whole(0, own)
+    (judged,) = sender.yardstick(0, own).judge([(forged, None)], 2.0)
+    assert judged.tensors_cut == 1
+    with pytest.raises(ValueError, match="segments"):
+        Yardstick(lambda _, a, b: own[a:b], None, own.numel(), segments=[BIG, SMALL + 1])
