@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cgad.node.member.sender import Sender, Yardstick
-from cgad.optim import AroundOwn, FLOAT64_CHUNK
+from cgad.optim import FLOAT64_CHUNK, AroundOwn
 
 BIG, SMALL = FLOAT64_CHUNK + 5000, 96  # the big tensor straddles a chunk; the small one lies past it
 
