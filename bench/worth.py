@@ -20,7 +20,8 @@ defaults). Conditions: τ = 0, random delays of 0-4 and 0-8 rounds, stragglers (
 2-3× slower) and churn (5% a round, 10% of deliveries lost); every size runs τ = 0, ``--full``
 every condition at every size (8 runs them all by default). Ablations beside the default at N = 8,
 τ = 0: the defaults before the square-root rule (the inner lr as given, CGA's momentum 0.5), the
-rule with that momentum, and every peer's delta taken (``--fan-in`` unbounded). 3 seeds.
+rule with that momentum, every peer's delta taken (``--fan-in`` unbounded), and each member's own
+inner first moment (``--moments own``, the default before it was shared). 3 seeds.
 
 Runs go to bench/results/worth.runs.jsonl (``bench/runner/sweep.py``), so the sweep resumes where it
 stopped; ``--report`` writes bench/results/worth.json and worth.png from what the log holds.
@@ -66,10 +67,13 @@ CONDITIONS: dict[str, Any] = {
 }
 ALL_CONDITIONS_AT = 8  # the size every condition runs at by default
 ABLATIONS: dict[str, dict[str, Any]] = {
-    # the defaults before the square-root rule: the inner lr as given, CGA's momentum 0.5
-    "inner lr as given": {"inner_lr_scaling": "none", "cga_momentum": 0.5},
+    # the defaults before the square-root rule: the inner lr as given, CGA's momentum 0.5, each
+    # member's own first moment (the rule came first)
+    "inner lr as given": {"inner_lr_scaling": "none", "cga_momentum": 0.5, "moments": "own"},
     "CGA momentum 0.5": {"cga_momentum": 0.5},
     "every peer's delta": {"fan_in": None},
+    # the defaults before the shared first moment: each member's inner m its own
+    "own first moment": {"moments": "own"},
 }
 CEILING_LRS = (1.0, 2.0, 3.0)  # × the members' inner lr
 ALONE_ROUNDS = 1  # the lone member trains N × rounds × this many rounds

@@ -114,6 +114,12 @@ class OuterOptions(Part):
         "the own update's norm of the own update, so no single peer moves the step far) or mean (as sent)",
     )
     clip_radius: PositiveFloat = Field(2.0, description="clip: the radius, in norms of the own update")
+    moments: Literal["shared", "own"] = Field(
+        "shared",
+        description="shared: each block's inner AdamW first moment goes out beside its delta (in 4-bit "
+        "blocks, where the link has room) and is averaged with the peers' fresh ones after the outer step "
+        "(docs/DESIGN.md §1); own: each member keeps its own",
+    )
     min_cosine: float = Field(
         0.0,
         ge=-1.0,

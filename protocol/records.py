@@ -107,7 +107,7 @@ class Offer(_Strict):
 
     publisher: _PEER_ID
     base_version: _NON_NEGATIVE
-    kind: pydantic.constr(strict=True, regex=r"^(delta|params|state)$")
+    kind: pydantic.constr(strict=True, regex=r"^(delta|params|state|moments)$")
     tokens: _NON_NEGATIVE
     codec: pydantic.constr(strict=True, max_length=8)
     numel: _NON_NEGATIVE

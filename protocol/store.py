@@ -18,7 +18,7 @@ from cgad.protocol.transport import FragmentKey, Kind
 
 __all__ = ["FragmentStore", "StoredFragment", "fragment_header"]
 
-_KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS, Kind.STATE: pb.STATE}
+_KIND_TO_PB = {Kind.DELTA: pb.DELTA, Kind.PARAMS: pb.PARAMS, Kind.STATE: pb.STATE, Kind.MOMENTS: pb.MOMENTS}
 # A snapshot served in the last STATE_RESUME seconds outlives newer ones (at most STATE_EXTRA of
 # them): on a slow link a joiner's download spans rounds, and a blob replaced under it cannot be
 # resumed (on 2 Mbit a joiner lost 3.1 of 7.7 MB twice that way, then gave up)

@@ -30,6 +30,7 @@ class Kind(enum.StrEnum):
     DELTA = "delta"
     PARAMS = "params"
     STATE = "state"  # a snapshot of a peer's whole outer state (network transport only)
+    MOMENTS = "moments"  # the inner optimizer's first moment beside a DELTA (node/member/moments.py)
 
 
 @dataclass(frozen=True, slots=True)

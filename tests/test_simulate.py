@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cgad.node.config import JoinConfig, OuterOptions
+from cgad.node.member.moments import CODEC as MOMENTS_CODEC
 from cgad.node.member.outer import OuterLoop
 from cgad.node.member.sender import Sender
 from cgad.node.sim.config import SimConfig, parse_stragglers
@@ -120,7 +121,10 @@ def test_loss_falls_and_bytes_are_counted(corpus):
     assert record["final_loss"] < record["initial_loss"] - 0.5
     assert not record["diverged"]
     numel = sum(p.numel() for p in build_model("tiny", corpus[0].vocab_size, seed=0).parameters())
-    assert record["bytes_sent"] == 5 * 3 * 2 * numel * 4  # rounds x workers x peers x fp32 bytes
+    # rounds x workers x peers x (the fp32 Δ and the inner first moment beside it in 4-bit blocks)
+    assert record["bytes_sent"] == 5 * 3 * 2 * (numel * 4 + encoded_size(numel, MOMENTS_CODEC))
+    alone = run(corpus, optimizer="sgd", outer_lr=0.7, rounds=2, codec="fp32", moments="own")
+    assert alone["bytes_sent"] == 2 * 3 * 2 * numel * 4  # --moments own: the deltas alone
     assert record["sent_as"] == {}  # whole float32 deltas: none went out encoded (sent_as counts those)
     lossy = run(corpus, optimizer="sgd", outer_lr=0.7, rounds=2, codec="4bit")
     assert lossy["sent_as"] == {"4bit": 2 * 3}  # rounds x workers, each own delta in the codec it went out in

@@ -156,6 +156,8 @@ class Node(MemberHooks):
                 heard=bool(c.peers),  # the first node of a swarm has nobody to publish for yet
             )
             self.trainer.lr_scale = inner_lr_scale(c, self.loop)  # the swarm's √N (--inner-lr-scaling)
+            if self.exchange is None:  # an all-reduce round averages one tensor: Δ
+                self.loop.moments.attach(self.trainer.optimizer)  # its first moment goes beside Δ
             self.started_at = time.time()
             self._round_mark = (time.monotonic(), 0)  # when the round began, at how many tokens
             self._reported: list[int] = []  # the versions of the last progress record

@@ -4,26 +4,23 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
 
 1. Δ_f = φ_f − θ_f, the pseudo-gradient of the inner steps since f's last sync, is published,
    tagged with the version it started from (``versions[f]``) and the tokens behind it, in the
-   codec its ``Sender`` picks (which keeps the error feedback: node/member/sender.py);
+   codec its ``Sender`` picks (node/member/sender.py), with the inner first moment beside it
+   (node/member/moments.py);
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
    τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0; with ``--aggregation clip``
    (the default) a peer's Δ pointing against the own one is refused (``opposed``) and the rest
-   are clipped around it (``cgad.optim.AroundOwn``), and a peer's token claim weighs at most
-   ``TOKEN_CAP`` times the own block;
-3. the outer method (``cgad.node.member.methods``) takes one step on f, whatever arrived: the age-aware
-   family merges Δ̄ = Σ w_i·σ(τ_i)·Δ_i / Σ w_i with token weights w_i (``cgad.optim.merge``);
-   Nesterov and SGD the token-weighted mean; Delayed Nesterov takes each delivery as one
-   arrival; NoLoCo averages with one random peer of the round;
-4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters;
-   a peer behind the swarm's version then replays the peers' deltas of each version it missed
-   as a step of its own (``apply(swarm_version=)``).
+   are clipped around it, tensor by tensor and whole (``sender.Yardstick``), and a peer's token
+   claim weighs at most ``TOKEN_CAP`` times the own block;
+3. the outer method (``cgad.node.member.methods``) takes one step on f, whatever arrived;
+4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters,
+   with the peers' fresh first moments averaged into its own; a peer behind the swarm's version
+   then replays the peers' deltas of each version it missed (``apply(swarm_version=)``).
 
-A peer that fell more than the cutoff behind the swarm should re-sync its state; the driver
-judges that from the swarm's progress records and does it with ``state_dict`` /
-``load_state_dict`` (and ``fast_forward``) from a live peer. Deliveries outside the usable
-versions (``methods.UsableVersions``: more than the cutoff ahead, counted ``future``) are dropped.
-The loop is driven from one thread (the trainer's); a daemon that serves its state to joiners
-from another thread holds its own lock around ``sync`` and ``state_dict``.
+A peer that fell more than the cutoff behind the swarm re-syncs its state (the driver's call, from
+the swarm's progress records: ``state_dict`` / ``load_state_dict``, ``fast_forward``). Deliveries
+outside the usable versions (``methods.UsableVersions``) are dropped. The loop is driven from one
+thread (the trainer's); a daemon that serves its state to joiners from another thread holds its
+own lock around ``sync`` and ``state_dict``.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from cgad.node.member.carry import hold_progress, restart_theta
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, UsableVersions, fresh_share, method, unflatten
 from cgad.node.member.mixing import Mixer, remember_phi
+from cgad.node.member.moments import SharedMoments
 from cgad.node.member.outer_state import HEARD, Phi0, Reference, load_checked_state, snapshot_state
 from cgad.node.member.sender import Judged, Sender, Yardstick
 from cgad.optim.averaging import effective_count, running_count
@@ -79,14 +77,11 @@ class OuterLoop:
         encoder: Executor | None = None,
         heard: bool = True,
     ) -> None:
-        """``codec``, ``sparse_keep``, ``link_budget`` and ``error_feedback``: what the member's
-        ``Sender`` encodes deltas with (the one owner of the codec choice and error feedback; the
-        transport gets bytes). ``params_codec``: how the transport sends φ for mixing
-        (``--mixing late`` sends it only where the link has room for it). ``encoder``: a
-        one-thread executor that encodes and hands over each Δ while training goes on (a
-        daemon's); None: at once, on the caller's thread (the simulator's, which must repeat).
-        ``heard``: whether the member starts with an audience for its deltas (``Audience``: a
-        daemon that joined through peers; the first of a swarm starts without)."""
+        """``codec``, ``sparse_keep``, ``link_budget``, ``error_feedback``: the member's ``Sender``'s
+        (the one owner of the codec choice; the transport gets bytes). ``params_codec``: φ's, for
+        mixing. ``encoder``: a one-thread executor that encodes each Δ while training goes on (a
+        daemon's); None: at once (the simulator's, which must repeat). ``heard``: whether the
+        member starts with an audience (``Audience``: the first of a swarm starts without)."""
         self.theta = params
         self.options = options
         self.method, self.transport, self.run_id = method(options.optimizer), transport, run_id
@@ -115,6 +110,7 @@ class OuterLoop:
         self.averaged = 1.0
         self.audience = Audience(transport, math.ceil(options.cutoff * options.fragments), heard)
         self.mixer = Mixer(options, self.method.mixes_params, params_codec, self.counters, self.rng)
+        self.moments = SharedMoments(params, self.fragments, options, transport, self.counters, link_budget)
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
@@ -167,10 +163,11 @@ class OuterLoop:
                 self.sender.forget()
                 self.counters.unheard += 1
                 return
+            moments = self.moments.take(f)  # now: the inner steps change it in place
             if self._encoder is None:
-                self._send(f, key, own, tokens)
+                self._send(f, key, own, tokens, moments)
             else:  # encoding and hashing overlap the inner steps until the outer step waits for them
-                self._sending[f] = self._encoder.submit(self._send, f, key, own, tokens)
+                self._sending[f] = self._encoder.submit(self._send, f, key, own, tokens, moments)
             return
         if self.method.shares:
             # a discarded block (judged by, never sent, so it leaves the residual alone) is still
@@ -182,7 +179,7 @@ class OuterLoop:
         else:
             self._turn[f] = Fragment(key, own, tokens)
 
-    def _send(self, f: int, key: FragmentKey, own: Tensor, tokens: int) -> None:
+    def _send(self, f: int, key: FragmentKey, own: Tensor, tokens: int, m: Tensor | None = None) -> None:
         """Hand Δ_f to the transport, in the codec the sender picks (and φ_f too when mixing is
         due). The own step still takes the whole Δ_f (waiting for what a lossy round leaves out
         would delay the own progress by rounds); peers get Δ_f and what earlier rounds left out,
@@ -198,6 +195,8 @@ class OuterLoop:
             self.transport.publish(Fragment(key, own, tokens))
             sent_bytes = encoded_size(own.numel(), "fp32")
         self.counters.published += 1
+        if m is not None:  # the inner first moment beside it, where the link has room
+            self.moments.send(key, m, tokens, sent_bytes)
         lateness = lambda: self._lateness(f)  # noqa: E731
         mixing_due = self.mixer.due(self.versions[f], lateness) and self.mixer.room(
             own.numel(), sent_bytes, self.sender.link_budget(), self.sender.total_numel
@@ -293,6 +292,7 @@ class OuterLoop:
                 restart_theta(theta, phi, progress, carried)
             raise
         restart_theta(theta, phi, progress, carried)
+        self.moments.mix(f, base)
         return deliveries
 
     def _take_steps(

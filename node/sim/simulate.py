@@ -165,6 +165,7 @@ def _workers(
         trainer = InnerTrainer(
             model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps, lr_scale=inner_lr_scale(c, loop)
         )
+        loop.moments.attach(trainer.optimizer)
         workers.append(_Worker(w, trainer, transports[w], loop, speeds[w], hostile=hostile))
     return workers
 
