@@ -30,6 +30,7 @@ _HOME = {
     "SpreadBound": "robust",
     "Verdict": "robust",
     "chunk_dots": "robust",
+    "near_copies": "robust",
     "verdict": "robust",
     "cosine_gate": "staleness",
     "effective_count": "averaging",

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FLOAT64_CHUNK", "AroundOwn", "SpreadBound", "Verdict", "chunk_dots", "verdict"]
+__all__ = ["FLOAT64_CHUNK", "AroundOwn", "SpreadBound", "Verdict", "chunk_dots", "near_copies", "verdict"]
 
 FLOAT64_CHUNK = 1 << 20  # values per float64 pass: 8 MB of copies, whatever the fragment's size
 
@@ -65,6 +65,26 @@ def chunk_dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float
     d = delivery.double()
     dot = 0.0 if reference is None else float(torch.dot(d, reference.double()))
     return dot, float(torch.dot(d, d))
+
+
+def near_copies(dots: Tensor, threshold: float, norm_ratio: float = 2.0) -> list[bool]:
+    """Which of k tensors is a near copy of another, from their Gram matrix: a cosine of
+    ``threshold`` or more with one whose norm is within ``norm_ratio`` of its own (a scaled copy is
+    a scaled delivery, the clip's to judge). Both of a pair are marked: which one is the
+    original, their bytes cannot tell.
+
+    Args:
+        dots: the k × k float64 matrix of ⟨a_i, a_j⟩.
+        threshold: the cosine from which two are one.
+        norm_ratio: the most one's norm may exceed the other's for them to count as one.
+    """
+    norms = dots.diagonal().clamp_min(0.0).sqrt()
+    scale = torch.outer(norms, norms)
+    cosine = torch.where(scale > 0, dots / torch.where(scale > 0, scale, 1.0), torch.zeros_like(dots))
+    ratio = torch.outer(norms, 1.0 / norms.clamp_min(1e-300))
+    alike = (cosine >= threshold) & (ratio <= norm_ratio) & (ratio >= 1.0 / norm_ratio)
+    alike.fill_diagonal_(False)
+    return alike.any(dim=1).tolist()
 
 
 def _dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float]:

@@ -196,7 +196,7 @@ class FetchQueue:
     def __init__(self, stale_after: int | None, limit: int = 256) -> None:
         self.stale_after = stale_after
         self.limit = limit
-        self._heap: list[tuple[tuple[int, int, int], int, Candidate]] = []
+        self._heap: list[tuple[tuple[int, int, bool, int], int, Candidate]] = []
         self._order = itertools.count()
 
     def __len__(self) -> int:
@@ -205,9 +205,11 @@ class FetchQueue:
     def push(self, candidate: Candidate) -> Candidate | None:
         """Queue an offer; returns the one that had to leave a full queue (the oldest), if any."""
         key = candidate.key
-        # DELTAs before PARAMS (what the outer step consumes before what mixing tightens), then
-        # the newest base version; equal ones in arrival order
-        rank = (0 if key.kind is Kind.DELTA else 1, -key.base_version, key.fragment)
+        # DELTAs and their MOMENTS before PARAMS (what the outer step consumes before what mixing
+        # tightens), then the newest base version, a version's DELTAs before its MOMENTS (each
+        # eight times smaller, and of use only in that version's step); equal ones in arrival order
+        outer = 0 if key.kind in (Kind.DELTA, Kind.MOMENTS) else 1
+        rank = (outer, -key.base_version, key.kind is Kind.MOMENTS, key.fragment)
         heapq.heappush(self._heap, (rank, next(self._order), candidate))
         if len(self._heap) > self.limit:
             worst = max(self._heap)
@@ -271,12 +273,12 @@ class FetchQueue:
 
     @staticmethod
     def _order_now(
-        item: tuple[tuple[int, int, int], int, Candidate], versions: Sequence[int]
-    ) -> tuple[int, int, int, int]:
-        (kind_rank, newest, fragment), order, _ = item
+        item: tuple[tuple[int, int, bool, int], int, Candidate], versions: Sequence[int]
+    ) -> tuple[int, int, int, bool, int]:
+        (kind_rank, newest, moments, fragment), order, _ = item
         ahead = -newest - own_version(versions, fragment)  # base version past the own one
         # ahead ones after the rest, the nearest first; among the rest the push order's rank
-        return (kind_rank, 1, ahead, order) if ahead > 0 else (kind_rank, 0, newest, order)
+        return (kind_rank, 1, ahead, moments, order) if ahead > 0 else (kind_rank, 0, newest, moments, order)
 
     def _arrives_too_late(
         self,

@@ -49,14 +49,19 @@ def _pop(queue: FetchQueue, versions: list[int], rate=None, per_version=None, ah
     return queue.pop(versions, link_rate=rate, seconds_per_version=per_version, bytes_ahead=ahead)
 
 
-def test_youngest_delta_first_then_params():
+def test_youngest_delta_first_each_with_its_moments_then_params():
+    """A version's MOMENTS right after its DELTAs (of use only in that version's step), before
+    older versions' DELTAs; PARAMS after all."""
     queue = FetchQueue(stale_after=None)
-    for c in (_candidate(3), _candidate(7, kind=Kind.PARAMS), _candidate(5), _candidate(7)):
+    pushed = (_candidate(3), _candidate(7, kind=Kind.PARAMS), _candidate(7, kind=Kind.MOMENTS), _candidate(5),
+              _candidate(7), _candidate(5, kind=Kind.MOMENTS))  # fmt: skip
+    for c in pushed:
         queue.push(c)
     order = []
     while (item := _pop(queue, [8])[0]) is not None:
         order.append((item.key.base_version, item.key.kind))
-    assert order == [(7, Kind.DELTA), (5, Kind.DELTA), (3, Kind.DELTA), (7, Kind.PARAMS)]
+    assert order == [(7, Kind.DELTA), (7, Kind.MOMENTS), (5, Kind.DELTA), (5, Kind.MOMENTS), (3, Kind.DELTA),
+                     (7, Kind.PARAMS)]  # fmt: skip
 
 
 def test_stale_offers_are_passed_over_and_counted():

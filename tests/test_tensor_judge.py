@@ -1,6 +1,7 @@
 """Peers' deltas judged tensor by tensor as well as whole (``Yardstick`` with ``segments``): a push
 the whole clip lets through, concentrated on one small tensor, is cut there; an honest peer's
-delta, whose tensors lie about as far from the own Δ's as the whole does, passes as sent."""
+delta, whose tensors lie about as far from the own Δ's as the whole does, passes as sent. And a
+near copy (of the own Δ, or of another peer's) is marked, and refused by the outer step."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import math
 import pytest
 import torch
 
+from cgad.node.config import OuterOptions
+from cgad.node.member.outer import OuterLoop
 from cgad.node.member.sender import Sender, Yardstick
+from cgad.node.sim.memory import VirtualNetwork
 from cgad.optim import FLOAT64_CHUNK, AroundOwn
+from cgad.protocol.codec import Codec, decode, encode
+from cgad.protocol.transport import Fragment, FragmentKey
 
 BIG, SMALL = FLOAT64_CHUNK + 5000, 96  # the big tensor straddles a chunk; the small one lies past it
 
@@ -74,3 +80,37 @@ def test_the_sender_judges_each_fragment_by_its_own_tensors() -> None:
     assert judged.tensors_cut == 1
     with pytest.raises(ValueError, match="segments"):
         Yardstick(lambda _, a, b: own[a:b], None, own.numel(), segments=[BIG, SMALL + 1])
+
+
+def test_a_re_encoded_copy_of_the_own_or_of_another_delta_is_marked_a_copy() -> None:
+    """A peer's Δ re-encoded (here in 4-bit blocks) and sent as its own is marked: a copy of the
+    own Δ, and both of a pair of peers' that are one (which is the original, the bytes cannot
+    tell). Honest deltas, and a scaled copy (the clip's case), are not."""
+    own, theirs = _pair()
+    other = torch.randn(BIG + SMALL) + own.mean()
+    copied = decode(encode(theirs, Codec.FP4)).reshape(-1)
+    mine = decode(encode(own, Codec.FP4)).reshape(-1)
+    judged = _yardstick(own, [BIG, SMALL]).judge(
+        [(theirs, None), (copied, None), (mine, None), (other, None), (own * 1e6, None)], 2.0
+    )
+    assert [j.copy for j in judged] == [True, True, True, False, False]
+    assert judged[4].clipped  # a scaled copy is a scaled delivery: clipped, not refused
+
+
+def test_a_plagiarist_gets_no_credit_and_the_copied_delta_is_not_applied_twice() -> None:
+    """A peer that re-encodes another's Δ and publishes it as its own (a public peer re-serving a
+    NATed volunteer's): at the outer step both are refused as ``copied``, neither credited."""
+    network = VirtualNetwork()
+    me, honest, copier = network.join("me"), network.join("honest"), network.join("copier")
+    loop = OuterLoop([torch.zeros(4096)], OuterOptions(optimizer="sgd", outer_lr=1.0), me, "run")
+    torch.manual_seed(3)
+    common = torch.randn(4096)
+    loop.theta[0].sub_(common + 2 * torch.randn(4096))
+    loop.publish(0, tokens=10)
+    theirs = common + 2 * torch.randn(4096)
+    honest.publish(Fragment(FragmentKey("run", 0, 0, "honest"), theirs, tokens=10))
+    copy = decode(encode(theirs, Codec.FP4)).reshape(-1)
+    copier.publish(Fragment(FragmentKey("run", 0, 0, "copier"), copy, tokens=10))
+    loop.apply(0)
+    assert loop.counters.rejected["copied"] == 2 and loop.counters.applied == 0
+    assert not loop.counters.applied_by_peer

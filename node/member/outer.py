@@ -405,8 +405,8 @@ class OuterLoop:
             delta, clipped = frag.tensor, False
             if n in judged:
                 j = judged[n]
-                if j.cosine < self.options.min_cosine:
-                    self.counters.rejected["opposed"] += 1
+                if j.cosine < self.options.min_cosine or j.copy:  # a copy: re-served as its own
+                    self.counters.rejected["copied" if j.copy else "opposed"] += 1
                     self.counters.rejected_by_peer[frag.key.publisher] += 1
                     continue
                 delta, clipped = j.delta, j.clipped
