@@ -8,9 +8,11 @@ are checked by every node's validator (``records.RunKeysValidator``); this modul
 rest, where the records are held and answered:
 
 - ``BoundedLocalStorage``: at most ``MAX_KEY_RECORDS`` subkeys and ``MAX_KEY_BYTES`` bytes under
-  one key; a new subkey beyond either is refused (an owner refreshing or withdrawing its record
-  always may), so records that came first stay; its expiration heaps are compacted, so refreshes
-  of the same records do not grow them.
+  one key; a new subkey beyond either takes the room of records the node calls dead
+  (``evictable``: a progress record older than the liveness TTL, a holder that is not live), the
+  largest first, and is refused where they are not enough (an owner refreshing or withdrawing its
+  record always may), so live records that came first stay and dead ones never keep a live one
+  out; its expiration heaps are compacted, so refreshes of the same records do not grow them.
 - ``search_beam``: the nodes a poll's search keeps asking, the replicas' number (a store's, twice).
 - ``budget_find_replies``: one ``rpc_find`` reply stays under ``MAX_FIND_REPLY_BYTES`` whatever the
   number of keys asked: a dictionary over its share keeps its smallest records (ties drawn at
@@ -67,6 +69,11 @@ def _record_bytes(subkey: Subkey, value: BinaryDHTValue) -> int:
     return (len(subkey) if isinstance(subkey, bytes | str) else 64) + len(value)
 
 
+# whether a held record (key, serialized subkey, signed value as stored) may give its room to a
+# new one: the node's own judgement of what is dead (``polling.Poller.evictable``)
+Evictable = Callable[[DHTID, Subkey, BinaryDHTValue], bool]
+
+
 class BoundedLocalStorage(DHTLocalStorage):
     """hivemind's ``DHTLocalStorage`` with a bound on each key: ``max_records`` subkeys and
     ``max_bytes`` bytes (a plain value counts its bytes too).
@@ -76,6 +83,7 @@ class BoundedLocalStorage(DHTLocalStorage):
             run's keys), as in hivemind.
         max_records: subkeys one key may hold.
         max_bytes: bytes of subkeys and values one key may hold.
+        evictable: which held records a new subkey of a full key may displace (None: none).
     """
 
     def __init__(
@@ -84,10 +92,13 @@ class BoundedLocalStorage(DHTLocalStorage):
         *,
         max_records: int = MAX_KEY_RECORDS,
         max_bytes: int = MAX_KEY_BYTES,
+        evictable: Evictable | None = None,
     ) -> None:
         super().__init__(maxsize)
         self.max_records = max_records
         self.max_bytes = max_bytes
+        self.evictable = evictable
+        self.evicted = 0  # held records that gave their room to a new one
 
     def store(
         self, key: DHTID, value: BinaryDHTValue, expiration_time: DHTExpiration, subkey: Subkey | None = None
@@ -111,7 +122,8 @@ class BoundedLocalStorage(DHTLocalStorage):
             total = sum(_record_bytes(s, item.value) for s, item in entries.items())
             if previous is None:
                 if len(entries.data) >= self.max_records or total + size > self.max_bytes:
-                    return False  # a new subkey: the key is full
+                    if not self._make_room(key, subkey, value, entries, total, size):
+                        return False  # a new subkey: the key is full of live records, or it is dead
             elif total - _record_bytes(subkey, previous.value) + size > self.max_bytes:
                 return False
             stored = super().store_subkey(key, subkey, value, expiration_time)
@@ -122,7 +134,34 @@ class BoundedLocalStorage(DHTLocalStorage):
         return stored
 
 
-def bound_dht(protocol: DHTProtocol, served: Counter[str] | None = None) -> None:
+    def _make_room(
+        self, key: DHTID, subkey: Subkey, value: BinaryDHTValue, entries: DictionaryDHTValue, total: int,
+        size: int,
+    ) -> bool:  # fmt: skip
+        """Drop dead records of a full key (the largest first) until a new live one of ``size``
+        bytes fits; nothing is dropped for a dead one, or where all the dead would not make room."""
+        evictable = self.evictable
+        if evictable is None or evictable(key, subkey, value):
+            return False
+        dead = [(_record_bytes(s, e.value), s) for s, e in entries.items() if evictable(key, s, e.value)]
+        dead.sort(key=lambda pair: pair[0], reverse=True)  # the largest first
+        count, drop = len(entries.data), []
+        for record_bytes, subkey in dead:
+            if count < self.max_records and total + size <= self.max_bytes:
+                break
+            drop.append(subkey)
+            count, total = count - 1, total - record_bytes
+        if count >= self.max_records or total + size > self.max_bytes:
+            return False
+        for subkey in drop:
+            del entries[subkey]
+        self.evicted += len(drop)
+        return True
+
+
+def bound_dht(
+    protocol: DHTProtocol, served: Counter[str] | None = None, evictable: Evictable | None = None
+) -> None:
     """Replace ``protocol``'s storage and cache by bounded ones holding what they held (within the
     bounds), and budget its ``rpc_find`` replies. Call on the event-loop thread, right after the
     DHT node starts (no await between the copy and the swap: nothing is stored in between).
@@ -130,10 +169,12 @@ def bound_dht(protocol: DHTProtocol, served: Counter[str] | None = None) -> None
     Args:
         protocol: a running node's ``DHTProtocol`` (``DHTNode.protocol``).
         served: where to count the requests it answers, by kind (``count_served``).
+        evictable: which held records a new subkey of a full key may displace.
     """
     for name in ("storage", "cache"):
         old: DHTLocalStorage = getattr(protocol, name)
-        new = BoundedLocalStorage(None if old.maxsize == float("inf") else int(old.maxsize))
+        maxsize = None if old.maxsize == float("inf") else int(old.maxsize)
+        new = BoundedLocalStorage(maxsize, evictable=evictable)
         for key, item in list(old.items()):
             if isinstance(item.value, DictionaryDHTValue):
                 for subkey, entry in item.value.items():

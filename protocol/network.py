@@ -397,7 +397,7 @@ class NetworkTransport(Transport):
                 f" the swarm is private, is this node's key its key? (it has {has})"
             ) from None
         # what one key may hold and one reply may carry: at once, before any await lets a store in
-        bound_dht(self.dht_node.protocol, self.stats.dht_served)
+        bound_dht(self.dht_node.protocol, self.stats.dht_served, self._poller.evictable)
         await self._reregister_dht_handlers(self.dht_node.protocol)
         await self._server.start(self.p2p)
         self._poller.dht_node = self.dht_node

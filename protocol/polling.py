@@ -31,7 +31,10 @@ from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import TypeVar
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID, BinaryDHTValue, Subkey
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
@@ -46,6 +49,7 @@ from cgad.protocol.records import (
     fragment_key,
     parse_holdings,
     parse_live_progress,
+    peer_id_of_owner,
     progress_key,
     read_records,
     state_key,
@@ -242,6 +246,7 @@ class Poller:
         self.dht_node: DHTNode | None = None  # set once the loop has started it
         self.polls = 0  # looks at the DHT completed
         self.live: dict[str, Progress] = {}
+        self._progress_id = DHTID.generate(source=progress_key(options.run_id))
         self.state_candidates: list[Candidate] = []  # replaced whole by each look at the offers
         self.states_looked_at = float("-inf")  # monotonic: the last look at the snapshots on offer
         self.states_wanted_at = float("-inf")  # monotonic: the last read of them (any thread)
@@ -296,6 +301,22 @@ class Poller:
             for peer, progress in self.live.items()
             if peer != self.peer_id and progress.time + self.options.liveness_ttl > now
         )
+
+    def evictable(self, key: DHTID, subkey: Subkey, value: BinaryDHTValue) -> bool:
+        """Whether a record this node's DHT holds is dead, so that a new owner's record of a full
+        key may take its room (``dhtbounds.BoundedLocalStorage``): at the progress key, a record
+        older than the liveness TTL (or withdrawn, or unreadable); at the others, a holder with no
+        live progress record in this node's view. Throwaway identities' dead records then never
+        keep a live peer's out; live ones fill a key only while they keep reporting."""
+        try:
+            if key == self._progress_id:
+                record = DHTProtocol.serializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
+                if not isinstance(record, dict):
+                    return True  # withdrawn: None
+                return not float(record["time"]) + self.options.liveness_ttl > get_dht_time()
+            return not isinstance(subkey, bytes) or peer_id_of_owner(subkey) not in self.live  # raw owner
+        except Exception:  # a record that does not read (msgpack's errors share no base) is dead
+            return True
 
     async def poll_forever(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()

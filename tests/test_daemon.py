@@ -65,6 +65,8 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
             assert end < FRESH_LOSS - 1.0 and end < a_loss + 0.3, (node.name, a_loss, status["eval_history"])
         # its outer steps average its peers' deltas: it trains above the given lr (2e-3), at most √3 ×
         assert 2.2e-3 < status["inner_lr"] <= 2e-3 * 3**0.5 + 1e-9, status["inner_lr"]
+        # its peers' inner first moments came beside their deltas and were averaged into its own
+        assert status["moments_mixed"] >= 1, status
         # peers run at about the same cadence: fragments arrive well inside the cutoff (4 rounds)
         assert 0 <= status["mean_age"] < 4, status
         # honest peers: fetches may time out ("unavailable"), but nothing is malformed or forged

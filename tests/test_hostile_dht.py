@@ -13,6 +13,7 @@ import asyncio
 import random
 
 import pytest
+from _netswarm import wait_for  # tests/ is on sys.path under pytest
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
@@ -28,7 +29,7 @@ from cgad.protocol.dhtbounds import (
     trim_find_response,
 )
 from cgad.protocol.network import NetworkTransport
-from cgad.protocol.records import fragment_key, state_key
+from cgad.protocol.records import fragment_key, progress_key, state_key
 
 pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
@@ -125,3 +126,49 @@ def test_a_trimmed_reply_keeps_the_smallest_records_within_the_budget() -> None:
     kept = DHTProtocol.serializer.loads(trimmed.results[0].value)
     sizes = [len(item.value) for _, item in kept.items()]
     assert sizes.count(500) == 100  # every small record, then the large ones that fit
+
+
+@pytest.mark.timeout(90)
+def test_dead_progress_records_never_keep_a_live_one_out(netswarm: list[NetworkTransport]) -> None:
+    """Throwaway identities' progress records dated two hours back (about 22 KB each) fill the
+    progress key of a node's storage to its last byte; a live peer's report (a real one, signed,
+    as it reached this node) still lands, in the room of dead ones, and a dead newcomer does not
+    displace them. All in one turn of the node's event loop: no store from the swarm interleaves."""
+    p0 = netswarm[0]
+    everyone = len(netswarm)
+    wait_for(lambda: p0.dht_node is not None and len(p0.swarm_progress()) == everyone, what="live reports")
+    assert p0.dht_node is not None
+    storage = p0.dht_node.protocol.storage
+    key_id = DHTID.generate(source=progress_key(RUN))
+    serializer = DHTProtocol.serializer
+    dead = serializer.dumps({"peer_id": "squatter", "time": get_dht_time() - 7200.0, "pad": bytes(22_000)})
+    dead += b"[signature:" + bytes(64).hex().encode() + b"]"
+
+    async def squat() -> tuple[bool, bool, int, int]:
+        held = storage.get(key_id).value
+        live = [(s, item) for s, item in held.items()]
+        (subkey, report), *others = live
+        for s, _ in live:  # the live reports out; the others go back first, then the key fills
+            del held[s]
+        for s, item in others:
+            assert storage.store_subkey(key_id, s, item.value, item.expiration_time)
+        expires = get_dht_time() + 3000
+        for i in range(400):  # ~22 KB records, then small ones to the last byte (all dead)
+            storage.store_subkey(key_id, _owner(i), dead if i < 200 else dead[-80:], expires)
+        full = sum(len(s) + len(item.value) for s, item in held.items())
+        evicted = storage.evicted
+        late_dead = storage.store_subkey(key_id, _owner(999), dead, expires)  # a dead newcomer
+        back = storage.store_subkey(key_id, subkey, report.value, report.expiration_time)
+        assert all(s in held.data for s, _ in others)  # the live ones held all along stayed
+        return late_dead, back, full, storage.evicted - evicted
+
+    late_dead, back, full, evicted = asyncio.run_coroutine_threadsafe(squat(), p0.loop).result(30)
+    assert full > MAX_KEY_BYTES - 1000  # full of the dead: no report fits beside them
+    assert not late_dead  # a dead record displaces none
+    assert back and evicted >= 1  # the live report took the room of the dead
+    # at a fragment key, a holder is dead where it has no live report (throwaway owners)
+    owners = list(storage.get(key_id).value.data)
+    live_owner = next(s for s in owners if s not in {_owner(i) for i in range(1000)})
+    fragment_id = DHTID.generate(source=fragment_key(RUN, 0))
+    assert not p0._poller.evictable(fragment_id, live_owner, b"holdings")
+    assert p0._poller.evictable(fragment_id, _owner(5), b"holdings")
