@@ -116,8 +116,10 @@ class SharedMoments:
         if moments is None or not received:
             return 0
         fresh = [m.tensor.reshape(-1) for m in received if m.key.base_version == version]
-        fresh = [t for t in fresh if t.numel() == own.numel() and all_finite(t)]
         self.counters.rejected["moments_late"] += len(received) - len(fresh)
+        sound = [t for t in fresh if t.numel() == own.numel() and all_finite(t)]
+        self.counters.rejected["moments_malformed"] += len(fresh) - len(sound)
+        fresh = sound
         if self.options.aggregation == "clip" and fresh:
             sizes = [self.theta[i].numel() for i in self.fragments[f]]
             stick = Yardstick(lambda _, a, b: own[a:b], None, own.numel(), segments=sizes)
