@@ -67,11 +67,10 @@ def chunk_dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float
     return dot, float(torch.dot(d, d))
 
 
-def near_copies(dots: Tensor, threshold: float, norm_ratio: float = 2.0) -> list[bool]:
-    """Which of k tensors is a near copy of another, from their Gram matrix: a cosine of
-    ``threshold`` or more with one whose norm is within ``norm_ratio`` of its own (a scaled copy is
-    a scaled delivery, the clip's to judge). Both of a pair are marked: which one is the
-    original, their bytes cannot tell.
+def near_copies(dots: Tensor, threshold: float, norm_ratio: float = 2.0) -> list[list[bool]]:
+    """Which pairs of k tensors are near copies of each other, from their Gram matrix: a cosine
+    of ``threshold`` or more at norms within ``norm_ratio`` of each other (a scaled copy is a
+    scaled delivery, the clip's to judge). A k × k table, False on the diagonal.
 
     Args:
         dots: the k × k float64 matrix of ⟨a_i, a_j⟩.
@@ -84,7 +83,7 @@ def near_copies(dots: Tensor, threshold: float, norm_ratio: float = 2.0) -> list
     ratio = torch.outer(norms, 1.0 / norms.clamp_min(1e-300))
     alike = (cosine >= threshold) & (ratio <= norm_ratio) & (ratio >= 1.0 / norm_ratio)
     alike.fill_diagonal_(False)
-    return alike.any(dim=1).tolist()
+    return alike.tolist()
 
 
 def _dots(delivery: Tensor, reference: Tensor | None) -> tuple[float, float]:

@@ -133,7 +133,6 @@ class BoundedLocalStorage(DHTLocalStorage):
         _compact(self)
         return stored
 
-
     def _make_room(
         self, key: DHTID, subkey: Subkey, value: BinaryDHTValue, entries: DictionaryDHTValue, total: int,
         size: int,

@@ -247,6 +247,7 @@ class Poller:
         self.polls = 0  # looks at the DHT completed
         self.live: dict[str, Progress] = {}
         self._progress_id = DHTID.generate(source=progress_key(options.run_id))
+        self._dates: OrderedDict[tuple[Subkey, bytes], float | None] = OrderedDict()  # ``_dated``
         self.state_candidates: list[Candidate] = []  # replaced whole by each look at the offers
         self.states_looked_at = float("-inf")  # monotonic: the last look at the snapshots on offer
         self.states_wanted_at = float("-inf")  # monotonic: the last read of them (any thread)
@@ -305,18 +306,35 @@ class Poller:
     def evictable(self, key: DHTID, subkey: Subkey, value: BinaryDHTValue) -> bool:
         """Whether a record this node's DHT holds is dead, so that a new owner's record of a full
         key may take its room (``dhtbounds.BoundedLocalStorage``): at the progress key, a record
-        older than the liveness TTL (or withdrawn, or unreadable); at the others, a holder with no
-        live progress record in this node's view. Throwaway identities' dead records then never
-        keep a live peer's out; live ones fill a key only while they keep reporting."""
+        dated more than twice the liveness TTL back, or one the poll refuses (withdrawn,
+        unreadable, forged, dated ahead); at the others, a holder with no live progress record
+        in this node's view. Throwaway identities' dead records then never keep a live peer's
+        out; live ones fill a key only while they keep reporting."""
+        if key != self._progress_id:
+            try:  # as stored, a subkey is the raw owner
+                return not isinstance(subkey, bytes) or peer_id_of_owner(subkey) not in self.live
+            except FragmentError:
+                return True
+        now = get_dht_time()
+        dated = self._dated(subkey, value, now)
+        return dated is None or dated + 2 * self.options.liveness_ttl < now
+
+    def _dated(self, subkey: Subkey, value: BinaryDHTValue, now: float) -> float | None:
+        """A stored progress record's time, as the poll would take it (None: refused), parsed
+        once per content: a full key is scanned at every new owner's store."""
+        memo = (subkey, hashlib.blake2b(value, digest_size=16).digest())
+        if memo in self._dates:
+            self._dates.move_to_end(memo)
+            return self._dates[memo]
         try:
-            if key == self._progress_id:
-                record = DHTProtocol.serializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
-                if not isinstance(record, dict):
-                    return True  # withdrawn: None
-                return not float(record["time"]) + self.options.liveness_ttl > get_dht_time()
-            return not isinstance(subkey, bytes) or peer_id_of_owner(subkey) not in self.live  # raw owner
-        except Exception:  # a record that does not read (msgpack's errors share no base) is dead
-            return True
+            record = DHTProtocol.serializer.loads(RSASignatureValidator._SIGNATURE_RE.sub(b"", value))
+            dated: float | None = parse_live_progress(subkey, record, now, PROGRESS_SKEW).time
+        except Exception:  # withdrawn (None), unreadable (msgpack's errors share no base), forged
+            dated = None
+        self._dates[memo] = dated
+        if len(self._dates) > 4096:
+            self._dates.popitem(last=False)
+        return dated
 
     async def poll_forever(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()

@@ -29,7 +29,7 @@ from cgad.protocol.dhtbounds import (
     trim_find_response,
 )
 from cgad.protocol.network import NetworkTransport
-from cgad.protocol.records import fragment_key, progress_key, state_key
+from cgad.protocol.records import Identity, fragment_key, progress_key, state_key
 
 pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
@@ -166,9 +166,24 @@ def test_dead_progress_records_never_keep_a_live_one_out(netswarm: list[NetworkT
     assert full > MAX_KEY_BYTES - 1000  # full of the dead: no report fits beside them
     assert not late_dead  # a dead record displaces none
     assert back and evicted >= 1  # the live report took the room of the dead
-    # at a fragment key, a holder is dead where it has no live report (throwaway owners)
-    owners = list(storage.get(key_id).value.data)
-    live_owner = next(s for s in owners if s not in {_owner(i) for i in range(1000)})
+    # a report is judged as the poll takes it: dated ahead or long back, or not its owner's, dead
+    held = storage.get(key_id).value
+    squatters = {_owner(i) for i in range(1000)}
+    live_owner, report = next((s, item.value) for s, item in held.items() if s not in squatters)
+    record = serializer.loads(report.split(b"[signature:")[0])
+
+    def dated(shift: float, owner: bytes = live_owner, **changes: object) -> bool:
+        value = serializer.dumps({**record, "time": get_dht_time() + shift, **changes}) + b"[signature:00]"
+        return p0._poller.evictable(key_id, owner, value)
+
+    ttl = 30.0  # the swarm's liveness TTL (its default)
+    assert not dated(0.0) and not dated(-1.5 * ttl)  # live, and within the grace of a stall
+    assert dated(-3 * ttl) and dated(+3600.0)  # long back; ahead of any clock
+    other = next(s for s in held.data if s not in squatters and s != live_owner)
+    assert dated(0.0, owner=other)  # another owner's report in this one's name: forged
+    # at a fragment key, a holder is dead where it has no live report (throwaway owners), even a
+    # readable owner key of a peer that never reported
     fragment_id = DHTID.generate(source=fragment_key(RUN, 0))
     assert not p0._poller.evictable(fragment_id, live_owner, b"holdings")
     assert p0._poller.evictable(fragment_id, _owner(5), b"holdings")
+    assert p0._poller.evictable(fragment_id, Identity().owner_subkey, b"holdings")

@@ -38,6 +38,14 @@ def _m(optimizer: torch.optim.AdamW) -> torch.Tensor:
     )
 
 
+def _within_reach(optimizer: torch.optim.AdamW, m: torch.Tensor) -> torch.Tensor:
+    """|m| ≤ κ·√v, κ = (1 − β1) / √((1 − β2)(1 − β1²/β2)): what Adam's m can be beside its v."""
+    beta1, beta2 = optimizer.param_groups[0]["betas"]
+    kappa = (1 - beta1) / ((1 - beta2) * (1 - beta1**2 / beta2)) ** 0.5
+    v = torch.cat([optimizer.state[p]["exp_avg_sq"].reshape(-1) for p in optimizer.param_groups[0]["params"]])
+    return torch.maximum(torch.minimum(m, kappa * v.sqrt()), -kappa * v.sqrt())
+
+
 def _as_sent(m: torch.Tensor) -> torch.Tensor:
     return decode(encode(m, CODEC)).reshape(-1)
 
@@ -50,9 +58,9 @@ def test_each_member_takes_the_mean_of_its_own_and_its_peers_first_moments() -> 
     b.publish(0, tokens=10)
     a.apply(0)
     b.apply(0)
-    # m ← m + mean(own as sent, peer's as sent) − own as sent
-    want_a = m_a + (_as_sent(m_b) - _as_sent(m_a)) / 2
-    want_b = m_b + (_as_sent(m_a) - _as_sent(m_b)) / 2
+    # m ← m + mean(own as sent, peer's as sent) − own as sent, within Adam's reach of the own v
+    want_a = _within_reach(opt_a, m_a + (_as_sent(m_b) - _as_sent(m_a)) / 2)
+    want_b = _within_reach(opt_b, m_b + (_as_sent(m_a) - _as_sent(m_b)) / 2)
     assert torch.allclose(_m(opt_a), want_a, atol=1e-6) and torch.allclose(_m(opt_b), want_b, atol=1e-6)
     assert a.counters.moments_mixed == 1 and b.counters.moments_mixed == 1
     assert not torch.allclose(_m(opt_a), m_a)  # it moved: the test can fail
@@ -102,3 +110,23 @@ def test_a_forged_first_moment_is_held_around_the_own_or_refused() -> None:
             assert 0 < float(moved.norm()) <= 2.0 * float(own.norm()) / 2 * (1 + 1e-4)
         else:
             assert torch.equal(moved, torch.zeros_like(moved)) and a.counters.rejected["moments_opposed"] == 1
+
+
+def test_a_peers_first_moment_moves_no_coordinate_past_adams_reach() -> None:
+    """A row this member never trained (its v and m 0: an embedding row of tokens it never saw)
+    takes no first moment from a peer: the next step would move it by lr·m/ε (a row moved by 45
+    at lr 1e-3 before the bound). Rows it trained take the mean, within κ·√v."""
+    network = VirtualNetwork()
+    (a, opt_a), (b, _) = _member(network, "a", 0), _member(network, "b", 1)
+    theta = opt_a.param_groups[0]["params"][0]
+    opt_a.state[theta]["exp_avg"][:32] = 0.0  # 32 values it never saw a gradient for
+    opt_a.state[theta]["exp_avg_sq"][:32] = 0.0
+    a.publish(0, tokens=10)
+    b.publish(0, tokens=10)
+    a.apply(0)
+    m = opt_a.state[theta]["exp_avg"]
+    assert torch.equal(m[:32], torch.zeros(32)) and a.counters.moments_mixed == 1
+    before = theta.detach().clone()
+    theta.grad = torch.zeros_like(theta)
+    opt_a.step()
+    assert float((theta.detach() - before)[:32].abs().max()) < 1e-6  # not lr·m/ε

@@ -84,8 +84,9 @@ def test_the_sender_judges_each_fragment_by_its_own_tensors() -> None:
 
 def test_a_re_encoded_copy_of_the_own_or_of_another_delta_is_marked_a_copy() -> None:
     """A peer's Δ re-encoded (here in 4-bit blocks) and sent as its own is marked: a copy of the
-    own Δ, and both of a pair of peers' that are one (which is the original, the bytes cannot
-    tell). Honest deltas, and a scaled copy (the clip's case), are not."""
+    own Δ is refused; of a pair of peers' that are one, the later is refused and the earlier
+    taken, credited to neither (which is the original, the bytes cannot tell). Honest deltas,
+    and a scaled copy (the clip's case), are not marked."""
     own, theirs = _pair()
     other = torch.randn(BIG + SMALL) + own.mean()
     copied = decode(encode(theirs, Codec.FP4)).reshape(-1)
@@ -93,13 +94,15 @@ def test_a_re_encoded_copy_of_the_own_or_of_another_delta_is_marked_a_copy() -> 
     judged = _yardstick(own, [BIG, SMALL]).judge(
         [(theirs, None), (copied, None), (mine, None), (other, None), (own * 1e6, None)], 2.0
     )
-    assert [j.copy for j in judged] == [True, True, True, False, False]
+    assert [j.copy for j in judged] == [False, True, True, False, False]
+    assert [j.uncredited for j in judged] == [True, False, False, False, False]
     assert judged[4].clipped  # a scaled copy is a scaled delivery: clipped, not refused
 
 
-def test_a_plagiarist_gets_no_credit_and_the_copied_delta_is_not_applied_twice() -> None:
+def test_a_plagiarist_gets_no_credit_and_the_copied_delta_is_applied_once() -> None:
     """A peer that re-encodes another's Δ and publishes it as its own (a public peer re-serving a
-    NATed volunteer's): at the outer step both are refused as ``copied``, neither credited."""
+    NATed volunteer's): at the outer step the work is taken once, credited to neither, and no
+    one is blamed for it."""
     network = VirtualNetwork()
     me, honest, copier = network.join("me"), network.join("honest"), network.join("copier")
     loop = OuterLoop([torch.zeros(4096)], OuterOptions(optimizer="sgd", outer_lr=1.0), me, "run")
@@ -112,5 +115,26 @@ def test_a_plagiarist_gets_no_credit_and_the_copied_delta_is_not_applied_twice()
     copy = decode(encode(theirs, Codec.FP4)).reshape(-1)
     copier.publish(Fragment(FragmentKey("run", 0, 0, "copier"), copy, tokens=10))
     loop.apply(0)
-    assert loop.counters.rejected["copied"] == 2 and loop.counters.applied == 0
-    assert not loop.counters.applied_by_peer
+    assert loop.counters.rejected["copied"] == 1 and loop.counters.applied == 1
+    assert not loop.counters.applied_by_peer and not loop.counters.rejected_by_peer
+
+
+def test_a_tensor_of_no_values_does_not_end_the_walk() -> None:
+    """Segments [5, 0, 5]: the push on the last tensor is still cut there, and a delta held by
+    the whole clip is written whole (no value left unset)."""
+    own = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, 1.0, 1.0, -1.0, 1.0, -1.0])
+    pushed = own.clone()
+    pushed[5:] += torch.tensor([1000.0, 0, 0, 0, 0])
+    judged = _yardstick(own, [5, 0, 5]).judge([(pushed, None), (-3 * own + 100, None)], 2.0)
+    assert float((judged[0].delta - own).norm()) <= 2.0 * (5**0.5 + 10**0.5 * (5 / 10) ** 0.5) * (1 + 1e-5)
+    assert judged[1].clipped and torch.isfinite(judged[1].delta).all()
+    assert float((judged[1].delta - own).norm()) <= 2.0 * float(own.norm()) * (1 + 1e-5)
+
+
+def test_the_direction_screen_sees_the_delta_as_sent_not_as_cut() -> None:
+    """A delta opposed to the own Δ overall, whose opposition sits in one tensor that the cut
+    shrinks, keeps its cosine as sent: the screen refuses what cutting would have turned around."""
+    own = torch.cat([torch.ones(1000), torch.full((10,), 0.01)])
+    theirs = torch.cat([0.05 * torch.ones(1000), torch.full((10,), -1000.0)])
+    (judged,) = _yardstick(own, [1000, 10]).judge([(theirs, None)], 2.0)
+    assert judged.tensors_cut == 1 and judged.cosine < 0

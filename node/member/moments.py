@@ -21,6 +21,7 @@ peers' m all come late, keeps its own m exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,22 +65,40 @@ class SharedMoments:
         self.transport, self.counters = transport, counters
         self.link_budget = link_budget or (lambda: float("inf"))
         self.total_numel = max(sum(p.numel() for p in self.theta), 1)
-        self._first_moment: Callable[[Tensor], Tensor | None] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self._sent: dict[int, tuple[int, bytes]] = {}  # per fragment: (version, own m as sent)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Read and write the first moment (``exp_avg``) of ``optimizer``, the inner trainer's
-        Adam-family optimizer over ``theta``; until then nothing is shared."""
-        self._first_moment = lambda p: optimizer.state.get(p, {}).get("exp_avg")
+        Adam-family optimizer over ``theta`` (its ``exp_avg_sq`` bounds what is written); until
+        then nothing is shared."""
+        self._optimizer = optimizer
 
     @property
     def on(self) -> bool:
-        return self._first_moment is not None and self.options.moments == "shared"
+        return self._optimizer is not None and self.options.moments == "shared"
 
     def _moments(self, f: int) -> list[Tensor] | None:
-        assert self._first_moment is not None
-        found = [self._first_moment(self.theta[i]) for i in self.fragments[f]]
+        assert self._optimizer is not None
+        found = [self._optimizer.state.get(self.theta[i], {}).get("exp_avg") for i in self.fragments[f]]
         return None if any(m is None for m in found) else found  # type: ignore[return-value]
+
+    def _bound(self, f: int, moments: list[Tensor]) -> None:
+        """Hold each m within what Adam itself can reach beside its v: |m| ≤ κ·√v, κ = (1 − β1) /
+        √((1 − β2)(1 − β1²/β2)) (Cauchy-Schwarz on the two running averages of one gradient
+        sequence; 1.17 at (0.9, 0.95)). A peer's m where this member's v is about 0 (a row of an
+        embedding it never saw) would otherwise move that row by lr·m/ε at the next step."""
+        assert self._optimizer is not None
+        for i, m in zip(self.fragments[f], moments, strict=True):
+            p = self.theta[i]
+            v = self._optimizer.state[p].get("exp_avg_sq")
+            group = next(g for g in self._optimizer.param_groups if any(q is p for q in g["params"]))
+            beta1, beta2 = group["betas"]
+            if v is None or beta1 * beta1 >= beta2:
+                continue
+            kappa = (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+            bound = v.sqrt().mul_(kappa)
+            torch.clamp(m, -bound, bound, out=m)
 
     def take(self, f: int) -> Tensor | None:
         """Fragment f's m as one flat float32 host copy, taken when its Δ is (on the trainer's
@@ -139,5 +158,6 @@ class SharedMoments:
                 part = shift[start : start + m.numel()].view_as(m)
                 m.add_(part.to(m.device, m.dtype))
                 start += m.numel()
+            self._bound(f, moments)
         self.counters.moments_mixed += len(fresh)
         return len(fresh)

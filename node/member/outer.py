@@ -402,14 +402,14 @@ class OuterLoop:
                 self.counters.dropped_stale += 1
                 continue
             is_own = frag is own
-            delta, clipped = frag.tensor, False
+            delta, clipped, credited = frag.tensor, False, True
             if n in judged:
                 j = judged[n]
-                if j.cosine < self.options.min_cosine or j.copy:  # a copy: re-served as its own
+                if j.cosine < self.options.min_cosine or j.copy:  # a copy: whose, the bytes cannot tell
                     self.counters.rejected["copied" if j.copy else "opposed"] += 1
-                    self.counters.rejected_by_peer[frag.key.publisher] += 1
+                    self.counters.rejected_by_peer.update([frag.key.publisher] * (not j.copy))  # no blame
                     continue
-                delta, clipped = j.delta, j.clipped
+                delta, clipped, credited = j.delta, j.clipped, not j.uncredited  # copies of it: no credit
                 self.counters.clipped += clipped
                 self.counters.tensors_cut += j.tensors_cut > 0
             tokens = frag.tokens
@@ -420,7 +420,7 @@ class OuterLoop:
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
             if not is_own:
                 self.counters.applied += 1
-                self.counters.applied_by_peer[frag.key.publisher] += 1
+                self.counters.applied_by_peer.update([frag.key.publisher] * credited)
                 self.counters.applied_by_age[age] += 1
             self.counters.age_sum += age
             self.counters.age_count += 1

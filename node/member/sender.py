@@ -61,7 +61,8 @@ class Judged:
     delta: Tensor
     clipped: bool
     tensors_cut: int = 0
-    copy: bool = False  # a near copy of the own Δ or of another delivery judged with it
+    copy: bool = False  # a near copy of the own Δ, or of a delivery judged before it: refused
+    uncredited: bool = False  # taken, but others of the step are copies of it: credited to none
 
 
 class _How(enum.Enum):
@@ -172,6 +173,8 @@ class Yardstick:
             raise ValueError(f"radius must be finite and >= 0, got {radius}")
         if any(d.numel() != self.numel for d, _ in deliveries):
             raise ValueError(f"deliveries of {[d.numel() for d, _ in deliveries]} values for {self.numel}")
+        if not deliveries:  # nothing to judge: the reference is never built
+            return []
         by_kept: dict[int | None, list[int]] = {}
         for n, (_, kept) in enumerate(deliveries):
             by_kept.setdefault(kept, []).append(n)
@@ -179,18 +182,28 @@ class Yardstick:
         for kept, positions in by_kept.items():
             deltas = [deliveries[n][0] for n in positions]
             judged.update(zip(positions, self._judge_alike(deltas, kept, radius), strict=True))
-        copies = self._copies([d for d, _ in deliveries])
-        return [replace(judged[n], copy=True) if copies[n] else judged[n] for n in range(len(deliveries))]
+        copies, uncredited = self._copies([d for d, _ in deliveries])
+        marks = [(judged[n], n in copies, n in uncredited) for n in range(len(deliveries))]
+        return [replace(j, copy=copy, uncredited=once) for j, copy, once in marks]
 
-    def _copies(self, deltas: list[Tensor]) -> list[bool]:
-        """Which deltas are near copies (``NEAR_COPY``) of the own Δ (the dense target) or of each
-        other: one more pass over them, their Gram matrix a chunk at a time."""
+    def _copies(self, deltas: list[Tensor]) -> tuple[set[int], set[int]]:
+        """Near copies (``NEAR_COPY``) among the deltas: those of the own Δ (the dense target) and
+        those of a delta before them, refused; and the deltas kept whose copies were refused,
+        taken once and credited to none (which publisher did the work, the bytes cannot tell).
+        One more pass over them: their Gram matrix, a chunk at a time."""
         dots = torch.zeros(len(deltas) + 1, len(deltas) + 1, dtype=torch.float64)
         for start, part in self._target_chunks():
             stop = start + part.numel()
             block = torch.stack([part.double(), *(d[start:stop].double() for d in deltas)])
             dots += block @ block.T
-        return near_copies(dots, NEAR_COPY)[1:]
+        alike = near_copies(dots, NEAR_COPY)  # the own Δ first
+        copies, uncredited = set(), set()
+        for n in range(len(deltas)):
+            kept = [m for m in range(n) if m not in copies and alike[n + 1][m + 1]]
+            if alike[n + 1][0] or kept:
+                copies.add(n)
+                uncredited.update(kept[:1])
+        return copies, uncredited
 
     def _judge_alike(self, deltas: list[Tensor], kept: int | None, radius: float) -> list[Judged]:
         bounds = [0, *itertools.accumulate(self.segments or [self.numel])]
@@ -202,9 +215,11 @@ class Yardstick:
         for start, ref in self._chunks(kept):
             stop = start + ref.numel()
             for t in range(bisect.bisect_right(bounds, start) - 1, count):
+                if bounds[t] >= stop:
+                    break
                 a, b = max(start, bounds[t]), min(stop, bounds[t + 1])
                 if a >= b:
-                    break
+                    continue  # a tensor of no values
                 piece = ref[a - start : b - start]
                 ref_sq[t] += chunk_dots(piece, None)[1]
                 for n, d in enumerate(deltas):
@@ -215,8 +230,11 @@ class Yardstick:
             raise ValueError("AroundOwn needs a finite reference")
         pairs = zip(dots, norms, strict=True)
         weights = [self._tensor_weights(ref_sq, d, s, reference_sq, radius) for d, s in pairs]
-        verdicts = []
+        verdicts, cosines = [], []
+        bound = radius * math.sqrt(reference_sq)
         for n, w in enumerate(weights):  # the whole verdict on each delta as its tensors' cuts left it
+            # the screen's cosine is the delta's as sent: cutting a tensor must not turn it around
+            cosines.append(verdict(math.fsum(dots[n]), math.fsum(norms[n]), reference_sq, bound).cosine)
             dot = norm_sq = 0.0
             for t, wt in enumerate(w):
                 if wt == 1.0:  # as sent: the sums as they are (one tensor: AroundOwn's floats)
@@ -226,21 +244,21 @@ class Yardstick:
                 away = max(norms[n][t] - 2.0 * dots[n][t] + ref_sq[t], 0.0)  # ‖d − ref‖²
                 dot += ref_sq[t] + wt * along
                 norm_sq += ref_sq[t] + 2.0 * wt * along + wt * wt * away
-            verdicts.append(verdict(dot, norm_sq, reference_sq, radius * math.sqrt(reference_sq)))
+            verdicts.append(verdict(dot, norm_sq, reference_sq, bound))
         cut = {n for n, v in enumerate(verdicts) if v.weight is not None or min(weights[n]) < 1.0}
         held = {n: torch.empty(self.numel) for n in cut}
         if held:  # reference + (delta − reference) · weight, as AroundOwn's lerp, tensor by tensor
             for start, ref in self._chunks(kept):
                 stop = start + ref.numel()
                 for t in range(bisect.bisect_right(bounds, start) - 1, count):
-                    a, b = max(start, bounds[t]), min(stop, bounds[t + 1])
-                    if a >= b:
+                    if bounds[t] >= stop:
                         break
+                    a, b = max(start, bounds[t]), min(stop, bounds[t + 1])
                     for n, out in held.items():
                         weight = weights[n][t] * (1.0 if verdicts[n].weight is None else verdicts[n].weight)
                         torch.lerp(ref[a - start : b - start], deltas[n][a:b].float(), weight, out=out[a:b])
         return [
-            Judged(v.cosine, held.get(n, deltas[n]), v.weight is not None, sum(w < 1.0 for w in weights[n]))
+            Judged(cosines[n], held.get(n, deltas[n]), v.weight is not None, sum(w < 1.0 for w in weights[n]))
             for n, v in enumerate(verdicts)
         ]
 
