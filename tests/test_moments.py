@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from cgad.node.config import OuterOptions
-from cgad.node.member.moments import CODEC
+from cgad.node.member.moments import CODEC, REACH
 from cgad.node.member.outer import OuterLoop
 from cgad.node.sim.memory import VirtualNetwork
 from cgad.protocol.codec import decode, encode
@@ -39,9 +39,9 @@ def _m(optimizer: torch.optim.AdamW) -> torch.Tensor:
 
 
 def _within_reach(optimizer: torch.optim.AdamW, m: torch.Tensor) -> torch.Tensor:
-    """|m| ≤ κ·√v, κ = (1 − β1) / √((1 − β2)(1 − β1²/β2)): what Adam's m can be beside its v."""
+    """|m| ≤ REACH·κ·√v, κ = (1 − β1) / √((1 − β2)(1 − β1²/β2)): what Adam's m can be beside its v."""
     beta1, beta2 = optimizer.param_groups[0]["betas"]
-    kappa = (1 - beta1) / ((1 - beta2) * (1 - beta1**2 / beta2)) ** 0.5
+    kappa = REACH * (1 - beta1) / ((1 - beta2) * (1 - beta1**2 / beta2)) ** 0.5
     v = torch.cat([optimizer.state[p]["exp_avg_sq"].reshape(-1) for p in optimizer.param_groups[0]["params"]])
     return torch.maximum(torch.minimum(m, kappa * v.sqrt()), -kappa * v.sqrt())
 
