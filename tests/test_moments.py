@@ -11,6 +11,7 @@ from cgad.node.config import OuterOptions
 from cgad.node.member.moments import CODEC, REACH
 from cgad.node.member.outer import OuterLoop
 from cgad.node.sim.memory import VirtualNetwork
+from cgad.optim import staleness_weight
 from cgad.protocol.codec import decode, encode
 from cgad.protocol.transport import FragmentKey, Kind
 
@@ -130,3 +131,24 @@ def test_a_peers_first_moment_moves_no_coordinate_past_adams_reach() -> None:
     theta.grad = torch.zeros_like(theta)
     opt_a.step()
     assert float((theta.detach() - before)[:32].abs().max()) < 1e-6  # not lr·m/ε
+
+
+def test_a_peers_first_moment_a_version_late_weighs_as_a_delta_of_that_age() -> None:
+    """Daemons a version apart in phase: a peer's m of the version before this step's is taken at
+    σ(1), as its delta would be (without it, two nodes a version apart never mix)."""
+    network = VirtualNetwork()
+    a, opt_a = _member(network, "a", 0)
+    a.publish(0, tokens=10)
+    a.apply(0)  # now at version 1
+    m_a = _m(opt_a)
+    theirs = m_a + 0.01 * torch.randn_like(m_a)
+    key = FragmentKey("run", 0, 0, "b", Kind.MOMENTS)  # the peer's m of version 0: a version late
+    network.join("b").publish_encoded(
+        key, encode(theirs, CODEC), codec=CODEC, numel=theirs.numel(), tokens=10
+    )
+    a.publish(0, tokens=10)
+    a.apply(0)
+    w = staleness_weight(1, OuterOptions().alpha, OuterOptions().cutoff)
+    own = _as_sent(m_a)
+    want = _within_reach(opt_a, m_a + w * (_as_sent(theirs) - own) / (w + 1))
+    assert a.counters.moments_mixed == 1 and torch.allclose(_m(opt_a), want, atol=1e-6)

@@ -50,8 +50,8 @@ def _pop(queue: FetchQueue, versions: list[int], rate=None, per_version=None, ah
 
 
 def test_youngest_delta_first_each_with_its_moments_then_params():
-    """A version's MOMENTS right after its DELTAs (of use only in that version's step), before
-    older versions' DELTAs; PARAMS after all."""
+    """A version's MOMENTS right before its DELTAs (of use only in that version's step, which
+    starts once the DELTAs are in), before older versions'; PARAMS after all."""
     queue = FetchQueue(stale_after=None)
     pushed = (_candidate(3), _candidate(7, kind=Kind.PARAMS), _candidate(7, kind=Kind.MOMENTS), _candidate(5),
               _candidate(7), _candidate(5, kind=Kind.MOMENTS))  # fmt: skip
@@ -60,7 +60,7 @@ def test_youngest_delta_first_each_with_its_moments_then_params():
     order = []
     while (item := _pop(queue, [8])[0]) is not None:
         order.append((item.key.base_version, item.key.kind))
-    assert order == [(7, Kind.DELTA), (7, Kind.MOMENTS), (5, Kind.DELTA), (5, Kind.MOMENTS), (3, Kind.DELTA),
+    assert order == [(7, Kind.MOMENTS), (7, Kind.DELTA), (5, Kind.MOMENTS), (5, Kind.DELTA), (3, Kind.DELTA),
                      (7, Kind.PARAMS)]  # fmt: skip
 
 

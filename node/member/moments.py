@@ -11,12 +11,15 @@ peers' m in 4-bit blocks, while no estimate of the mean m from the averaged delt
 
 What is sent: m of the fragment's tensors when its Δ is published, in 4-bit blocks (an eighth of
 a float32 Δ's bytes), as a ``Kind.MOMENTS`` fragment of the same key; only where the link's round
-budget has room for it beside the Δ. What is taken at the outer step: the peers' m of this step's
-version (fresh: a late m belongs to a trajectory φ has left), each judged around the own m as a
-peer's Δ is around the own Δ (tensor by tensor and whole, within the clip radius; refused below
-the cosine screen); then m ← m + mean(own m as sent, the peers') − own m as sent. What the inner
-steps since the publish added (an overlapped outer step) stays. A member alone, or one whose
-peers' m all come late, keeps its own m exactly.
+budget has room for it beside the Δ (while the link is not measured, where m is at most half the
+Δ's bytes). What is taken at the outer step: the peers' m of this step's version and of the
+versions before it within the age cutoff, each weighted by σ(τ) as a delta of its age is (a late m
+belongs to a trajectory φ has left; daemons a version apart in phase would otherwise never take
+each other's), each judged around the own m as a peer's Δ is around the own Δ (tensor by tensor
+and whole, within the clip radius; refused below the cosine screen); then m ← m + the weighted
+mean(own m as sent at weight 1, the peers') − own m as sent. What the inner steps since the
+publish added (an overlapped outer step) stays. A member alone, or one whose peers' m all come
+past the cutoff, keeps its own m exactly.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from torch import Tensor
 from cgad.node.config import OuterOptions
 from cgad.node.member.ledger import Counters
 from cgad.node.member.sender import Yardstick
+from cgad.optim import staleness_weight
 from cgad.protocol.codec import Codec, all_finite, decode, encode, encoded_size
 from cgad.protocol.transport import FragmentKey, Kind, Transport
 
-__all__ = ["CODEC", "REACH", "SharedMoments"]
+__all__ = ["CODEC", "REACH", "UNMEASURED_SHARE", "SharedMoments"]
 
 CODEC = Codec.FP4  # m only seeds the next steps' average, which new gradients soon outweigh
+UNMEASURED_SHARE = 0.5  # m's bytes at most this share of the Δ's while the link is not measured
 REACH = 2.0  # the mixed m within this many times what Adam's own m can be beside its v (``_bound``)
 
 
@@ -84,6 +89,13 @@ class SharedMoments:
         found = [self._optimizer.state.get(self.theta[i], {}).get("exp_avg") for i in self.fragments[f]]
         return None if any(m is None for m in found) else found  # type: ignore[return-value]
 
+    def _weight(self, age: int) -> float:
+        """A peer's m of ``age`` versions behind this step's: σ(age), as a delta of that age
+        weighs (0 ahead, or past the cutoff)."""
+        if age < 0:
+            return 0.0
+        return staleness_weight(age, self.options.alpha, self.options.cutoff)
+
     def _bound(self, f: int, moments: list[Tensor]) -> None:
         """Hold each m within twice what Adam itself can reach beside its v: |m| ≤ 2κ·√v, κ =
         (1 − β1) / √((1 − β2)(1 − β1²/β2)) (Cauchy-Schwarz on the two running averages of one
@@ -115,9 +127,13 @@ class SharedMoments:
 
     def send(self, key: FragmentKey, flat: Tensor, tokens: int, sent_bytes: int) -> None:
         """Publish ``flat`` (``take``'s copy of the m of ``key``'s fragment) beside its Δ of
-        ``sent_bytes``, where the link's round budget has room for both (not measured yet: none)."""
-        budget, numel = self.link_budget(), flat.numel()
-        if budget is None or sent_bytes + encoded_size(numel, CODEC) > budget * numel / self.total_numel:
+        ``sent_bytes``, where the link's round budget has room for both; while the link is not
+        measured, where m is at most ``UNMEASURED_SHARE`` of the Δ's bytes (a Δ in 16 or 32 bits:
+        a 4-bit m is 0.28 of a 16-bit Δ's bytes)."""
+        budget, numel, size = self.link_budget(), flat.numel(), encoded_size(flat.numel(), CODEC)
+        if budget is None and size > UNMEASURED_SHARE * sent_bytes:
+            return
+        if budget is not None and sent_bytes + size > budget * numel / self.total_numel:
             return
         if not all_finite(flat):
             return
@@ -138,25 +154,32 @@ class SharedMoments:
         own = decode(sent[1]).reshape(-1)
         if moments is None or not received:
             return 0
-        fresh = [m.tensor.reshape(-1) for m in received if m.key.base_version == version]
-        self.counters.rejected["moments_late"] += len(received) - len(fresh)
-        sound = [t for t in fresh if t.numel() == own.numel() and all_finite(t)]
-        self.counters.rejected["moments_malformed"] += len(fresh) - len(sound)
-        fresh = sound
+        aged = [(m.tensor.reshape(-1), self._weight(version - m.key.base_version)) for m in received]
+        aged = [(t, w) for t, w in aged if w > 0.0]  # ahead, or past the cutoff
+        self.counters.rejected["moments_late"] += len(received) - len(aged)
+        sound = [(t, w) for t, w in aged if t.numel() == own.numel() and all_finite(t)]
+        self.counters.rejected["moments_malformed"] += len(aged) - len(sound)
+        fresh, weights = [t for t, _ in sound], [w for _, w in sound]
         if self.options.aggregation == "clip" and fresh:
             sizes = [self.theta[i].numel() for i in self.fragments[f]]
             stick = Yardstick(lambda _, a, b: own[a:b], None, own.numel(), segments=sizes)
             judged = stick.judge([(t, None) for t in fresh], self.options.clip_radius)
             refused = sum(j.cosine < self.options.min_cosine for j in judged)
             self.counters.rejected["moments_opposed"] += refused
-            fresh = [j.delta for j in judged if j.cosine >= self.options.min_cosine]
+            kept = [
+                (j.delta, w)
+                for j, w in zip(judged, weights, strict=True)
+                if j.cosine >= self.options.min_cosine
+            ]
+            fresh, weights = [t for t, _ in kept], [w for _, w in kept]
         if not fresh:
             return 0
         with torch.no_grad():  # summed one at a time: no k model-sized copies at once
-            shift = fresh[0].clone()
-            for t in fresh[1:]:
-                shift.add_(t)
-            shift.div_(len(fresh)).sub_(own).mul_(len(fresh) / (len(fresh) + 1))
+            total = math.fsum(weights)  # the peers' weights beside the own m's 1
+            shift = fresh[0].mul(weights[0])
+            for t, w in zip(fresh[1:], weights[1:], strict=True):
+                shift.add_(t, alpha=w)
+            shift.div_(total).sub_(own).mul_(total / (total + 1))
             start = 0
             for m in moments:  # m ← m + mean(own as sent, peers') − own as sent
                 part = shift[start : start + m.numel()].view_as(m)
