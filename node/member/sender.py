@@ -42,13 +42,16 @@ from cgad.protocol.scheduling import auto_codec
 # at a time, a sparse reference is the whole one's
 assert FLOAT64_CHUNK % 256 == 0
 
-__all__ = ["NEAR_COPY", "Judged", "Sender", "Yardstick"]
+__all__ = ["NEAR_COPY", "NEAR_COPY_VALUES", "Judged", "Sender", "Yardstick"]
 
 # a peer's Δ this alike to the own Δ or to another peer's of the same step is a copy re-encoded
 # (fp16, int8 and 4-bit re-encodings keep a cosine of 0.99 or more): honest deltas of 8 members
 # at the sweep scale reached 0.80 at most, early in training; a 2-bit or sparse re-encoding
 # (0.8) passes for honest work
 NEAR_COPY = 0.98
+# a fragment of fewer values is not judged for copies: the cosine of two honest deltas of n values
+# swings by about 1/√n, and a few values are too few to call two of them one
+NEAR_COPY_VALUES = 4096
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,8 @@ class Yardstick:
         those of a delta before them, refused; and the deltas kept whose copies were refused,
         taken once and credited to none (which publisher did the work, the bytes cannot tell).
         One more pass over them: their Gram matrix, a chunk at a time."""
+        if self.numel < NEAR_COPY_VALUES:
+            return set(), set()
         dots = torch.zeros(len(deltas) + 1, len(deltas) + 1, dtype=torch.float64)
         for start, part in self._target_chunks():
             stop = start + part.numel()
