@@ -29,7 +29,7 @@ from cgad.protocol.dhtbounds import (
     trim_find_response,
 )
 from cgad.protocol.network import NetworkTransport
-from cgad.protocol.records import Identity, fragment_key, progress_key, state_key
+from cgad.protocol.records import Identity, fragment_key, peer_id_of_owner, progress_key, state_key
 
 pytestmark = pytest.mark.integration  # real hivemind peers (p2pd processes) on loopback
 
@@ -186,4 +186,6 @@ def test_dead_progress_records_never_keep_a_live_one_out(netswarm: list[NetworkT
     fragment_id = DHTID.generate(source=fragment_key(RUN, 0))
     assert not p0._poller.evictable(fragment_id, live_owner, b"holdings")
     assert p0._poller.evictable(fragment_id, _owner(5), b"holdings")
-    assert p0._poller.evictable(fragment_id, Identity().owner_subkey, b"holdings")
+    stranger = Identity()
+    assert peer_id_of_owner(stranger.owner_subkey) == stranger.peer_id  # readable: dead for not being live
+    assert p0._poller.evictable(fragment_id, stranger.owner_subkey, b"holdings")

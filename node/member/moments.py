@@ -13,10 +13,11 @@ What is sent: m of the fragment's tensors when its Δ is published, in 4-bit blo
 a float32 Δ's bytes), as a ``Kind.MOMENTS`` fragment of the same key; only where the link's round
 budget has room for it beside the Δ (while the link is not measured, where m is at most half the
 Δ's bytes). What is taken at the outer step: the peers' m of this step's version and of the
-versions before it within the age cutoff, each weighted by σ(τ) as a delta of its age is (a late m
-belongs to a trajectory φ has left; daemons a version apart in phase would otherwise never take
-each other's), each judged around the own m as a peer's Δ is around the own Δ (tensor by tensor
-and whole, within the clip radius; refused below the cosine screen); then m ← m + the weighted
+versions before it, each weighted as the outer method weighs a delta of its age (σ(τ) under
+CGA, 0 past the cutoff: a late m belongs to a trajectory φ has left; daemons a version apart in
+phase would otherwise never take each other's), each judged around the own m as a peer's Δ is
+around the own Δ (tensor by tensor and whole, within the clip radius; refused below the cosine
+screen); then m ← m + the weighted
 mean(own m as sent at weight 1, the peers') − own m as sent. What the inner steps since the
 publish added (an overlapped outer step) stays. A member alone, or one whose peers' m all come
 past the cutoff, keeps its own m exactly.
@@ -33,7 +34,6 @@ from torch import Tensor
 from cgad.node.config import OuterOptions
 from cgad.node.member.ledger import Counters
 from cgad.node.member.sender import Yardstick
-from cgad.optim import staleness_weight
 from cgad.protocol.codec import Codec, all_finite, decode, encode, encoded_size
 from cgad.protocol.transport import FragmentKey, Kind, Transport
 
@@ -56,6 +56,8 @@ class SharedMoments:
         counters: the loop's counters (``moments_mixed``, ``rejected['moments_*']``).
         link_budget: bytes per round the link carries to each fetching peer (None: not measured
             yet; infinite: not what limits), as the sender reads it.
+        weight: how a delivery of an age weighs in the outer step (the outer method's
+            ``scale``): a peer's m weighs as its delta of that age would.
     """
 
     def __init__(
@@ -66,12 +68,15 @@ class SharedMoments:
         transport: Transport,
         counters: Counters,
         link_budget: Callable[[], float | None] | None = None,
+        weight: Callable[[int], float] = lambda age: 1.0,
     ) -> None:
         self.theta, self.fragments, self.options = list(theta), fragments, options
         self.transport, self.counters = transport, counters
         self.link_budget = link_budget or (lambda: float("inf"))
         self.total_numel = max(sum(p.numel() for p in self.theta), 1)
+        self.weight = weight
         self._optimizer: torch.optim.Optimizer | None = None
+        self._reach: dict[int, float] = {}  # per parameter (by id): its m's bound in √v (``_bound``)
         self._sent: dict[int, tuple[int, bytes]] = {}  # per fragment: (version, own m as sent)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -79,6 +84,11 @@ class SharedMoments:
         Adam-family optimizer over ``theta`` (its ``exp_avg_sq`` bounds what is written); until
         then nothing is shared."""
         self._optimizer = optimizer
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            if beta1 * beta1 < beta2:  # else Adam's m is not bounded by its v: left as mixed
+                reach = REACH * (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+                self._reach.update((id(p), reach) for p in group["params"])
 
     @property
     def on(self) -> bool:
@@ -90,11 +100,9 @@ class SharedMoments:
         return None if any(m is None for m in found) else found  # type: ignore[return-value]
 
     def _weight(self, age: int) -> float:
-        """A peer's m of ``age`` versions behind this step's: σ(age), as a delta of that age
-        weighs (0 ahead, or past the cutoff)."""
-        if age < 0:
-            return 0.0
-        return staleness_weight(age, self.options.alpha, self.options.cutoff)
+        """A peer's m of ``age`` versions behind this step's, as a delta of that age weighs (0
+        ahead)."""
+        return 0.0 if age < 0 else self.weight(age)
 
     def _bound(self, f: int, moments: list[Tensor]) -> None:
         """Hold each m within twice what Adam itself can reach beside its v: |m| ≤ 2κ·√v, κ =
@@ -107,14 +115,10 @@ class SharedMoments:
         assert self._optimizer is not None
         for i, m in zip(self.fragments[f], moments, strict=True):
             p = self.theta[i]
-            v = self._optimizer.state[p].get("exp_avg_sq")
-            group = next(g for g in self._optimizer.param_groups if any(q is p for q in g["params"]))
-            beta1, beta2 = group["betas"]
-            if v is None or beta1 * beta1 >= beta2:
-                continue
-            kappa = REACH * (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
-            bound = v.sqrt().mul_(kappa)
-            torch.clamp(m, -bound, bound, out=m)
+            v, reach = self._optimizer.state[p].get("exp_avg_sq"), self._reach.get(id(p))
+            if v is not None and reach is not None:
+                bound = v.sqrt().mul_(reach)
+                torch.clamp(m, -bound, bound, out=m)
 
     def take(self, f: int) -> Tensor | None:
         """Fragment f's m as one flat float32 host copy, taken when its Δ is (on the trainer's
@@ -122,6 +126,9 @@ class SharedMoments:
         moments = self._moments(f) if self.on else None
         if moments is None:
             return None
+        numel, budget = sum(m.numel() for m in moments), self.link_budget()
+        if budget is not None and encoded_size(numel, CODEC) > budget * numel / self.total_numel:
+            return None  # no room even for m alone: no copy for ``send`` to drop
         with torch.no_grad():
             return torch.cat([m.detach().to("cpu", torch.float32).reshape(-1) for m in moments])
 
@@ -163,7 +170,7 @@ class SharedMoments:
         if self.options.aggregation == "clip" and fresh:
             sizes = [self.theta[i].numel() for i in self.fragments[f]]
             stick = Yardstick(lambda _, a, b: own[a:b], None, own.numel(), segments=sizes)
-            judged = stick.judge([(t, None) for t in fresh], self.options.clip_radius)
+            judged = stick.judge([(t, None) for t in fresh], self.options.clip_radius, copies=False)
             refused = sum(j.cosine < self.options.min_cosine for j in judged)
             self.counters.rejected["moments_opposed"] += refused
             kept = [

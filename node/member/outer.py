@@ -95,22 +95,22 @@ class OuterLoop:
         # the deliveries the optimizer took, newest last (bounded: a daemon runs for weeks)
         self.history: deque[Delivery] = deque(maxlen=HISTORY)
         self.rng = random.Random(seed)
-        # this turn's own pseudo-gradient per fragment, published and not yet applied; None when
-        # the local block diverged or was discarded
+        # this turn's own Δ per fragment, published, not yet applied; None: diverged or discarded
         self._turn: dict[int, Fragment | None] = {}
-        # a discarded block's Δ until its outer step: no peer gets it and the step does not take
-        # it, but it is this node's own work, which peers' deltas are judged against
+        # a discarded block's Δ until its outer step: no peer gets it, the step does not take it,
+        # peers' deltas are judged against it
         self._withheld: dict[int, Tensor] = {}
         # the tokens of the latest finite block per fragment, shared or not: a peer's claim is
         # capped at TOKEN_CAP times them (the Δ itself, judged against, is the sender's: Yardstick)
         self._own_tokens: dict[int, int] = {}
         self._ahead: dict[int, list[Fragment]] = {}  # peers' deltas of versions not reached yet
-        # the running count of members whose deltas a fresh step averages (1: alone); the inner lr
-        # follows it (``inner_lr_scale``); not outer state: a joiner counts its own from 1
+        # members a fresh step averages (1: alone), the inner lr's count; a joiner counts from 1
         self.averaged = 1.0
         self.audience = Audience(transport, math.ceil(options.cutoff * options.fragments), heard)
         self.mixer = Mixer(options, self.method.mixes_params, params_codec, self.counters, self.rng)
-        self.moments = SharedMoments(params, self.fragments, options, transport, self.counters, link_budget)
+        self.moments = SharedMoments(  # a peer's first moment weighs as its delta of that age would
+            params, self.fragments, options, transport, self.counters, link_budget, self._age_scale
+        )
         # with an encoder (a daemon's thread), each fragment's send under way
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
@@ -227,14 +227,12 @@ class OuterLoop:
         ``publish(f)`` are kept on top of it (θ_f ← φ_f' + θ_f − θ_f at publish): the driver may
         let training run on while the round's fragments arrive, and apply the step late.
 
-        ``swarm_version``, the version of f that the swarm is at (the driver's word: a median
-        over live peers' reports, which no single peer moves, or the source's own report at the
-        first step after adopting its state), lets a peer that is behind catch up: the
-        deliveries of each version after its own, up to that one, are then taken as a step of
-        their own, in order, as the peers took them (a joiner whose snapshot is a round old
-        replays the round it missed instead of relabelling stale parameters as current). The
-        other deliveries from ahead are held for the step of their own version, where they are
-        fresh: a Δ computed from φ(v+1) added to φ(v) is neither this step's nor that one's."""
+        ``swarm_version``, the version of f the swarm is at (the driver's word: a median over
+        live peers' reports, or the source's own at the first step after adopting its state),
+        lets a peer that is behind catch up: the deliveries of each version after its own, up
+        to that one, are taken as steps of their own, in order, as the peers took them (a
+        joiner whose snapshot is a round old replays the round it missed). Other deliveries
+        from ahead are held for their own version's step, where they are fresh."""
         if f not in self._turn:
             raise RuntimeError(f"apply({f}) without publish({f}) first")
         self.settle(f)
@@ -345,9 +343,8 @@ class OuterLoop:
             rng=self.rng,
         )
         self.method.step(self.optimizer, step)
-        # the running share of every live peer heard fresh, what late mixing follows (CGA's momentum
-        # follows the share of the peers the fan-in lets it take): kept in the optimizer's param
-        # group so that it travels with the outer state, as the momentum's freshness does
+        # the running share of every live peer heard fresh (late mixing follows it; CGA's momentum
+        # the share of those the fan-in lets in): in the param group, so it travels with the state
         heard, group = fresh_share(taken, live), self.optimizer.param_groups[f]
         if heard is not None:
             group[HEARD] = running_freshness(group.get(HEARD, 0.0), heard)
@@ -373,6 +370,9 @@ class OuterLoop:
         ``--inner-lr-scaling sqrt`` (1 alone, or with every peer late)."""
         return sqrt_scale(self.averaged)
 
+    def _age_scale(self, age: int) -> float:
+        return self.method.scale(age, self.options)  # 1 for a method that is not age-aware
+
     def _take(
         self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None, yardstick: Yardstick | None
     ) -> tuple[list[Contribution], list[Delivery]]:
@@ -382,15 +382,13 @@ class OuterLoop:
         taken, deliveries = [], []
         own_tokens = self._own_tokens.get(f)
         cap = TOKEN_CAP * max(own_tokens, 1) if yardstick is not None and own_tokens is not None else None
-        # peers' deltas are judged against this node's own latest Δ of the fragment (this
-        # round's, or the discarded block's, or an earlier one's when this block diverged), never
-        # against anything the peers sent: with one honest peer and one attacker, any statistic
-        # of the deliveries is the attacker's to move
+        # peers' deltas are judged against this node's own latest Δ of f, never against what peers
+        # sent: beside one honest peer and one attacker, any statistic of theirs is the attacker's
         if self.options.aggregation == "clip" and yardstick is None:
             # no finite block of its own yet: nothing to judge peers by
             self.counters.rejected["no_yardstick"] += sum(frag is not own for frag, _ in incoming)
             incoming = [(frag, age) for frag, age in incoming if frag is own]
-        scales = [self.method.scale(a, self.options) if self.method.age_aware else 1.0 for _, a in incoming]
+        scales = [self._age_scale(a) for _, a in incoming]
         judged: dict[int, Judged] = {}  # by position in incoming
         if self.options.aggregation == "clip" and yardstick is not None:
             peers = [n for n, (frag, _) in enumerate(incoming) if frag is not own and scales[n] != 0.0]
@@ -405,9 +403,10 @@ class OuterLoop:
             delta, clipped, credited = frag.tensor, False, True
             if n in judged:
                 j = judged[n]
-                if j.cosine < self.options.min_cosine or j.copy:  # a copy: whose, the bytes cannot tell
+                if j.cosine < self.options.min_cosine or j.copy:
                     self.counters.rejected["copied" if j.copy else "opposed"] += 1
-                    self.counters.rejected_by_peer.update([frag.key.publisher] * (not j.copy))  # no blame
+                    if not j.copy:  # no blame for a copy: whose work it is, the bytes cannot tell
+                        self.counters.rejected_by_peer[frag.key.publisher] += 1
                     continue
                 delta, clipped, credited = j.delta, j.clipped, not j.uncredited  # copies of it: no credit
                 self.counters.clipped += clipped
@@ -420,7 +419,8 @@ class OuterLoop:
             deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
             if not is_own:
                 self.counters.applied += 1
-                self.counters.applied_by_peer.update([frag.key.publisher] * credited)
+                if credited:
+                    self.counters.applied_by_peer[frag.key.publisher] += 1
                 self.counters.applied_by_age[age] += 1
             self.counters.age_sum += age
             self.counters.age_count += 1

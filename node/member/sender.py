@@ -120,6 +120,7 @@ class Yardstick:
         if segments is not None and sum(segments) != numel:
             raise ValueError(f"segments of {sum(segments)} values for {numel}")
         self.segments = list(segments) if segments is not None and len(segments) > 1 else None
+        self._bounds = [0, *itertools.accumulate(self.segments or [numel])]  # each tensor's first value
         self._from_sent = from_sent  # whether ``part`` reads the own Δ as sent (decoded only then)
         self._norm: float | None = None
 
@@ -156,7 +157,9 @@ class Yardstick:
             return self._sent  # type: ignore[return-value]
         return _whole(self._chunks(kept), self.numel)
 
-    def judge(self, deliveries: Sequence[tuple[Tensor, int | None]], radius: float) -> list[Judged]:
+    def judge(
+        self, deliveries: Sequence[tuple[Tensor, int | None]], radius: float, copies: bool = True
+    ) -> list[Judged]:
         """``AroundOwn(self.reference(kept), radius).judge(delta)`` for each (delta, kept): flat
         float32 deltas carrying ``kept`` values per block (None: dense). One pass over the
         reference per sparsity, built a chunk at a time, and one more where a delta is clipped:
@@ -171,6 +174,7 @@ class Yardstick:
         Args:
             deliveries: the peers' deltas and the values per block each carries.
             radius: the clip radius, in norms of the reference.
+            copies: whether to mark near copies (``_copies``: one more pass over the deliveries).
         """
         if not math.isfinite(radius) or radius < 0:
             raise ValueError(f"radius must be finite and >= 0, got {radius}")
@@ -185,9 +189,11 @@ class Yardstick:
         for kept, positions in by_kept.items():
             deltas = [deliveries[n][0] for n in positions]
             judged.update(zip(positions, self._judge_alike(deltas, kept, radius), strict=True))
-        copies, uncredited = self._copies([d for d, _ in deliveries])
-        marks = [(judged[n], n in copies, n in uncredited) for n in range(len(deliveries))]
-        return [replace(j, copy=copy, uncredited=once) for j, copy, once in marks]
+        out = [judged[n] for n in range(len(deliveries))]
+        if not copies:
+            return out
+        copied, uncredited = self._copies([d for d, _ in deliveries])
+        return [replace(j, copy=n in copied, uncredited=n in uncredited) for n, j in enumerate(out)]
 
     def _copies(self, deltas: list[Tensor]) -> tuple[set[int], set[int]]:
         """Near copies (``NEAR_COPY``) among the deltas: those of the own Δ (the dense target) and
@@ -210,21 +216,24 @@ class Yardstick:
                 uncredited.update(kept[:1])
         return copies, uncredited
 
+    def _pieces(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """(tensor, a, b): the values [a, b) of each tensor within the chunk [start, stop), in order
+        (a tensor of no values has none)."""
+        for t in range(bisect.bisect_right(self._bounds, start) - 1, len(self._bounds) - 1):
+            if self._bounds[t] >= stop:
+                return
+            a, b = max(start, self._bounds[t]), min(stop, self._bounds[t + 1])
+            if a < b:
+                yield t, a, b
+
     def _judge_alike(self, deltas: list[Tensor], kept: int | None, radius: float) -> list[Judged]:
-        bounds = [0, *itertools.accumulate(self.segments or [self.numel])]
-        count = len(bounds) - 1
+        count = len(self._bounds) - 1
         # per tensor: ‖ref_t‖², and per delta ⟨d_t, ref_t⟩ and ‖d_t‖² (float64 sums, in order)
         ref_sq = [0.0] * count
         dots = [[0.0] * count for _ in deltas]
         norms = [[0.0] * count for _ in deltas]
         for start, ref in self._chunks(kept):
-            stop = start + ref.numel()
-            for t in range(bisect.bisect_right(bounds, start) - 1, count):
-                if bounds[t] >= stop:
-                    break
-                a, b = max(start, bounds[t]), min(stop, bounds[t + 1])
-                if a >= b:
-                    continue  # a tensor of no values
+            for t, a, b in self._pieces(start, start + ref.numel()):
                 piece = ref[a - start : b - start]
                 ref_sq[t] += chunk_dots(piece, None)[1]
                 for n, d in enumerate(deltas):
@@ -254,11 +263,7 @@ class Yardstick:
         held = {n: torch.empty(self.numel) for n in cut}
         if held:  # reference + (delta − reference) · weight, as AroundOwn's lerp, tensor by tensor
             for start, ref in self._chunks(kept):
-                stop = start + ref.numel()
-                for t in range(bisect.bisect_right(bounds, start) - 1, count):
-                    if bounds[t] >= stop:
-                        break
-                    a, b = max(start, bounds[t]), min(stop, bounds[t + 1])
+                for t, a, b in self._pieces(start, start + ref.numel()):
                     for n, out in held.items():
                         weight = weights[n][t] * (1.0 if verdicts[n].weight is None else verdicts[n].weight)
                         torch.lerp(ref[a - start : b - start], deltas[n][a:b].float(), weight, out=out[a:b])
