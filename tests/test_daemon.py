@@ -95,7 +95,11 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
     # the swarm's fragments it saw while catching up were ahead of it, not its peers' faults
     assert "future" not in status["rejected"], status["rejected"]
     first = status["eval_history"][0][1]
-    assert first < FRESH_LOSS - 1.0 and abs(first - swarm_loss) < 0.5, (first, swarm_loss)
+    # near the swarm's loss over the while it joined (it adopts the state the swarm has then: the
+    # swarm's loss read before it started can be a round or two old, falling fast this early)
+    since = a.status()["eval_loss"]
+    low, high = min(swarm_loss, since), max(swarm_loss, since)
+    assert first < FRESH_LOSS - 1.0 and low - 0.5 < first < high + 0.5, (first, swarm_loss, since)
 
     # 4. leave: exit 0 after a final checkpoint; the others keep training
     b_round = b.status()["round"]
