@@ -10,8 +10,8 @@ from where it stopped, and one whose bytes then fail the hash is fetched again f
 Threads: a ``Fetcher`` lives on the transport's event-loop thread ("cgad-net-*"): its coroutines,
 gRPC channels, ``transfers`` and ``bytes_by_path`` are written there only. The trainer's thread
 reads ``transfers`` and ``bytes_by_path`` as snapshots (``list``, ``dict``), which is safe under
-the GIL. The chunk hashing runs on wire's "cgad-sha256" thread; ``decode_and_check`` runs on the
-transport's codec worker thread ("cgad-codec").
+the GIL. The chunk hashing runs on wire's "cgad-sha256" thread; ``receiving.decode_and_check``
+runs on the transport's codec worker thread ("cgad-codec").
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
-import torch
 from google.protobuf.message import Message
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, SwarmKey
-from cgad.protocol.codec import decode
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.framing import iterate_capped
@@ -51,7 +49,7 @@ from cgad.protocol.wire import (
     split_chunk,
 )
 
-__all__ = ["MAX_DESCRIPTION", "MIN_TRANSFER_RATE", "Fetcher", "decode_and_check"]
+__all__ = ["MAX_DESCRIPTION", "MIN_TRANSFER_RATE", "Fetcher"]
 
 MAX_DESCRIPTION = 4096
 RETRY_SECONDS = 2.0  # between passes over a candidate's holders
@@ -69,6 +67,14 @@ UNANSWERED_FOR = 120.0  # seconds
 # this often: the addresses are its claim, and each dial is a connection attempt somewhere.
 DIAL_AGAIN = 30.0  # seconds
 MAX_DIALED = 1024  # holders whose last dial is remembered (a dial older than DIAL_AGAIN is forgotten)
+# A holder answers a request with its header at once, from memory and before any payload: one
+# whose stream is open and stays silent this many connect timeouts (10 s at the default) holds a
+# fetch slot for nothing (a tarpit). It frees the slot, no other path to it is tried, and the
+# holder is passed over for UNANSWERED_FOR seconds (at most MAX_SILENT remembered, the oldest
+# forgotten first). The wait counts from the stream's opening: a dial through a relay is not
+# the holder's silence.
+HEADER_TIMEOUTS = 5.0
+MAX_SILENT = 1024
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,7 @@ class Fetcher:
         # naming another peer's endpoint with a wrong certificate does not get that peer skipped
         self._unanswered: OrderedDict[tuple[str, str | None], float] = OrderedDict()
         self._dialed: OrderedDict[str, float] = OrderedDict()  # peer id -> when its addresses were dialed
+        self._silent: OrderedDict[str, float] = OrderedDict()  # peer id -> until when it is passed over
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -228,6 +235,9 @@ class Fetcher:
         None when this holder could not deliver. ``FragmentError`` when it
         says it no longer keeps them ("not_held"), or when the completed bytes fail the hash
         ("bad_hash": the caller restarts the assembly and knows who else contributed)."""
+        if self.silent(holder.peer_id):
+            self.stats.skipped["silent_holder"] += 1
+            return None
         # the rate floor holds over all of a holder's streams: one that sends a byte per stream
         # and ends it would otherwise be reopened for ever
         since = (time.monotonic(), assembler.received)
@@ -242,7 +252,9 @@ class Fetcher:
             while fruitless < 2:
                 received_before = assembler.received
                 try:
-                    await self._drain(self._open_fetch(path, holder, assembler), assembler, since, min_rate)
+                    opening = _Opening(HEADER_TIMEOUTS * self.options.connect_timeout)
+                    stream = self._open_fetch(path, holder, assembler, opening.opened)
+                    await self._drain(stream, assembler, since, min_rate, opening)
                     if assembler.complete:
                         return assembler.finish()
                     # libp2p reports a dropped connection as a clean end of stream: resume
@@ -252,6 +264,10 @@ class Fetcher:
                         raise
                     if error.reason == "too_slow":  # what it sent stays: the next holder resumes it
                         self.reject("too_slow", f"from {holder.peer_id} over {path}: {error.detail}")
+                        return None
+                    if error.reason == "silent":  # another path to a tarpit is one more wait
+                        self._mark_silent(holder.peer_id)
+                        self.reject("silent", f"from {holder.peer_id} over {path}: {error.detail}")
                         return None
                     logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
                     break
@@ -294,6 +310,21 @@ class Fetcher:
             return False
         return True
 
+    def silent(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` opened a stream and sent no header within the last
+        ``UNANSWERED_FOR`` seconds (passed over until then)."""
+        until = self._silent.get(peer_id)
+        if until is not None and time.monotonic() >= until:
+            del self._silent[peer_id]
+            until = None
+        return until is not None
+
+    def _mark_silent(self, peer_id: str) -> None:
+        self._silent[peer_id] = time.monotonic() + UNANSWERED_FOR
+        self._silent.move_to_end(peer_id)
+        while len(self._silent) > MAX_SILENT:
+            self._silent.popitem(last=False)
+
     def _unanswering(self, endpoint: tuple[str, str | None]) -> bool:
         """Whether ``endpoint`` (with its certificate) failed to answer within the last
         ``UNANSWERED_FOR`` seconds."""
@@ -304,7 +335,12 @@ class Fetcher:
         return until is not None
 
     async def _open_grpc(
-        self, endpoint: str, certificate: str | None, method: str, request: Message
+        self,
+        endpoint: str,
+        certificate: str | None,
+        method: str,
+        request: Message,
+        opened: Callable[[], None] | None = None,
     ) -> AsyncIterator[bytes]:
         """Serialized response messages: ``_drain`` reads chunks out of them in place. With the
         holder's certificate, over TLS that trusts that certificate alone."""
@@ -328,6 +364,8 @@ class Fetcher:
                 self._unanswered.popitem(last=False)
             raise
         call = channel.unary_stream(method, request_serializer=type(request).SerializeToString)(request)
+        if opened is not None:
+            opened()
         try:
             async for message in call:
                 yield message
@@ -335,14 +373,18 @@ class Fetcher:
             call.cancel()
 
     async def _open_libp2p(
-        self, peer_id: str, handler: str, request: Message, response_type: type[Message]
+        self,
+        peer_id: str,
+        handler: str,
+        request: Message,
+        response_type: type[Message],
+        opened: Callable[[], None] | None = None,
     ) -> AsyncIterator[Message]:
         assert self.p2p is not None
         # each response frame's declared length is checked before a byte of it is buffered: a
         # holder's frame is a header or a chunk, never more than CHUNK_BYTES and its framing
-        stream = iterate_capped(
-            self.p2p, PeerID.from_base58(peer_id), handler, request, response_type, CHUNK_BYTES + (64 << 10)
-        )
+        peer, most = PeerID.from_base58(peer_id), CHUNK_BYTES + (64 << 10)
+        stream = iterate_capped(self.p2p, peer, handler, request, response_type, most, opened)
         try:
             async for message in stream:
                 yield message
@@ -351,7 +393,7 @@ class Fetcher:
                 await stream.aclose()
 
     def _open_fetch(
-        self, path: str, holder: Holdings, assembler: ChunkAssembler
+        self, path: str, holder: Holdings, assembler: ChunkAssembler, opened: Callable[[], None] | None = None
     ) -> AsyncIterator[Message | bytes]:
         request = pb.FetchRequest(
             content_hash=assembler.expected_hash,
@@ -362,8 +404,8 @@ class Fetcher:
             self.swarm_key.stamp(request, request.ticket, FETCH_PURPOSE)
         if path == "grpc":
             assert holder.grpc is not None
-            return self._open_grpc(holder.grpc, holder.tls, GRPC_FETCH, request)
-        return self._open_libp2p(holder.peer_id, LIBP2P_FETCH, request, pb.FetchResponse)
+            return self._open_grpc(holder.grpc, holder.tls, GRPC_FETCH, request, opened)
+        return self._open_libp2p(holder.peer_id, LIBP2P_FETCH, request, pb.FetchResponse, opened)
 
     async def _drain(
         self,
@@ -371,11 +413,13 @@ class Fetcher:
         assembler: ChunkAssembler,
         since: tuple[float, int],
         min_rate: float | None = None,
+        opening: _Opening | None = None,
     ) -> None:
         """Read a header-then-chunks stream into ``assembler``, which expects what the signed
         record names; ``FragmentError("too_slow")`` when the holder has sent less than
         ``min_rate`` (None: ``MIN_TRANSFER_RATE``) on average since ``since`` (its first
-        stream: time, bytes then)."""
+        stream: time, bytes then), ``FragmentError("silent")`` when no header came within
+        ``opening``'s wait of the stream's opening."""
         min_rate = MIN_TRANSFER_RATE if min_rate is None else min_rate
         iterator = aiter(stream)
         first = True
@@ -387,9 +431,18 @@ class Fetcher:
                     rate = (assembler.received - start_bytes) / elapsed
                     raise FragmentError("too_slow", f"{rate:.0f} B/s over {elapsed:.0f} s")
                 try:
-                    item = await asyncio.wait_for(anext(iterator), self.options.chunk_timeout)
+                    async with asyncio.timeout(self.options.chunk_timeout) as within:
+                        if first and opening is not None:
+                            opening.within = within  # the open cuts the wait to the header's
+                        item = await anext(iterator)
                 except StopAsyncIteration:
                     break
+                except TimeoutError:
+                    if first and opening is not None and opening.is_open:
+                        raise FragmentError(
+                            "silent", f"no header {opening.wait:.0f} s after opening"
+                        ) from None
+                    raise
                 if isinstance(item, bytes):
                     piece = None if first else split_chunk(item)
                     if piece is not None:
@@ -425,21 +478,18 @@ class Fetcher:
                 await iterator.aclose()
 
 
-def decode_and_check(data: bytearray, numel: int, max_norm: float | None) -> torch.Tensor:
-    """The fp32 tensor in ``data``, refused (``FragmentError``) unless it is 1-D with ``numel``
-    finite floating-point values and, with ``max_norm``, an L2 norm no larger."""
-    tensor = decode(data)
-    if tensor.dim() != 1 or tensor.numel() != numel:
-        raise FragmentError("bad_shape", f"shape {tuple(tensor.shape)}, expected ({numel},)")
-    if not tensor.is_floating_point():
-        raise FragmentError("bad_dtype", str(tensor.dtype))
-    tensor = tensor.float()
-    # on the final values: a finite payload can still overflow in the widening cast or the
-    # block scaling, and nothing non-finite may reach an outer step
-    norm = float(torch.linalg.vector_norm(tensor))
-    if not math.isfinite(norm):
-        raise FragmentError("non_finite", "the decoded values hold NaN or Inf")
-    if max_norm is not None:
-        if not norm <= max_norm:
-            raise FragmentError("norm_too_large", f"norm {norm:.4g} > {max_norm:.4g}")
-    return tensor
+class _Opening:
+    """A stream's opening, as the stream reports it: from then on the holder has ``wait``
+    seconds to send its header (``Fetcher._drain``)."""
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        self.is_open = False
+        self.within: asyncio.Timeout | None = None  # the wait under way for the first message
+
+    def opened(self) -> None:
+        self.is_open = True
+        if self.within is not None:
+            deadline = asyncio.get_running_loop().time() + self.wait
+            when = self.within.when()
+            self.within.reschedule(deadline if when is None else min(when, deadline))

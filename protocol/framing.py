@@ -130,7 +130,13 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
 
 
 async def iterate_capped(
-    p2p: P2P, peer_id: PeerID, name: str, request: Message, response_type: type[Message], max_bytes: int
+    p2p: P2P,
+    peer_id: PeerID,
+    name: str,
+    request: Message,
+    response_type: type[Message],
+    max_bytes: int,
+    opened: Callable[[], None] | None = None,
 ) -> AsyncIterator[Message]:
     """The responses of a stream handler to ``request``, each frame read only when its declared
     length is at most ``max_bytes`` (``FrameTooLarge`` otherwise, nothing of it read); an error
@@ -143,11 +149,15 @@ async def iterate_capped(
         request: the one request.
         response_type: the responses' protobuf type.
         max_bytes: the largest response frame read.
+        opened: called once the stream is open and the request sent (what comes after is the
+            holder's to answer).
     """
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
     with contextlib.closing(writer):
         await P2P.send_protobuf(request, writer)
         await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+        if opened is not None:
+            opened()
         while True:
             try:
                 marker, data = await read_frame(reader, max_bytes)

@@ -396,7 +396,7 @@ def test_encoding_a_large_tensor_keeps_the_scratch_bounded() -> None:
 def test_a_header_that_widens_finite_bytes_into_inf_is_refused_after_decoding():
     """fp32 bytes of 1e6 whose header claims float16: decode() casts them to Inf; the check on
     the final values refuses them (the hash and checksum of such bytes are perfectly valid)."""
-    from cgad.protocol.fetching import decode_and_check
+    from cgad.protocol.receiving import decode_and_check
 
     data = bytearray(encode(torch.full((8,), 1e6), "fp32"))
     data[6] = 1  # the dtype byte: float16

@@ -1,0 +1,139 @@
+"""A tarpit holder (it accepts a fetch and never answers) frees the fetch slot within the header's
+wait, is passed over afterwards, and never makes the link look busy or slow.
+
+Real gRPC servers on loopback: one that never answers, one that serves the bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from cgad.protocol import fetching
+from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.config import NetworkOptions
+from cgad.protocol.fetching import Fetcher
+from cgad.protocol.receiving import bytes_ahead, link_busy, waited_on
+from cgad.protocol.records import Holdings, Offer
+from cgad.protocol.selection import Candidate
+from cgad.protocol.transport import FragmentKey, Kind, TransportStats
+from cgad.protocol.wire import SERVICE, ChunkAssembler
+
+DATA = bytes(range(256)) * 256  # 64 KiB
+HASH = hashlib.sha256(DATA).digest()
+TARPIT, HONEST, PUBLISHER = "QmTarpitABCDEFGH9", "QmHonestABCDEFGH9", "QmPub1isherABCDE9"
+
+
+async def _serve(handler: object) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    fetch = grpc.unary_stream_rpc_method_handler(handler, request_deserializer=pb.FetchRequest.FromString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Fetch": fetch})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _silent(request: pb.FetchRequest, context: object) -> AsyncIterator[bytes]:
+    await asyncio.sleep(3600)  # the call is open; nothing is ever sent
+    yield b""
+
+
+async def _honest(request: pb.FetchRequest, context: object) -> AsyncIterator[bytes]:
+    header = pb.FragmentHeader(content_hash=HASH, byte_length=len(DATA))
+    yield pb.FetchResponse(header=header).SerializeToString()
+    for offset in range(request.offset, len(DATA), 16384):
+        chunk = pb.Chunk(offset=offset, data=DATA[offset : offset + 16384])
+        yield pb.FetchResponse(chunk=chunk).SerializeToString()
+
+
+def _candidate(holders: list[Holdings]) -> Candidate:
+    offer = Offer(
+        publisher=PUBLISHER, base_version=3, kind="delta", tokens=1, codec="fp32",
+        numel=len(DATA) // 4, content_hash=HASH, byte_length=len(DATA),
+    )  # fmt: skip
+    return Candidate(FragmentKey(PUBLISHER, 0, 3, Kind.DELTA), offer, holders)
+
+
+def test_a_tarpit_holder_frees_the_slot_and_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch listing the tarpit first gets the bytes from the next holder once the tarpit's
+    header wait (5 connect timeouts: 1 s here) is over, far within the chunk timeout (15 s) it
+    waited before, twice per path; the next fetch passes the tarpit over at once."""
+    options = NetworkOptions(run_id="t", connect_timeout=0.2, paths=["grpc"])
+    reasons: list[str] = []
+    stats = TransportStats()
+    fetcher = Fetcher(options, stats, lambda reason, detail: reasons.append(reason))
+
+    async def main() -> tuple[float, float, bytes, bytes]:
+        tarpit, tarpit_at = await _serve(_silent)
+        honest, honest_at = await _serve(_honest)
+        holders = [
+            Holdings(peer_id=TARPIT, grpc=tarpit_at, offers=[]),
+            Holdings(peer_id=HONEST, grpc=honest_at, offers=[]),
+        ]
+        try:
+            started = time.monotonic()
+            first = await fetcher.fetch(_candidate(holders), timeout=30)
+            waited = time.monotonic() - started
+            started = time.monotonic()
+            second = await fetcher.fetch(_candidate(holders), timeout=30)
+            return waited, time.monotonic() - started, bytes(first), bytes(second)
+        finally:
+            await fetcher.close()
+            await tarpit.stop(None)
+            await honest.stop(None)
+
+    waited, again, first, second = asyncio.run(main())
+    assert first == DATA and second == DATA
+    assert 0.9 <= waited < 3.0  # the header's wait, not the chunk timeout's
+    assert again < 0.5  # the tarpit is passed over
+    assert reasons == ["silent"] and stats.skipped["silent_holder"] == 1
+    assert fetcher.silent(TARPIT) and not fetcher.silent(HONEST)
+    monkeypatch.setattr(fetching, "UNANSWERED_FOR", 0.0)
+    fetcher._silent[TARPIT] = time.monotonic()
+    assert not fetcher.silent(TARPIT)  # its time is up: it is asked again
+
+
+def test_a_slow_open_is_not_silence() -> None:
+    """The header's wait counts from the stream's opening: an open that takes longer than it (a
+    dial through a relay) is waited for as before, up to the chunk timeout."""
+
+    async def main() -> str:
+        fetcher = Fetcher(
+            NetworkOptions(run_id="t", connect_timeout=0.02, chunk_timeout=2.0), TransportStats(), print
+        )
+        opening = fetching._Opening(0.1)
+
+        async def stream() -> AsyncIterator[pb.FetchResponse]:
+            await asyncio.sleep(0.3)  # opening: three header waits long
+            opening.opened()
+            yield pb.FetchResponse(header=pb.FragmentHeader(content_hash=HASH, byte_length=len(DATA)))
+            yield pb.FetchResponse(chunk=pb.Chunk(offset=0, data=DATA))
+
+        assembler = ChunkAssembler(HASH, len(DATA))
+        await fetcher._drain(stream(), assembler, (time.monotonic(), 0), None, opening)
+        return bytes(assembler.finish()) == DATA and "whole"
+
+    assert asyncio.run(main()) == "whole"
+
+
+def test_silent_transfers_leave_the_link_idle() -> None:
+    """What the scheduler sees of fetches in flight: a transfer whose holder answered, or was
+    asked within the grace (a connect timeout), holds the link; one silent for longer (a tarpit)
+    adds no bytes ahead and no busy time (busy time without bytes makes the link look slow, and
+    honest offers too late)."""
+    silent = ChunkAssembler(HASH, len(DATA))
+    answered = ChunkAssembler(HASH, len(DATA))
+    answered.check_header(pb.FragmentHeader(content_hash=HASH, byte_length=len(DATA)))
+    now = silent.asked_at + 5.0  # both asked 5 s ago, past a 2 s grace
+    assert waited_on(silent, silent.asked_at + 1.0, 2.0)  # a moment old: counted as before
+    assert not waited_on(silent, now, 2.0) and waited_on(answered, now, 2.0)
+    assert bytes_ahead([silent, silent], now, 2.0) == 0
+    assert bytes_ahead([silent, answered], now, 2.0) == len(DATA)
+    assert not link_busy(True, 0, [silent, silent], now, 2.0)
+    assert link_busy(True, 0, [silent, answered], now, 2.0)
+    assert link_busy(True, 4096, [], now, 2.0)  # a fetch that answered and finished in between
+    assert not link_busy(False, 0, [answered], now, 2.0)  # nothing was in flight at the last reading
