@@ -80,3 +80,46 @@ def test_a_steady_reader_above_the_fixed_floor_is_ended_in_time(monkeypatch: pyt
 
     assert asyncio.run(read(0.0)) == 65  # the header and every chunk
     assert asyncio.run(read(pause)) < 40  # ended near 3 x grace (~0.9 s, ~18 chunks)
+
+
+def test_snapshot_slots_go_round_when_askers_reopen_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two identities that hold both slots and reopen the moment a stream closes (issue 46, item 6):
+    a joiner turned away once is served before either is served again, and the slot then goes
+    round between the askers that wait; an asker alone reopens at once (the next range of its
+    download)."""
+    monkeypatch.setattr(serving, "WAITING_SECONDS", 0.3)
+    server, digest = _server_with_snapshot(4 << 20)
+    request = pb.FetchRequest(content_hash=digest)
+
+    async def first_message(asker: str):
+        stream = server._fetch(request, serialized=False, asker=asker)
+        return stream, await anext(stream)
+
+    async def scenario() -> None:
+        a, header = await first_message("QmSquatterA")
+        b, header = await first_message("QmSquatterB")
+        _, refusal = await first_message("QmJoiner")  # both slots held
+        assert refusal.WhichOneof("part") == "error"
+        await a.aclose()
+        _, refusal = await first_message("QmSquatterA")  # at once: the joiner waits
+        assert refusal.WhichOneof("part") == "error" and "wait" in refusal.error
+        joiner, header = await first_message("QmJoiner")
+        assert header.WhichOneof("part") == "header"
+        await joiner.aclose()
+        _, refusal = await first_message("QmJoiner")  # its next range: the squatter waited too
+        assert refusal.WhichOneof("part") == "error" and "wait" in refusal.error
+        a, header = await first_message("QmSquatterA")  # turns, not a slot for good
+        assert header.WhichOneof("part") == "header"
+        await a.aclose()
+        await b.aclose()
+        joiner, header = await first_message("QmJoiner")
+        assert header.WhichOneof("part") == "header"
+        await joiner.aclose()
+        await asyncio.sleep(0.4)  # every wait is old: an asker alone reopens at once
+        again, header = await first_message("QmJoiner")
+        assert header.WhichOneof("part") == "header"
+        await again.aclose()
+
+    asyncio.run(scenario())
+    assert server.stats.rejected["state_turn"] == 2
+    assert server.state_streams == 0 and not server._state_askers
