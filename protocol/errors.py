@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = ["FragmentError"]
 
 
@@ -12,7 +14,10 @@ class FragmentError(ValueError):
     ...): transports count rejections by it, so keep the set of reasons small and stable.
     """
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", blamed: Mapping[str, str] | None = None) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+        # a download that failed: the holders at fault (peer id -> "bad_hash": bytes of its own
+        # that failed the signed hash; "slow": slower than the download needed), not the others
+        self.blamed: Mapping[str, str] = dict(blamed or {})

@@ -130,8 +130,8 @@ class Fetcher:
         self.transfers[candidate.key] = assembler
         loop = asyncio.get_running_loop()
         started = loop.time()
-        # holders that no longer keep these bytes, or sent wrong ones: no later pass tries them
-        gone: set[str] = set()
+        # holders that no longer keep these bytes, sent wrong ones or trickled (why): no later pass
+        gone: dict[str, str] = {}
         contributors: list[str] = []  # whose bytes the assembly holds now
         try:
             async with asyncio.timeout(timeout):
@@ -157,6 +157,7 @@ class Fetcher:
             "unavailable",
             f"{candidate.key}: {ending} at {assembler.received / 1e6:.1f} of {offer.byte_length / 1e6:.1f} MB"
             f" ({assembler.received / seconds / 1e3:.0f} kB/s, {len(candidate.holders)} holder(s))",
+            {peer: why for peer, why in gone.items() if why != "not_held"},
         )
 
     async def _fetch_judged(
@@ -164,7 +165,7 @@ class Fetcher:
         holder: Holdings,
         assembler: ChunkAssembler,
         contributors: list[str],
-        gone: set[str],
+        gone: dict[str, str],
         min_rate: float | None = None,
     ) -> bytearray | None:
         """``fetch_from``, with the blame for bytes that fail the hash put where it belongs. The
@@ -178,7 +179,7 @@ class Fetcher:
             data = await self.fetch_from(holder, assembler, min_rate=min_rate)
         except FragmentError as error:
             if error.reason == "not_held":
-                gone.add(holder.peer_id)
+                gone[holder.peer_id] = "not_held"
                 return None
             if error.reason != "bad_hash":
                 raise
@@ -189,13 +190,13 @@ class Fetcher:
                 self.reject("bad_hash", f"from one of {', '.join([*others, holder.peer_id])}: {error.detail}")
                 return await self._fetch_judged(holder, assembler, contributors, gone, min_rate)
             self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
-            gone.add(holder.peer_id)
+            gone[holder.peer_id] = "bad_hash"
             return None
         if assembler.received > before and holder.peer_id not in contributors:
             contributors.append(holder.peer_id)
         elapsed, floor = time.monotonic() - started, MIN_TRANSFER_RATE if min_rate is None else min_rate
         if data is None and elapsed > MIN_RATE_GRACE and assembler.received - before < floor * elapsed:
-            gone.add(holder.peer_id)  # it trickled: another pass would only trickle again
+            gone[holder.peer_id] = "slow"  # it trickled: another pass would only trickle again
         return data
 
     async def describe(self, peer_id: str) -> tuple[str, str]:

@@ -37,23 +37,25 @@ PIECE_BYTES = 4 << 20  # a range: a few seconds of a 10 Mbit uplink, few enough 
 MAX_SOURCES = 4  # holders one download draws from at once
 ENDGAME_SECONDS = 2.0  # a range under way this long may be taken over by a holder twice as fast
 # a holder must deliver at least this share of its part of the rate that brings the whole in
-# within the download's time (honest holders' rates vary; the others take over the rest)
+# within the download's time (honest holders' rates vary; the others take over the rest); one
+# holder at a time, the whole rate: slower, it cannot finish in time (a holder at 0.6 of it ran
+# the download to its timeout before the next holder was tried)
 HOLDER_RATE_SHARE = 0.5
 
 
 def state_min_rate(byte_length: int, timeout: float, holders: int) -> float:
     """Bytes per second each of ``holders`` must deliver on average (after ``MIN_RATE_GRACE``):
-    ``HOLDER_RATE_SHARE`` of its share of ``byte_length`` over ``timeout``, and at least the
-    fetcher's floor for any transfer. The timeout is the joiner's own (its link, the size it
-    expects), so the floor is too, never the holder's.
+    ``HOLDER_RATE_SHARE`` of its share of ``byte_length`` over ``timeout`` (all of it from one
+    holder at a time), and at least the fetcher's floor for any transfer. The timeout is the
+    joiner's own (its link, the size it expects), so the floor is too, never the holder's.
 
     Args:
         byte_length: the snapshot's size (its record's claim: a larger claim only raises it).
         timeout: seconds the whole download may take.
-        holders: holders drawn from at once.
+        holders: holders drawn from at once (1: one at a time).
     """
     needed = byte_length / max(timeout, 1e-9) / max(holders, 1)
-    return max(MIN_TRANSFER_RATE, HOLDER_RATE_SHARE * needed)
+    return max(MIN_TRANSFER_RATE, (HOLDER_RATE_SHARE if holders > 1 else 1.0) * needed)
 
 
 logger = logging.getLogger(__name__)
@@ -102,7 +104,7 @@ async def fetch_from_many(
         for start in range(0, end, PIECE_BYTES)
     ]
     waiting = deque(pieces)  # ranges nobody is fetching now, resumed where they stopped
-    gone: set[str] = set()  # holders that no longer keep it, or trickled
+    gone: dict[str, str] = {}  # holders that no longer keep it, or trickled (why)
     # the range each worker fetches now: (its task, when it began, bytes in then)
     under_way: dict[int, tuple[asyncio.Task, float, int]] = {}
     rates: dict[str, float] = {}  # each holder's rate over its last whole range
@@ -137,7 +139,7 @@ async def fetch_from_many(
                 await fetcher.fetch_from(holder, piece, min_rate=min_rate)
             except FragmentError as error:  # not_held: it keeps none of it any more
                 logger.debug("holder %s: %s", holder.peer_id, error)
-                gone.add(holder.peer_id)
+                gone[holder.peer_id] = "not_held"
             finally:
                 del under_way[index]
                 if not piece.complete:
@@ -147,7 +149,7 @@ async def fetch_from_many(
                 rates[holder.peer_id] = (piece.received - before) / max(elapsed, 1e-9)
                 continue
             if elapsed > MIN_RATE_GRACE and piece.received - before < min_rate * elapsed:
-                gone.add(holder.peer_id)  # it trickled: another pass would only trickle again
+                gone[holder.peer_id] = "slow"  # it trickled: another pass would only trickle again
             return
 
     fetcher.transfers[candidate.key] = _Progress(offer.byte_length, pieces)  # type: ignore[assignment]
@@ -176,6 +178,7 @@ async def fetch_from_many(
             "unavailable",
             f"{candidate.key}: timed out after {timeout:.0f} s at {done / 1e6:.1f} of"
             f" {offer.byte_length / 1e6:.1f} MB ({len(holders)} holder(s) at once)",
+            {peer: why for peer, why in gone.items() if why != "not_held"},
         )
     # what the ranges could not give: one holder at a time, with the blame where it belongs
     return await fetcher.fetch(candidate, left, passes, state_min_rate(offer.byte_length, left, 1))

@@ -18,7 +18,10 @@ from cgad.node.daemon.checkpoint import pack
 from cgad.node.daemon.joining import StateSync, state_timeout
 from cgad.node.member.outer import OuterLoop
 from cgad.node.sim.memory import VirtualNetwork
-from cgad.protocol.records import PROTOCOL_VERSION
+from cgad.protocol import FragmentError
+from cgad.protocol.records import PROTOCOL_VERSION, Holdings, Offer
+from cgad.protocol.selection import Candidate
+from cgad.protocol.transport import FragmentKey, Kind
 from cgad.protocol.wire import response_stream, serialized_response_stream
 
 SWARM = {"run_id": RUN, "model": "m", "tokenizer": "t", "optimizer": "cga", "fragments": 1}
@@ -263,3 +266,38 @@ def test_a_resync_downloads_off_the_trainers_thread_and_adopts_at_a_later_call()
             time.sleep(0.2)
             adopted = sync.sync(required=False)
         assert adopted == (holder.peer_id, 20) and sync.loop.versions == [20]
+
+
+def test_a_failed_download_counts_against_the_holders_at_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46, item 6: a re-server that lies or trickles made the download fail and the honest
+    publisher took the blame (its snapshots tried later). The holders a failure names are left out
+    of the sync's later downloads, and only the publisher's own fault, or a failure that names
+    nobody, counts against it; its own bytes failing its own hash refuses it for the sync."""
+    liar, publisher = "QmLiarABCDEFGHJK9", "QmPub1isherABCDE9"
+    offer = Offer(
+        publisher=publisher, base_version=3, kind="state", tokens=0, codec="state", numel=1,
+        content_hash=bytes(32), byte_length=1000,
+    )  # fmt: skip
+    holders = [Holdings(peer_id=p, grpc=None, offers=[]) for p in (liar, publisher)]
+    candidate = Candidate(FragmentKey(RUN, 0, 3, publisher, Kind.STATE), offer, holders)
+    asked: list[list[str]] = []
+    blame: dict[str, str] = {}
+
+    def fetch_state(candidate: Candidate, timeout: float) -> bytearray:
+        asked.append([h.peer_id for h in candidate.holders])
+        raise FragmentError("unavailable", "every holder failed", blame)
+
+    with make_transport() as joiner:
+        monkeypatch.setattr(joiner, "fetch_state", fetch_state)
+        sync = _sync(joiner)
+        blame.update({liar: "bad_hash"})
+        assert sync._download(candidate, 30.0, []) is None
+        assert sync._misses == {} and sync._refused_from == set()  # the re-server's fault
+        blame.clear()  # the publisher alone now, and it fails with nobody named (a timeout)
+        assert sync._download(candidate, 30.0, []) is None
+        assert asked == [[liar, publisher], [publisher]] and sync._misses == {publisher: 1}
+        blame.update({publisher: "bad_hash"})  # its own bytes fail its own hash
+        assert sync._download(candidate, 30.0, []) is None
+        assert sync._refused_from == {publisher}
+        assert sync._download(candidate, 30.0, []) is None  # no holder left to ask
+        assert len(asked) == 3

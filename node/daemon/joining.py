@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -137,6 +138,9 @@ class StateSync:
         self._misses: dict[str, int] = {}  # downloads per publisher that brought nothing: tried later
         self._refused: set[bytes] = set()  # snapshots (by hash) whose bytes were refused: never again
         self._refused_from: set[str] = set()  # publishers refused in this sync: none of theirs again
+        # holders at fault in a download of this sync (bytes of their own that failed the hash, or
+        # too slow): left out of its later downloads, and their fault is not the publisher's
+        self._blamed: set[str] = set()
         # a first sync ran (at the node's start, before it trains), or none will: a swarm's first
         # node (no --peers) starts alone, and any sync of its later is a re-sync, off its trainer
         self._synced = not config.peers
@@ -190,7 +194,7 @@ class StateSync:
         first, self._synced = not self._synced, True
         if not (required or first) if wait is None else not wait:
             return self._resync_in_background()
-        self._refused_from = set()
+        self._refused_from, self._blamed = set(), set()
         give_up = time.monotonic() + self.config.join_timeout  # what any sync may take
         retry_until = time.monotonic() + (self.config.join_timeout if required else 10.0)
         failures: list[str] = []
@@ -343,18 +347,31 @@ class StateSync:
         return sorted(offers, key=order)
 
     def _download(self, candidate: Candidate, left: float, failures: list[str]) -> bytes | bytearray | None:
-        """A snapshot's bytes within ``state_timeout`` (at most ``left`` seconds), or None."""
+        """A snapshot's bytes within ``state_timeout`` (at most ``left`` seconds), or None. Holders
+        at fault in an earlier download of this sync are left out; a failure blames the holders at
+        fault (``FragmentError.blamed``): a publisher whose own bytes failed its own hash is
+        refused for the sync, and a failure counts against the publisher (its snapshots are
+        tried later) where it was too slow itself or nobody is named, never for a re-server's."""
         peer, size = candidate.key.publisher, candidate.offer.byte_length
+        holders = [h for h in candidate.holders if h.peer_id not in self._blamed]
+        if not holders:
+            failures.append(f"the snapshot of {peer}: every holder was at fault in this sync")
+            return None
         timeout = state_timeout(size, self._expected_bytes(), self.transport.downlink_rate, left)
         logger.info(
             "downloading the state of %s (version %d, %.1f MB) from %d holder(s) within %.0f s",
-            peer, candidate.key.base_version, size / 1e6, len(candidate.holders), timeout,
+            peer, candidate.key.base_version, size / 1e6, len(holders), timeout,
         )  # fmt: skip
         try:
-            return self.transport.fetch_state(candidate, timeout)
+            return self.transport.fetch_state(replace(candidate, holders=holders), timeout)
         except (FragmentError, TimeoutError) as exc:
             failures.append(str(exc))
-            self._misses[peer] = self._misses.get(peer, 0) + 1
+            blamed = exc.blamed if isinstance(exc, FragmentError) else {}
+            self._blamed.update(blamed)
+            if blamed.get(peer) == "bad_hash":
+                self._refused_from.add(peer)
+            elif peer in blamed or not blamed:
+                self._misses[peer] = self._misses.get(peer, 0) + 1
             logger.warning("state download failed: %s", exc)
             return None
 
