@@ -84,16 +84,14 @@ DISCOVERY_POLLS = 1.5  # --codec auto: a delivery's seconds besides its bytes, i
 class NetworkTransport(Transport):
     """``Transport`` over a hivemind DHT, with bytes over direct gRPC or libp2p streams.
 
-    ``options`` may be any ``NetworkOptions`` subclass (a node's whole configuration): only its
-    ``NetworkOptions`` fields are read, copied once here. ``fragment_numel`` names the fragments
-    to receive, with the number of values each must have; ``identity`` defaults to the key file
-    ``options.identity`` (created if missing), or a fresh key. ``stale_after`` is the age (in
-    versions of this peer's own fragment) from which a delivery no longer counts in the outer
-    step: such offers are not fetched, and fetches in flight are cancelled once they reach it
-    (``scheduling``); None when every age counts. ``max_ahead`` is how many versions ahead of
-    this peer's own an offer may claim to be and still be fetched (the outer step's cutoff);
-    None: the history horizon. An ``observer`` (a swarm monitor) reads the records and writes
-    none: it never appears as a peer."""
+    ``options``: any ``NetworkOptions`` subclass (only its ``NetworkOptions`` fields are read,
+    copied once here). ``fragment_numel``: the fragments to receive and the values each must
+    have; ``identity`` defaults to the key file ``options.identity`` (made if missing), or a fresh
+    key. ``stale_after``: the age (in versions of this peer's fragment) from which a delivery no
+    longer counts: such offers are not fetched, fetches in flight are cancelled once they reach
+    it (``scheduling``); None: every age counts. ``max_ahead``: how far ahead of this peer's own
+    version an offer may claim to be and still be fetched (None: the history horizon). ``kinds``:
+    the kinds fetched (None: all). An ``observer`` (a monitor) writes no record: it is no peer."""
 
     def __init__(
         self,
@@ -105,6 +103,7 @@ class NetworkTransport(Transport):
         stale_after: int | None = None,
         max_ahead: int | None = None,
         observer: bool = False,
+        kinds: frozenset[str] | None = None,
     ) -> None:
         fields = set(NetworkOptions.model_fields)
         self.options = NetworkOptions.model_validate(options.model_dump(include=fields))
@@ -129,6 +128,7 @@ class NetworkTransport(Transport):
             history_versions=self.options.history_versions,
             record_ttl=self.options.record_ttl,
             max_ahead=max_ahead,
+            kinds=kinds,
         )
         self._version_clock = VersionClock()
         self._inbox = Inbox()

@@ -187,6 +187,7 @@ class OfferSelector:
         max_ahead: offers further ahead of this peer's own version are refused unfetched.
         rng: the draw among publishers (seeded: the same choices every time).
         pending_seconds: how long a chosen offer holds its slot without its bytes verifying.
+        kinds: the kinds this peer uses (``Kind`` values; None: every kind): no other is fetched.
     """
 
     def __init__(
@@ -200,8 +201,10 @@ class OfferSelector:
         max_ahead: int | None = None,
         rng: random.Random | None = None,
         pending_seconds: float = PENDING_SECONDS,
+        kinds: frozenset[str] | None = None,
     ) -> None:
         self.run_id = run_id
+        self.kinds = kinds
         self.peer_id = peer_id
         self.fan_in = fan_in
         self.history_versions = history_versions
@@ -277,6 +280,8 @@ class OfferSelector:
         for holder, offer in self._vouched(holdings):
             if offer.kind == Kind.STATE:
                 continue  # a snapshot in a fragment's record: only choose_states takes those
+            if self.kinds is not None and offer.kind not in self.kinds:
+                continue  # bytes this peer would drop
             if self.too_old(offer.base_version, own):
                 continue  # far too old to matter to any outer step
             kind = Kind(offer.kind)

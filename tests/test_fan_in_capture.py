@@ -156,3 +156,24 @@ def test_a_fetch_that_leaves_without_its_bytes_frees_its_slot():
     for candidate in chosen:
         selector.release(candidate)
     assert selector.choose(0, 32, [offer(version + 1)], own=3, now=6.0).candidates
+
+
+def test_only_the_kinds_the_member_uses_are_fetched() -> None:
+    """A member with its own first moment (``--moments own``) and no φ mixing takes its peers'
+    deltas only: their moments and φ would be bytes it drops (``UsableVersions.kinds``)."""
+    from cgad.node.config import OuterOptions
+    from cgad.node.member.methods import UsableVersions
+
+    own = UsableVersions.of(OuterOptions(moments="own", mixing="none")).kinds
+    assert own == {"delta"}
+    assert UsableVersions.of(OuterOptions()).kinds == {"delta", "params", "moments"}  # cga: late mixing
+    assert UsableVersions.of(OuterOptions(optimizer="local")).kinds == set()  # the floor takes nothing
+    publisher = HONEST[0]
+    kinds = ("delta", "params", "moments")
+    offers = [_offer(publisher, OWN, kind.encode()).copy(update={"kind": kind}) for kind in kinds]
+    record = Holdings(peer_id=publisher, grpc=None, offers=offers)
+    selector = OfferSelector(RUN, ME, fan_in=4, history_versions=64, record_ttl=120.0, max_ahead=4, kinds=own)
+    chosen = selector.choose(0, NUMEL, [record], OWN, 0.0, swarm=OWN).candidates
+    assert [c.key.kind for c in chosen] == [Kind.DELTA]
+    everything = _selector().choose(0, NUMEL, [record], OWN, 0.0, swarm=OWN).candidates
+    assert {c.key.kind for c in everything} == {Kind.DELTA, Kind.PARAMS, Kind.MOMENTS}

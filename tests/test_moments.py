@@ -13,7 +13,7 @@ from cgad.node.member.outer import OuterLoop
 from cgad.node.sim.memory import VirtualNetwork
 from cgad.optim import staleness_weight
 from cgad.protocol.codec import decode, encode
-from cgad.protocol.transport import FragmentKey, Kind
+from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 NUMEL = 512
 
@@ -152,3 +152,21 @@ def test_a_peers_first_moment_a_version_late_weighs_as_a_delta_of_that_age() -> 
     own = _as_sent(m_a)
     want = _within_reach(opt_a, m_a + w * (_as_sent(theirs) - own) / (w + 1))
     assert a.counters.moments_mixed == 1 and torch.allclose(_m(opt_a), want, atol=1e-6)
+
+
+def test_the_first_moment_of_a_refused_delta_is_not_mixed() -> None:
+    """A peer whose Δ the step refuses (opposed to the own) is not trusted with its m either,
+    however well its m passes on its own; the m of a delta taken is mixed."""
+    network = VirtualNetwork()
+    a, opt_a = _member(network, "a", 0)
+    m_a = _m(opt_a)
+    evil = network.join("evil")
+    version = a.versions[0]
+    a.publish(0, tokens=10)
+    delta = a._turn[0].tensor  # the own Δ as published: the evil one sends its opposite
+    evil.publish(Fragment(FragmentKey("run", 0, version, "evil"), -delta, 10))
+    m_key = FragmentKey("run", 0, version, "evil", Kind.MOMENTS)
+    evil.publish_encoded(m_key, encode(m_a, CODEC), codec=CODEC, numel=m_a.numel(), tokens=10)
+    a.apply(0)
+    assert a.counters.rejected["opposed"] == 1 and a.counters.rejected["moments_refused"] == 1
+    assert a.counters.moments_mixed == 0 and torch.equal(_m(opt_a), m_a)

@@ -107,9 +107,8 @@ class Node(MemberHooks):
         self.eval_batches = self.dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
         params = list(self.model.parameters())
         numels = layout_numels(params, c.fragments)
-        # the transport and the outer loop read their own parts of the one configuration
-        # a snapshot holds φ and at most two more model-sized tensors of outer state, in fp32, and a
-        # little metadata: a record announcing more is refused before any byte moves
+        # the transport and the outer loop read their own parts of the one configuration; a snapshot
+        # holds φ and at most two more model-sized fp32 tensors and a little metadata: no more
         state_bound = 16 * sum(p.numel() for p in params) + (1 << 20)
         usable = UsableVersions.of(c)  # what the outer step can use is all the transport fetches
         self.transport = NetworkTransport(
@@ -119,6 +118,7 @@ class Node(MemberHooks):
             identity=self.identity,
             stale_after=usable.stale_after,
             max_ahead=usable.max_ahead,
+            kinds=usable.kinds,
         )
         self.transport.describe_as(json.dumps(self.swarm))
         try:  # from here on, a failure must not leave the transport's sockets and p2pd behind

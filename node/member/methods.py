@@ -29,6 +29,7 @@ from cgad.optim import (
     merge,
     staleness_weight,
 )
+from cgad.protocol.transport import Kind
 
 __all__ = ["METHODS", "Contribution", "OuterMethod", "UsableVersions", "method"]
 
@@ -393,21 +394,32 @@ def method(name: str) -> OuterMethod:
 
 @dataclass(frozen=True)
 class UsableVersions:
-    """Which versions of a peer's delta can count in an outer step. The member's step drops what
-    falls outside (a delta further ahead than the cutoff, counted ``future``; one aged to a
-    weight of 0); a daemon's transport does not fetch it, so both clocks keep one window.
+    """Which of a peer's fragments can count in an outer step: their versions and their kinds.
+    The member's step drops what falls outside (a delta further ahead than the cutoff, counted
+    ``future``; one aged to a weight of 0); a daemon's transport does not fetch it, so both
+    clocks keep one window, and no bytes come for a kind the member never uses.
 
     Args:
         stale_after: the age from which a delivery counts for nothing (None: every age counts).
         max_ahead: how far ahead of the member's own version a delta may claim to be.
+        kinds: the kinds the member uses (``Kind`` values): deltas where the method shares them,
+            φ where it or ``--mixing`` mixes them, first moments under ``--moments shared``.
     """
 
     stale_after: int | None
     max_ahead: float
+    kinds: frozenset[str] = frozenset(k.value for k in (Kind.DELTA, Kind.PARAMS, Kind.MOMENTS))
 
     @classmethod
     def of(cls, options: OuterOptions) -> UsableVersions:
-        return cls(method(options.optimizer).stale_after(options), options.cutoff)
+        m = method(options.optimizer)
+        uses = {
+            Kind.DELTA: m.shares,
+            Kind.PARAMS: m.mixes_params or options.mixing != "none",
+            Kind.MOMENTS: m.shares and options.moments == "shared",
+        }
+        kinds = frozenset(k.value for k, used in uses.items() if used)
+        return cls(m.stale_after(options), options.cutoff, kinds)
 
     def too_far_ahead(self, version: int, own: int) -> bool:
         return version > own + self.max_ahead

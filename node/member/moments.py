@@ -26,7 +26,7 @@ past the cutoff, keeps its own m exactly.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -149,11 +149,17 @@ class SharedMoments:
         moments_key = FragmentKey(key.run_id, key.fragment, key.base_version, key.publisher, Kind.MOMENTS)
         self.transport.publish_encoded(moments_key, data, codec=CODEC, numel=flat.numel(), tokens=tokens)
 
-    def mix(self, f: int, version: int) -> int:
+    def mix(self, f: int, version: int, refused: Collection[tuple[int, str, int]] = ()) -> int:
         """After fragment f's outer step from ``version``: average the own m as sent with the
         peers' fresh ones (each judged around it) into the trainer's m; how many peers' were taken.
-        Every m received for f is drained, used or not."""
+        Every m received for f is drained, used or not; the m of a delta the step refused
+        (``refused``: fragment, publisher, version) is not mixed either."""
         received = self.transport.receive(f, Kind.MOMENTS)
+        if refused:
+            bad = set(refused)
+            kept = [m for m in received if (f, m.key.publisher, m.key.base_version) not in bad]
+            self.counters.rejected["moments_refused"] += len(received) - len(kept)
+            received = kept
         sent = self._sent.pop(f, None)
         if not self.on or sent is None or sent[0] != version:
             return 0

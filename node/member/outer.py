@@ -16,11 +16,10 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
    with the peers' fresh first moments averaged into its own; a peer behind the swarm's version
    then replays the peers' deltas of each version it missed (``apply(swarm_version=)``).
 
-A peer that fell more than the cutoff behind the swarm re-syncs its state (the driver's call, from
-the swarm's progress records: ``state_dict`` / ``load_state_dict``, ``fast_forward``). Deliveries
-outside the usable versions (``methods.UsableVersions``) are dropped. The loop is driven from one
-thread (the trainer's); a daemon that serves its state to joiners from another thread holds its
-own lock around ``sync`` and ``state_dict``.
+A peer that fell more than the cutoff behind re-syncs its state (the driver's call: ``state_dict``
+/ ``load_state_dict``, ``fast_forward``). Deliveries outside ``methods.UsableVersions`` are dropped.
+One thread drives the loop (the trainer's); a daemon serving its state from another holds its own
+lock around ``sync`` and ``state_dict``.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from cgad.protocol.fan_in import takeable
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
+REFUSED_KEPT = 1024  # the latest refused deliveries, whose first moments are not mixed either
 TOKEN_CAP = 2  # a delivery weighs at most this many times the receiver's own block (claims are cheap)
 
 __all__ = ["OuterLoop", "inner_lr_scale"]
@@ -104,6 +104,7 @@ class OuterLoop:
         # capped at TOKEN_CAP times them (the Δ itself, judged against, is the sender's: Yardstick)
         self._own_tokens: dict[int, int] = {}
         self._ahead: dict[int, list[Fragment]] = {}  # peers' deltas of versions not reached yet
+        self._refused: deque[tuple[int, str, int]] = deque(maxlen=REFUSED_KEPT)  # (f, publisher, version)
         # members a fresh step averages (1: alone), the inner lr's count; a joiner counts from 1
         self.averaged = 1.0
         self.audience = Audience(transport, math.ceil(options.cutoff * options.fragments), heard)
@@ -132,10 +133,9 @@ class OuterLoop:
     def publish(self, f: int, tokens: int, share: bool = True) -> None:
         """Compute Δ_f = φ_f − θ_f and hand it to the transport (and φ_f too, for mixing). With
         ``share`` False the block is discarded: peers do not get Δ_f and the outer step does not
-        take it either (it takes the peers' deltas, and θ_f restarts from the new φ_f). A block
-        that only this node stepped on would leave its φ apart from its peers' for good (adding
-        the same mean to each never closes an offset); the block's use is to warm up the inner
-        optimizer after adopting a state."""
+        take it either (it takes the peers' deltas, and θ_f restarts from the new φ_f): a block
+        only this node stepped on would leave its φ apart from its peers' for good; its use is to
+        warm up the inner optimizer after adopting a state."""
         idx = self.fragments[f]
         with torch.no_grad():
             own = torch.empty(self.numel(f))  # written in place: no per-tensor copies to join
@@ -145,8 +145,7 @@ class OuterLoop:
                 finite = finite and all_finite(view)
             if not finite:
                 # the local block diverged: drop it (θ_f back to φ_f); peers' fragments still apply.
-                # With several fragments the other fragments' θ is NaN too (one forward pass made
-                # them so): every non-finite θ goes back to its φ, or the next block diverges again
+                # Every non-finite θ goes back to its φ (one forward pass made the others NaN too)
                 self.counters.rejected["local_non_finite"] += 1
                 own_block = set(idx)
                 for i, t in enumerate(self.theta):
@@ -290,7 +289,7 @@ class OuterLoop:
                 restart_theta(theta, phi, progress, carried)
             raise
         restart_theta(theta, phi, progress, carried)
-        self.moments.mix(f, base)
+        self.moments.mix(f, base, self._refused)
         return deliveries
 
     def _take_steps(
@@ -404,6 +403,7 @@ class OuterLoop:
             if n in judged:
                 j = judged[n]
                 if j.cosine < self.options.min_cosine or j.copy:
+                    self._refused.append((f, frag.key.publisher, frag.key.base_version))  # nor its m
                     self.counters.rejected["copied" if j.copy else "opposed"] += 1
                     if not j.copy:  # no blame for a copy: whose work it is, the bytes cannot tell
                         self.counters.rejected_by_peer[frag.key.publisher] += 1
