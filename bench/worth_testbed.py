@@ -30,6 +30,7 @@ from typing import Any
 
 from cgad.bench.runner.sweep import Run, run_sweep
 from cgad.bench.wan.runlog import find_run, read_run
+from cgad.bench.worth import write_between
 from cgad.node.front.report import load_runs
 from cgad.node.sim.config import SimConfig
 
@@ -140,7 +141,32 @@ def report(repeats_path: Path, jobs: int, run: bool, rounds: int | None = None) 
     }
     OUT.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, runs, h, OUT.with_suffix(".png"))
+    write_between(ROOT / "docs" / "WAN.md", "worth-testbed", table(result), by="bench/worth_testbed.py")
     return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """The generated block of docs/WAN.md: one row per run, and the means with their ranges."""
+    rows = ["| run | commit | round | swarm | floor | ceiling | G | inner steps (swarm / floor) |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result["runs"]:
+        g = "–" if r["G"] is None else f"{r['G']:.2f}"
+        rows.append(
+            f"| {r['run']} | {r['commit'][:7]}{'' if r['clean'] else '+changes'} | {r['round']}"
+            f" | {r['swarm']:.3f} | {r['floor']:.3f} | {r['ceiling']:.3f} | {g}"
+            f" | {r['inner_steps']} / {r['floor_inner_steps']} ({r['steps_share']:.3f}) |"
+        )
+    g, s = result["G"], result["steps_share"]
+    rows.append(
+        f"\n{result['scenario']['name']}: G {g['mean']:.2f} [{g['range'][0]:.2f}-{g['range'][1]:.2f}] over"
+        f" {g['runs']} runs, against the simulator's ceiling at the same inner steps"
+        f" ({result['ceiling']['workers']} members' batches at once, seed 0, the members' inner lr);"
+        f" the swarm's nodes completed"
+        f" {s['mean']:.3f} [{s['range'][0]:.3f}-{s['range'][1]:.3f}] of their floor's inner steps in the same"
+        f" minutes (floor `{result['floor']['run']}`, {result['floor']['commit'][:7]}). From"
+        f" `{result['repeats']}`; bench/results/worth_testbed.json."
+    )
+    return "\n".join(rows)
 
 
 def plot(result: dict[str, Any], runs: dict[str, tuple[dict[int, float], float]], h: int, path: Path) -> Path:

@@ -33,7 +33,7 @@ from cgad.protocol import fragment_pb2 as pb
 from cgad.protocol.auth import DESCRIBE_PURPOSE, FETCH_PURPOSE, SwarmKey
 from cgad.protocol.config import NetworkOptions
 from cgad.protocol.errors import FragmentError
-from cgad.protocol.framing import iterate_capped
+from cgad.protocol.framing import Opening, iterate_capped
 from cgad.protocol.records import Holdings
 from cgad.protocol.selection import Candidate
 from cgad.protocol.tls import channel_credentials, channel_options
@@ -52,27 +52,27 @@ from cgad.protocol.wire import (
 __all__ = ["MAX_DESCRIPTION", "MIN_TRANSFER_RATE", "Fetcher"]
 
 MAX_DESCRIPTION = 4096
-RETRY_SECONDS = 2.0  # between passes over a candidate's holders
-# A holder that trickles bytes (a chunk just within the chunk timeout, again and again) would hold
-# a fetch slot for ever: after a grace period, a stream slower than this on average is dropped
-# and the transfer resumes elsewhere. 4 kB/s is far below an honest volunteer's share of a slow
-# uplink (1 Mbit/s split over three fetchers: ~40 kB/s).
+RETRY_SECONDS = 2.0  # between passes over a candidate's holders, and a busy holder's answers
+BUSY_RETRIES = 5  # a holder that answers busy (its snapshot slots) is asked again this often
+# A holder trickling bytes (a chunk just within the chunk timeout, again and again) would hold a
+# slot for ever: after a grace period a stream slower than this on average is dropped, resumed
+# elsewhere; far below an honest share of a slow uplink (1 Mbit/s over three fetchers: ~40 kB/s).
 MIN_TRANSFER_RATE = 4_000.0
 MIN_RATE_GRACE = 15.0  # seconds
 MAX_CHANNELS = 32  # open gRPC channels to holders (a swarm of volunteers, not every record ever seen)
 # An announced gRPC endpoint that did not answer (a private address, a firewall) is left to libp2p
-# for this long: else every fetch from that holder would first wait out connect_timeout.
+# this long: else every fetch from that holder would first wait out connect_timeout.
 UNANSWERED_FOR = 120.0  # seconds
-# A holder whose libp2p stream would not open is dialed at the addresses its record names, at most
-# this often: the addresses are its claim, and each dial is a connection attempt somewhere.
+# A holder whose libp2p stream would not open is dialed at its record's addresses at most this
+# often: the addresses are its claim, and each dial is a connection attempt somewhere.
 DIAL_AGAIN = 30.0  # seconds
 MAX_DIALED = 1024  # holders whose last dial is remembered (a dial older than DIAL_AGAIN is forgotten)
 # A holder answers a request with its header at once, from memory and before any payload: one
-# whose stream is open and stays silent this many connect timeouts (10 s at the default) holds a
-# fetch slot for nothing (a tarpit). It frees the slot, no other path to it is tried, and the
-# holder is passed over for UNANSWERED_FOR seconds (at most MAX_SILENT remembered, the oldest
-# forgotten first). The wait counts from the stream's opening: a dial through a relay is not
-# the holder's silence.
+# whose stream is open and stays silent this many connect timeouts (10 s at the default), or that
+# sends a header and no chunk within the chunk timeout, holds a fetch slot for nothing (a tarpit).
+# It frees the slot; its gRPC endpoint is left to libp2p, and a holder silent on its last path is
+# passed over for UNANSWERED_FOR seconds (at most MAX_SILENT remembered, the oldest forgotten
+# first). The wait counts from the stream's opening: a dial through a relay is not its silence.
 HEADER_TIMEOUTS = 5.0
 MAX_SILENT = 1024
 
@@ -170,10 +170,9 @@ class Fetcher:
     ) -> bytearray | None:
         """``fetch_from``, with the blame for bytes that fail the hash put where it belongs. The
         hash covers the whole, so a transfer resumed across holders does not say who sent the
-        wrong part: a copy that one holder sent whole is that holder's fault; a mixed one is
-        fetched again from the holder that completed it, alone and from the first byte, which
-        then either delivers or is the one at fault. So a holder that sends one wrong byte and
-        leaves spoils a transfer once, never the publisher's name or the whole fetch."""
+        wrong part: a copy one holder sent whole is its fault; a mixed one is fetched again from
+        the holder that completed it, alone and from the first byte, which then delivers or is at
+        fault: one wrong byte spoils a transfer once, never the publisher's name or the fetch."""
         before, started = assembler.received, time.monotonic()
         try:
             data = await self.fetch_from(holder, assembler, min_rate=min_rate)
@@ -207,12 +206,10 @@ class Fetcher:
         if self.swarm_key is not None:
             self.swarm_key.stamp(request, request.ticket, DESCRIBE_PURPOSE)
         try:
-            response = await asyncio.wait_for(
-                self.p2p.call_protobuf_handler(
-                    PeerID.from_base58(peer_id), LIBP2P_DESCRIBE, request, pb.DescribeResponse
-                ),
-                self.options.connect_timeout * 5,
+            call = self.p2p.call_protobuf_handler(
+                PeerID.from_base58(peer_id), LIBP2P_DESCRIBE, request, pb.DescribeResponse
             )
+            response = await asyncio.wait_for(call, self.options.connect_timeout * HEADER_TIMEOUTS)
         except Exception as error:  # hivemind P2P errors, timeouts and a bad peer id share no base
             raise FragmentError("unavailable", f"{peer_id} did not say who it is: {error!r}") from None
         if len(response.run_id) > 64 or len(response.swarm_json) > MAX_DESCRIPTION:
@@ -249,11 +246,11 @@ class Fetcher:
                 holder.grpc is None or plaintext_only or self._unanswering((holder.grpc, holder.tls))
             ):
                 continue
-            fruitless, dialed = 0, False
+            fruitless, dialed, busy = 0, False, 0
             while fruitless < 2:
                 received_before = assembler.received
                 try:
-                    opening = _Opening(HEADER_TIMEOUTS * self.options.connect_timeout)
+                    opening = Opening(HEADER_TIMEOUTS * self.options.connect_timeout)
                     stream = self._open_fetch(path, holder, assembler, opening.opened)
                     await self._drain(stream, assembler, since, min_rate, opening)
                     if assembler.complete:
@@ -263,13 +260,22 @@ class Fetcher:
                 except FragmentError as error:
                     if error.reason in ("bad_hash", "not_held"):  # no other path to it helps
                         raise
-                    if error.reason == "too_slow":  # what it sent stays: the next holder resumes it
-                        self.reject("too_slow", f"from {holder.peer_id} over {path}: {error.detail}")
+                    if error.reason == "busy" and busy < BUSY_RETRIES:  # a snapshot slot frees soon
+                        busy += 1
+                        await asyncio.sleep(RETRY_SECONDS)
+                        since = (time.monotonic(), assembler.received)  # the wait was not its bytes
+                        continue
+                    if error.reason in ("busy", "too_slow"):  # what it sent stays: the next holder resumes it
+                        self.reject(error.reason, f"from {holder.peer_id} over {path}: {error.detail}")
                         return None
-                    if error.reason == "silent":  # another path to a tarpit is one more wait
-                        self._mark_silent(holder.peer_id)
+                    if error.reason == "silent":  # its gRPC endpoint is left to libp2p a while
                         self.reject("silent", f"from {holder.peer_id} over {path}: {error.detail}")
-                        return None
+                        if path == "grpc" and holder.grpc is not None:
+                            self._unanswered[holder.grpc, holder.tls] = time.monotonic() + UNANSWERED_FOR
+                        if path == (paths or self.options.paths)[-1]:
+                            self._mark_silent(holder.peer_id)  # silent on its last path: passed over
+                            return None
+                        break
                     logger.debug("holder %s over %s: %s", holder.peer_id, path, error)
                     break
                 except Exception as error:  # gRPC, socket, timeout and hivemind P2P errors share no base
@@ -414,16 +420,17 @@ class Fetcher:
         assembler: ChunkAssembler,
         since: tuple[float, int],
         min_rate: float | None = None,
-        opening: _Opening | None = None,
+        opening: Opening | None = None,
     ) -> None:
         """Read a header-then-chunks stream into ``assembler``, which expects what the signed
         record names; ``FragmentError("too_slow")`` when the holder has sent less than
         ``min_rate`` (None: ``MIN_TRANSFER_RATE``) on average since ``since`` (its first
         stream: time, bytes then), ``FragmentError("silent")`` when no header came within
-        ``opening``'s wait of the stream's opening."""
+        ``opening``'s wait of the stream's opening, or no chunk within the chunk timeout of the
+        header (a holder that sends a header and then nothing is a tarpit too)."""
         min_rate = MIN_TRANSFER_RATE if min_rate is None else min_rate
         iterator = aiter(stream)
-        first = True
+        first, payload = True, False  # the header, and a chunk, not arrived yet
         started, start_bytes = since
         try:
             while True:
@@ -443,10 +450,13 @@ class Fetcher:
                         raise FragmentError(
                             "silent", f"no header {opening.wait:.0f} s after opening"
                         ) from None
+                    if not first and not payload:
+                        raise FragmentError("silent", "a header, then no chunk") from None
                     raise
                 if isinstance(item, bytes):
                     piece = None if first else split_chunk(item)
                     if piece is not None:
+                        payload = True
                         before = assembler.received
                         assembler.add_slice(*piece)
                         self.bytes_in += assembler.received - before
@@ -461,12 +471,15 @@ class Fetcher:
                     if part != "header":
                         if message.error == NOT_HELD:
                             raise FragmentError("not_held", NOT_HELD)
+                        if message.error.startswith("busy"):
+                            raise FragmentError("busy", message.error)
                         raise FragmentError(
                             "bad_header", message.error or "stream did not start with a header"
                         )
                     assembler.check_header(message.header)
                     first = False
                 elif part == "chunk":
+                    payload = True
                     before = assembler.received
                     assembler.add(message.chunk)
                     self.bytes_in += assembler.received - before
@@ -477,20 +490,3 @@ class Fetcher:
         finally:
             with contextlib.suppress(Exception):
                 await iterator.aclose()
-
-
-class _Opening:
-    """A stream's opening, as the stream reports it: from then on the holder has ``wait``
-    seconds to send its header (``Fetcher._drain``)."""
-
-    def __init__(self, wait: float) -> None:
-        self.wait = wait
-        self.is_open = False
-        self.within: asyncio.Timeout | None = None  # the wait under way for the first message
-
-    def opened(self) -> None:
-        self.is_open = True
-        if self.within is not None:
-            deadline = asyncio.get_running_loop().time() + self.wait
-            when = self.within.when()
-            self.within.reschedule(deadline if when is None else min(when, deadline))

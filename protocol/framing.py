@@ -24,7 +24,14 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto.p2pd_pb2 import RPCError
 
-__all__ = ["REQUEST_TIMEOUT", "FrameTooLarge", "add_capped_stream_handler", "iterate_capped", "read_frame"]
+__all__ = [
+    "REQUEST_TIMEOUT",
+    "FrameTooLarge",
+    "Opening",
+    "add_capped_stream_handler",
+    "iterate_capped",
+    "read_frame",
+]
 
 REQUEST_TIMEOUT = 10.0  # seconds a caller has to send its (small) request once the stream opens
 _END_OF_STREAM_BYTES = 64  # what may follow a request: hivemind's empty end-of-stream frame
@@ -166,3 +173,18 @@ async def iterate_capped(
             if marker == P2P.ERROR_MARKER:
                 raise ConnectionError(RPCError.FromString(data).message)
             yield response_type.FromString(data)
+
+
+class Opening:
+    """A stream's opening, as the stream reports it: from then on the holder has ``wait``
+    seconds to send its header (``Fetcher._drain``)."""
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        self.is_open = False
+        self.within: asyncio.Timeout | None = None  # the wait under way for the first message
+
+    def opened(self) -> None:
+        self.is_open = True
+        if self.within is not None and not self.within.expired():
+            self.within.reschedule(asyncio.get_running_loop().time() + self.wait)

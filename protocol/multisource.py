@@ -38,16 +38,18 @@ MAX_SOURCES = 4  # holders one download draws from at once
 ENDGAME_SECONDS = 2.0  # a range under way this long may be taken over by a holder twice as fast
 # a holder must deliver at least this share of its part of the rate that brings the whole in
 # within the download's time (honest holders' rates vary; the others take over the rest); one
-# holder at a time, the whole rate: slower, it cannot finish in time (a holder at 0.6 of it ran
-# the download to its timeout before the next holder was tried)
+# holder at a time, most of the whole rate (a holder at 0.6 of it ran the download to its timeout
+# before the next holder was tried; the rest is room for a slow start, counted in its average)
 HOLDER_RATE_SHARE = 0.5
+SEQUENTIAL_RATE_SHARE = 0.8
 
 
 def state_min_rate(byte_length: int, timeout: float, holders: int) -> float:
     """Bytes per second each of ``holders`` must deliver on average (after ``MIN_RATE_GRACE``):
-    ``HOLDER_RATE_SHARE`` of its share of ``byte_length`` over ``timeout`` (all of it from one
-    holder at a time), and at least the fetcher's floor for any transfer. The timeout is the
-    joiner's own (its link, the size it expects), so the floor is too, never the holder's.
+    ``HOLDER_RATE_SHARE`` of its share of ``byte_length`` over ``timeout``
+    (``SEQUENTIAL_RATE_SHARE`` of all of it from one holder at a time), and at least the
+    fetcher's floor for any transfer. The timeout is the joiner's own (its link, the size it
+    expects), so the floor is too, never the holder's.
 
     Args:
         byte_length: the snapshot's size (its record's claim: a larger claim only raises it).
@@ -55,7 +57,7 @@ def state_min_rate(byte_length: int, timeout: float, holders: int) -> float:
         holders: holders drawn from at once (1: one at a time).
     """
     needed = byte_length / max(timeout, 1e-9) / max(holders, 1)
-    return max(MIN_TRANSFER_RATE, (HOLDER_RATE_SHARE if holders > 1 else 1.0) * needed)
+    return max(MIN_TRANSFER_RATE, (HOLDER_RATE_SHARE if holders > 1 else SEQUENTIAL_RATE_SHARE) * needed)
 
 
 logger = logging.getLogger(__name__)
@@ -180,5 +182,6 @@ async def fetch_from_many(
             f" {offer.byte_length / 1e6:.1f} MB ({len(holders)} holder(s) at once)",
             {peer: why for peer, why in gone.items() if why != "not_held"},
         )
-    # what the ranges could not give: one holder at a time, with the blame where it belongs
-    return await fetcher.fetch(candidate, left, passes, state_min_rate(offer.byte_length, left, 1))
+    # what the ranges could not give: one holder at a time, with the blame where it belongs (a
+    # holder is judged by the rate the whole download needed, not by what the ranges left)
+    return await fetcher.fetch(candidate, left, passes, state_min_rate(offer.byte_length, timeout, 1))

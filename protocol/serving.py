@@ -11,8 +11,8 @@ until no snapshot streams, or for ``FRAGMENT_HOLD`` seconds (below the fetcher's
 timeout, so the fetch survives), so a joiner gets the uplink instead of a share of it (a fragment
 that waits only arrives a little older). At most ``MAX_STATE_STREAMS`` snapshots stream
 at once, at most ``MAX_STATE_STREAMS_PER_ASKER`` to one asker (its libp2p peer id, or its
-address on gRPC); a further asker is refused and tries another holder, and is served before an
-asker whose stream ended a moment ago (``SnapshotTurns``). A snapshot stream must
+address on gRPC); a further asker is refused and tries another holder, and the askers refused
+are served in turn before any other (``SnapshotTurns``). A snapshot stream must
 keep up an average rate that rises with its age: ``MIN_STATE_SERVE_RATE`` at the end of the grace
 period, then in proportion to the time it has held its slot, so that no reader, however steady,
 keeps a slot for ever (a reader at 8.7 kB/s held both slots against an 8 kB/s floor for good).
@@ -64,13 +64,11 @@ MAX_STATE_STREAMS = 2
 MIN_STATE_SERVE_RATE = 8_000.0
 STATE_SERVE_GRACE = 30.0  # seconds; the floor at time t past it is MIN_STATE_SERVE_RATE * t / grace
 MAX_STATE_STREAMS_PER_ASKER = 1  # a joiner downloads from several holders, one range from each
-# Snapshot slots go round: an asker whose snapshot stream ended less than TURN_SECONDS ago is
-# served again only while no other asker was turned away in the last WAITING_SECONDS (two
-# identities that reopened their streams the moment they closed kept joiners out, 150 refusals
-# of 150). A joiner asks again within seconds (``fetching.RETRY_SECONDS``); alone, an asker's
-# next range streams at once.
-TURN_SECONDS = 10.0
-WAITING_SECONDS = 10.0
+# Snapshot slots go round: while an asker turned away in the last WAITING_SECONDS waits, a free
+# slot goes to the one that has waited longest (two identities that reopened their streams the
+# moment they closed kept joiners out, 150 refusals of 150). A refused joiner asks the same holder
+# again after ``fetching.RETRY_SECONDS``, well within the wait.
+WAITING_SECONDS = 5.0
 MAX_REMEMBERED_ASKERS = 1024
 MAX_GRPC_STREAMS = 64  # gRPC refuses further calls at once (RESOURCE_EXHAUSTED): they try elsewhere
 FRAGMENT_HOLD = 5.0  # seconds a fragment chunk waits at most while a snapshot streams
@@ -94,15 +92,14 @@ logging.getLogger("grpc._cython.cygrpc").addFilter(_not_a_hang_up)
 
 
 class SnapshotTurns:
-    """Who was turned away from a snapshot slot lately, and whose stream ended lately: an asker
-    served a moment ago yields a free slot to one that has waited longer (``TURN_SECONDS``,
-    ``WAITING_SECONDS``), so the slots go round the askers in the order they came. Each ledger
-    keeps the ``MAX_REMEMBERED_ASKERS`` latest askers."""
+    """Who was turned away from a snapshot slot lately (``WAITING_SECONDS``): while any such
+    asker waits, a free slot goes to the one that has waited longest, and every other asker, new
+    or not, joins the wait; with nobody waiting an asker is served at once (the next range of
+    its download). Keeps the ``MAX_REMEMBERED_ASKERS`` latest askers."""
 
     def __init__(self) -> None:
         # asker -> (when it was first turned away since it was last served, when last)
         self._waiting: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        self._ended: OrderedDict[str, float] = OrderedDict()  # asker -> when its stream ended
 
     def turned_away(self, asker: str, now: float) -> None:
         since = self._waiting.pop(asker, (now, now))[0]
@@ -113,28 +110,13 @@ class SnapshotTurns:
         ):
             self._waiting.popitem(last=False)
 
-    def ended(self, asker: str, now: float) -> None:
-        self._ended[asker] = now
-        self._ended.move_to_end(asker)
-        while self._ended and (
-            len(self._ended) > MAX_REMEMBERED_ASKERS or next(iter(self._ended.values())) < now - TURN_SECONDS
-        ):
-            self._ended.popitem(last=False)
-
     def served(self, asker: str) -> None:
         self._waiting.pop(asker, None)
 
     def yields(self, asker: str, now: float) -> bool:
-        """Whether ``asker``, whose stream ended within ``TURN_SECONDS``, leaves a free slot to
-        another asker that was turned away within ``WAITING_SECONDS`` and first waited before it."""
-        ended = self._ended.get(asker)
-        if ended is None or now - ended > TURN_SECONDS:
-            return False
-        mine = self._waiting.get(asker, (math.inf, math.inf))[0]
-        return any(
-            other != asker and now - last <= WAITING_SECONDS and since < mine
-            for other, (since, last) in self._waiting.items()
-        )
+        """Whether ``asker`` leaves a free slot to another asker that has waited longer."""
+        live = [(since, who) for who, (since, last) in self._waiting.items() if now - last <= WAITING_SECONDS]
+        return bool(live) and min(live)[1] != asker
 
 
 class FragmentServer:
@@ -285,13 +267,13 @@ class FragmentServer:
             yield self._refusal(NOT_HELD, serialized)
             return
         state, now = entry.header.kind == pb.STATE, time.monotonic()
+        if state and self._state_askers[asker] >= MAX_STATE_STREAMS_PER_ASKER:
+            self.stats.rejected["state_slots"] += 1  # it holds a slot: it waits for none
+            yield self._refusal("busy: already serving you a snapshot", serialized)
+            return
         if state and self.state_streams >= MAX_STATE_STREAMS:
             self._turns.turned_away(asker, now)
             yield self._refusal("busy: serving other snapshots", serialized)
-            return
-        if state and self._state_askers[asker] >= MAX_STATE_STREAMS_PER_ASKER:
-            self.stats.rejected["state_slots"] += 1
-            yield self._refusal("busy: already serving you a snapshot", serialized)
             return
         if state and self._turns.yields(asker, now):
             self._turns.turned_away(asker, now)  # it waits its turn as others did
@@ -311,8 +293,6 @@ class FragmentServer:
         finally:
             self._count_state_stream(-int(state))
             self._state_askers[asker] -= int(state)
-            if state:
-                self._turns.ended(asker, time.monotonic())
             if self._state_askers[asker] <= 0:  # bounded: only askers streaming now are kept
                 del self._state_askers[asker]
 

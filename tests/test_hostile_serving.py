@@ -84,9 +84,9 @@ def test_a_steady_reader_above_the_fixed_floor_is_ended_in_time(monkeypatch: pyt
 
 def test_snapshot_slots_go_round_when_askers_reopen_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two identities that hold both slots and reopen the moment a stream closes (issue 46, item 6):
-    a joiner turned away once is served before either is served again, and the slot then goes
-    round between the askers that wait; an asker alone reopens at once (the next range of its
-    download)."""
+    a joiner turned away is served before the squatter that reopens, and before any new identity;
+    the askers that wait are served in the order they came; an asker alone reopens at once (the
+    next range of its download), and one already streaming waits for no turn."""
     monkeypatch.setattr(serving, "WAITING_SECONDS", 0.3)
     server, digest = _server_with_snapshot(4 << 20)
     request = pb.FetchRequest(content_hash=digest)
@@ -95,31 +95,39 @@ def test_snapshot_slots_go_round_when_askers_reopen_at_once(monkeypatch: pytest.
         stream = server._fetch(request, serialized=False, asker=asker)
         return stream, await anext(stream)
 
+    async def refused(asker: str) -> bool:
+        _, message = await first_message(asker)
+        return message.WhichOneof("part") == "error"
+
     async def scenario() -> None:
-        a, header = await first_message("QmSquatterA")
-        b, header = await first_message("QmSquatterB")
-        _, refusal = await first_message("QmJoiner")  # both slots held
-        assert refusal.WhichOneof("part") == "error"
+        a, _ = await first_message("QmSquatterA")
+        b, _ = await first_message("QmSquatterB")
+        assert await refused("QmJoiner")  # both slots held: it waits
+        assert await refused("QmSquatterB")  # streaming already: refused, and no place in the wait
         await a.aclose()
-        _, refusal = await first_message("QmSquatterA")  # at once: the joiner waits
-        assert refusal.WhichOneof("part") == "error" and "wait" in refusal.error
+        assert await refused("QmSquatterA")  # at once: the joiner has waited longer
+        assert await refused("QmFreshIdentity")  # a new identity waits its turn too
         joiner, header = await first_message("QmJoiner")
         assert header.WhichOneof("part") == "header"
         await joiner.aclose()
-        _, refusal = await first_message("QmJoiner")  # its next range: the squatter waited too
-        assert refusal.WhichOneof("part") == "error" and "wait" in refusal.error
-        a, header = await first_message("QmSquatterA")  # turns, not a slot for good
+        assert await refused("QmJoiner")  # its next range: the squatter waited before it
+        assert await refused("QmFreshIdentity")
+        a, header = await first_message("QmSquatterA")  # the longest wait
         assert header.WhichOneof("part") == "header"
         await a.aclose()
         await b.aclose()
+        fresh, header = await first_message("QmFreshIdentity")  # it came before the joiner's retry
+        assert header.WhichOneof("part") == "header"
         joiner, header = await first_message("QmJoiner")
         assert header.WhichOneof("part") == "header"
+        await fresh.aclose()
         await joiner.aclose()
-        await asyncio.sleep(0.4)  # every wait is old: an asker alone reopens at once
-        again, header = await first_message("QmJoiner")
-        assert header.WhichOneof("part") == "header"
-        await again.aclose()
+        await asyncio.sleep(0.4)  # every wait is old: an asker alone is served at once, again and again
+        for _ in range(2):
+            again, header = await first_message("QmJoiner")
+            assert header.WhichOneof("part") == "header"
+            await again.aclose()
 
     asyncio.run(scenario())
-    assert server.stats.rejected["state_turn"] == 2
+    assert server.stats.rejected["state_turn"] == 4 and server.stats.rejected["state_slots"] == 1
     assert server.state_streams == 0 and not server._state_askers

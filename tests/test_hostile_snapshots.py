@@ -269,16 +269,17 @@ def test_a_resync_downloads_off_the_trainers_thread_and_adopts_at_a_later_call()
 
 
 def test_a_failed_download_counts_against_the_holders_at_fault(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 46, item 6: a re-server that lies or trickles made the download fail and the honest
-    publisher took the blame (its snapshots tried later). The holders a failure names are left out
-    of the sync's later downloads, and only the publisher's own fault, or a failure that names
-    nobody, counts against it; its own bytes failing its own hash refuses it for the sync."""
-    liar, publisher = "QmLiarABCDEFGHJK9", "QmPub1isherABCDE9"
+    """Issue 46, item 6: a re-server that lies made the download fail and the honest publisher
+    took the blame (its snapshots tried later). A holder whose own bytes failed the hash is left
+    out of the sync's later downloads and spares the publisher the miss; a failure that proves
+    nobody wrong (a timeout, a holder too slow: slowness proves nothing) counts against the
+    publisher; its own bytes failing its own hash refuse it for the sync."""
+    liar, slow, publisher = "QmLiarABCDEFGHJK9", "QmS1owABCDEFGHJK9", "QmPub1isherABCDE9"
     offer = Offer(
         publisher=publisher, base_version=3, kind="state", tokens=0, codec="state", numel=1,
         content_hash=bytes(32), byte_length=1000,
     )  # fmt: skip
-    holders = [Holdings(peer_id=p, grpc=None, offers=[]) for p in (liar, publisher)]
+    holders = [Holdings(peer_id=p, grpc=None, offers=[]) for p in (liar, slow, publisher)]
     candidate = Candidate(FragmentKey(RUN, 0, 3, publisher, Kind.STATE), offer, holders)
     asked: list[list[str]] = []
     blame: dict[str, str] = {}
@@ -290,14 +291,17 @@ def test_a_failed_download_counts_against_the_holders_at_fault(monkeypatch: pyte
     with make_transport() as joiner:
         monkeypatch.setattr(joiner, "fetch_state", fetch_state)
         sync = _sync(joiner)
-        blame.update({liar: "bad_hash"})
+        blame.update({liar: "bad_hash", slow: "slow"})
         assert sync._download(candidate, 30.0, []) is None
-        assert sync._misses == {} and sync._refused_from == set()  # the re-server's fault
-        blame.clear()  # the publisher alone now, and it fails with nobody named (a timeout)
+        assert sync._misses == {} and sync._refused_from == set()  # a re-server lied
+        blame.clear()
+        blame.update({slow: "slow"})  # the liar left out; the slow one is asked again
         assert sync._download(candidate, 30.0, []) is None
-        assert asked == [[liar, publisher], [publisher]] and sync._misses == {publisher: 1}
+        assert asked[1] == [slow, publisher] and sync._misses == {publisher: 1}
+        blame.clear()  # a timeout with nobody named
+        assert sync._download(candidate, 30.0, []) is None
+        assert sync._misses == {publisher: 2}
         blame.update({publisher: "bad_hash"})  # its own bytes fail its own hash
         assert sync._download(candidate, 30.0, []) is None
-        assert sync._refused_from == {publisher}
-        assert sync._download(candidate, 30.0, []) is None  # no holder left to ask
-        assert len(asked) == 3
+        assert sync._refused_from == {publisher} and sync._misses == {publisher: 2}
+        assert asked[0] == [liar, slow, publisher] and len(asked) == 4

@@ -138,8 +138,8 @@ class StateSync:
         self._misses: dict[str, int] = {}  # downloads per publisher that brought nothing: tried later
         self._refused: set[bytes] = set()  # snapshots (by hash) whose bytes were refused: never again
         self._refused_from: set[str] = set()  # publishers refused in this sync: none of theirs again
-        # holders at fault in a download of this sync (bytes of their own that failed the hash, or
-        # too slow): left out of its later downloads, and their fault is not the publisher's
+        # holders whose own bytes failed the hash in a download of this sync: left out of its
+        # later downloads, and their fault is not the publisher's
         self._blamed: set[str] = set()
         # a first sync ran (at the node's start, before it trains), or none will: a swarm's first
         # node (no --peers) starts alone, and any sync of its later is a re-sync, off its trainer
@@ -261,6 +261,7 @@ class StateSync:
         """The "cgad-resync" thread: download and check the first usable snapshot on offer
         within ``join_timeout``, for the next call to adopt."""
         torch.set_num_threads(1)  # beside training: one torch thread (see ``side_worker``)
+        self._refused_from, self._blamed = set(), set()  # this sync's own, as a waited one's
         try:
             offers = self._worth_adopting(at_least_ours=False)
             found = self._download_first(offers, time.monotonic() + self.config.join_timeout, [])
@@ -348,10 +349,11 @@ class StateSync:
 
     def _download(self, candidate: Candidate, left: float, failures: list[str]) -> bytes | bytearray | None:
         """A snapshot's bytes within ``state_timeout`` (at most ``left`` seconds), or None. Holders
-        at fault in an earlier download of this sync are left out; a failure blames the holders at
-        fault (``FragmentError.blamed``): a publisher whose own bytes failed its own hash is
-        refused for the sync, and a failure counts against the publisher (its snapshots are
-        tried later) where it was too slow itself or nobody is named, never for a re-server's."""
+        whose bytes failed the hash in an earlier download of this sync are left out; a publisher
+        whose own bytes failed its own hash is refused for the sync. A failure counts against the
+        publisher (its snapshots are tried later) unless a re-server is proven at fault (bytes of
+        its own that failed the hash): slowness proves nothing, and a publisher that says it no
+        longer holds its snapshot must not hide behind re-servers that trickle."""
         peer, size = candidate.key.publisher, candidate.offer.byte_length
         holders = [h for h in candidate.holders if h.peer_id not in self._blamed]
         if not holders:
@@ -367,10 +369,11 @@ class StateSync:
         except (FragmentError, TimeoutError) as exc:
             failures.append(str(exc))
             blamed = exc.blamed if isinstance(exc, FragmentError) else {}
-            self._blamed.update(blamed)
-            if blamed.get(peer) == "bad_hash":
+            liars = {holder for holder, why in blamed.items() if why == "bad_hash"}
+            self._blamed |= liars
+            if peer in liars:
                 self._refused_from.add(peer)
-            elif peer in blamed or not blamed:
+            elif not liars:
                 self._misses[peer] = self._misses.get(peer, 0) + 1
             logger.warning("state download failed: %s", exc)
             return None
