@@ -305,3 +305,25 @@ def test_a_failed_download_counts_against_the_holders_at_fault(monkeypatch: pyte
         assert sync._download(candidate, 30.0, []) is None
         assert sync._refused_from == {publisher} and sync._misses == {publisher: 2}
         assert asked[0] == [liar, slow, publisher] and len(asked) == 4
+
+
+def test_a_snapshot_larger_than_expected_comes_after_the_others() -> None:
+    """Issue 46, item 7: a holder claiming a snapshot at the size cap had a joiner buffer it whole
+    before the hash check. A claim past the size this node expects of its model's snapshot is
+    tried after every other offer, however near the swarm's median its version."""
+    with (
+        make_transport() as honest,
+        make_transport(peers=honest.maddrs()) as liar,
+        make_transport(peers=honest.maddrs()) as joiner,
+    ):
+        for peer in (honest, liar):
+            peer.report_progress([5], 50, 0.0)
+        honest.publish_state(_snapshot(4, torch.full((4,), 0.6)), [4])
+        padded = _snapshot(5, torch.full((4,), 0.7)) + bytes(3 << 20)  # past 6 B a value + 1 MiB
+        liar.publish_state(padded, [5])  # at the median: it would come first by version
+        wait_for(lambda: len(joiner.state_offers()) == 2, what="two offers")
+        sync = _sync(joiner, honest.maddrs())
+        wait_for(lambda: len(sync.reports()) == 2, what="two reports")
+        assert len(padded) > sync._expected_bytes()
+        order = [c.key.publisher for c in sync._worth_adopting(at_least_ours=False)]
+        assert order == [honest.peer_id, liar.peer_id]

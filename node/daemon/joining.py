@@ -329,7 +329,7 @@ class StateSync:
         download draws from every holder at once, and the version it lacks is replayed after
         it), then the rest, nearest the median first (below it before above it: the highest
         claim is an attacker's favourite). Publishers whose downloads brought nothing come
-        after the others."""
+        after the others, and snapshots larger than this node expects after all of them."""
         mine = min(self.loop.versions)
         ceiling, median = self._ceiling(), self._median()
         offers = [
@@ -341,9 +341,17 @@ class StateSync:
             and c.key.publisher not in self._refused_from
         ]
 
-        def order(c: Candidate) -> tuple[int, bool, int, int, bool, int]:
+        expected = self._expected_bytes()
+
+        def order(c: Candidate) -> tuple[bool, int, bool, int, int, bool, int]:
             missed = self._misses.get(c.key.publisher, 0)
-            return snapshot_order(c.key.base_version, len(c.holders), missed, median, MAX_SOURCES)
+            # a claim past the size this node expects of its model's snapshot (its codec's, with
+            # room) comes last: a liar's bytes are buffered whole before the hash can refuse them
+            oversized = c.offer.byte_length > expected
+            return (
+                oversized,
+                *snapshot_order(c.key.base_version, len(c.holders), missed, median, MAX_SOURCES),
+            )
 
         return sorted(offers, key=order)
 
