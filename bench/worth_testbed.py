@@ -10,7 +10,8 @@ every inner step) at the scenario's model and H for as many rounds as the daemon
 log, so a second report reads it back). For each run, by round (H inner steps each, the daemons'
 held-out loss every round, the mean over nodes):
 
-- **G** = (floor − swarm) / (floor − ceiling) at the swarm's last round every node evaluated;
+- **G** = (floor − swarm) / (floor − ceiling) at the swarm's last round every node evaluated (the
+  ceiling a mean over the rounds within 2 of it: ``smoothed``);
 - **steps**: the swarm's mean inner steps over the floor's mean inner steps, both at the end of
   the same minutes (what the exchange cost the trainers).
 
@@ -75,13 +76,24 @@ def curve(final: dict[str, dict]) -> tuple[dict[int, float], float]:
     return mean, statistics.fmean(status["inner_step"] for status in final.values())
 
 
+CEILING_SMOOTHING = 2  # rounds each side: the ceiling is one model read on 4 held-out batches
+
+
+def smoothed(curve: list[float], r: int) -> float:
+    """``curve`` (``curve[r - 1]``: after r rounds) at round r, the mean over the rounds within
+    ``CEILING_SMOOTHING`` of it: one evaluation of one model moves by a few hundredths from round
+    to round, where the swarm's and the floor's are means over their nodes."""
+    window = curve[max(r - 1 - CEILING_SMOOTHING, 0) : r + CEILING_SMOOTHING]
+    return statistics.fmean(window)
+
+
 def measure(swarm: dict[int, float], floor: dict[int, float], ceiling: list[float]) -> dict[str, Any]:
-    """G by round where the floor, the swarm and the ceiling (``ceiling[r - 1]``: after r rounds)
-    all have one, and at the swarm's last such round."""
+    """G by round where the floor, the swarm and the ceiling (``ceiling[r - 1]``: after r rounds,
+    ``smoothed``) all have one, and at the swarm's last such round."""
     rounds = [r for r in swarm if r in floor and 1 <= r <= len(ceiling)]
     by_round = {}
     for r in rounds:
-        f, s, c = floor[r], swarm[r], ceiling[r - 1]
+        f, s, c = floor[r], swarm[r], smoothed(ceiling, r)
         by_round[r] = (f - s) / (f - c) if f > c else None
     last = max(rounds)
     return {"round": last, "G": by_round[last], "G_by_round": by_round}
@@ -126,7 +138,7 @@ def report(repeats_path: Path, jobs: int, run: bool, rounds: int | None = None) 
             "run": name, "commit": records[name]["commit"][:10], "clean": records[name]["clean"],
             "round": m["round"], "inner_steps": round(steps), "floor_inner_steps": round(floor_steps),
             "steps_share": steps / floor_steps, "swarm": swarm[m["round"]], "floor": floor[m["round"]],
-            "ceiling": ceiling[m["round"] - 1], "G": m["G"], "G_by_round": m["G_by_round"],
+            "ceiling": smoothed(ceiling, m["round"]), "G": m["G"], "G_by_round": m["G_by_round"],
         })  # fmt: skip
     gains, shares = [r["G"] for r in rows], [r["steps_share"] for r in rows]
     result = {
@@ -160,7 +172,8 @@ def table(result: dict[str, Any]) -> str:
     rows.append(
         f"\n{result['scenario']['name']}: G {g['mean']:.2f} [{g['range'][0]:.2f}-{g['range'][1]:.2f}] over"
         f" {g['runs']} runs, against the simulator's ceiling at the same inner steps"
-        f" ({result['ceiling']['workers']} members' batches at once, seed 0, the members' inner lr);"
+        f" ({result['ceiling']['workers']} members' batches at once, seed 0, the members' inner lr, the"
+        f" mean over the rounds within {CEILING_SMOOTHING} of the swarm's last);"
         f" the swarm's nodes completed"
         f" {s['mean']:.3f} [{s['range'][0]:.3f}-{s['range'][1]:.3f}] of their floor's inner steps in the same"
         f" minutes (floor `{result['floor']['run']}`, {result['floor']['commit'][:7]}). From"
