@@ -132,11 +132,6 @@ class SharedMoments:
         with torch.no_grad():
             return torch.cat([m.detach().to("cpu", torch.float32).reshape(-1) for m in moments])
 
-    @staticmethod
-    def bytes_of(m: Tensor | None) -> int:
-        """What ``m`` (``take``'s copy, None: none) costs on the wire: the room its Δ leaves it."""
-        return 0 if m is None else encoded_size(m.numel(), CODEC)
-
     def send(self, key: FragmentKey, flat: Tensor, tokens: int, sent_bytes: int) -> None:
         """Publish ``flat`` (``take``'s copy of the m of ``key``'s fragment) beside its Δ of
         ``sent_bytes``, where the link's round budget has room for both; while the link is not

@@ -184,8 +184,8 @@ class OuterLoop:
         would delay the own progress by rounds); peers get Δ_f and what earlier rounds left out,
         and are judged against that (``sender.Yardstick``). Runs on the encoder thread when there is
         one: it reads φ_f, which only f's outer step changes, and that waits for it (``settle``)."""
-        if self.sender.encodes:  # room kept for the first moment: worth more than finer bits of Δ
-            data, codec, kept = self.sender.send(f, own, self.moments.bytes_of(m))
+        if self.sender.encodes:
+            data, codec, kept = self.sender.send(f, own)
             self.counters.sent_as[f"sparse:{kept}" if codec is Codec.SPARSE else str(codec)] += 1
             self.transport.publish_encoded(key, data, codec=codec, numel=own.numel(), tokens=tokens)
             sent_bytes = len(data)

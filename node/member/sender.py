@@ -342,22 +342,21 @@ class Sender:
         """Whether deltas go out as bytes this sender encoded (else whole, in float32)."""
         return self.codec == "auto" or self._fixed not in (None, Codec.FP32)
 
-    def choose(self, numel: int, reserve: int = 0) -> tuple[Codec, int]:
-        """This round's codec and values per block for a fragment of ``numel`` values, ``reserve``
-        bytes of its share of the link's round budget kept for what goes beside it."""
+    def choose(self, numel: int) -> tuple[Codec, int]:
+        """This round's codec and values per block for a fragment of ``numel`` values."""
         if self._fixed is not None:
             return self._fixed, self.sparse_keep
         budget = self.link_budget()
-        return auto_codec(numel, None if budget is None else budget * numel / self.total_numel - reserve)
+        return auto_codec(numel, None if budget is None else budget * numel / self.total_numel)
 
     def _feeds_back(self, codec: Codec) -> bool:
         # under auto every round feeds back: a 4-bit round must not drop what sparse ones owe
         return codec is Codec.SPARSE or self.codec == "auto" or (self.error_feedback and codec in ROUNDING)
 
-    def send(self, fragment: int, delta: Tensor, reserve: int = 0) -> tuple[bytes, Codec, int]:
-        """Encode fragment ``fragment``'s Δ with what earlier rounds left out, in what the link's
-        round budget leaves beside ``reserve`` bytes: the bytes, the codec and the values per block."""
-        codec, kept = self.choose(delta.numel(), reserve)
+    def send(self, fragment: int, delta: Tensor) -> tuple[bytes, Codec, int]:
+        """Encode fragment ``fragment``'s Δ with what earlier rounds left out: the bytes, the
+        codec and the values per block."""
+        codec, kept = self.choose(delta.numel())
         sparse_kept = kept if codec is Codec.SPARSE else None
         feedback = self._unsent.setdefault(fragment, ErrorFeedback(Codec.SPARSE))
         if not self._feeds_back(codec):
