@@ -64,6 +64,7 @@ def test_each_member_takes_the_mean_of_its_own_and_its_peers_first_moments() -> 
     want_b = _within_reach(opt_b, m_b + (_as_sent(m_a) - _as_sent(m_b)) / 2)
     assert torch.allclose(_m(opt_a), want_a, atol=1e-6) and torch.allclose(_m(opt_b), want_b, atol=1e-6)
     assert a.counters.moments_mixed == 1 and b.counters.moments_mixed == 1
+    assert a.counters.moments_sent == 1 and a.counters.moments_received == 1
     assert not torch.allclose(_m(opt_a), m_a)  # it moved: the test can fail
 
 

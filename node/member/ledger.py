@@ -42,7 +42,8 @@ def layout_numels(params: list[Any], fragments: int) -> list[int]:
 
 # what every report of a loop counts (a daemon's status, the simulator's record): one list
 COUNTED = ("published", "unheard", "applied", "dropped_stale", "clipped", "tokens_capped", "discarded",
-           "held_ahead", "mixed", "clipped_params", "replayed", "tensors_cut", "moments_mixed")  # fmt: skip
+           "held_ahead", "mixed", "clipped_params", "replayed", "tensors_cut", "moments_sent",
+           "moments_received", "moments_mixed")  # fmt: skip
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Counters:
     age_count: int = 0
     mixed: int = 0
     clipped_params: int = 0  # peers' φ held within the radius before mixing (--aggregation clip)
+    moments_sent: int = 0  # own inner first moments published beside their deltas (``moments``)
+    moments_received: int = 0  # peers' inner first moments that reached the mix, taken or not
     moments_mixed: int = 0  # peers' inner first moments averaged into this member's (``moments``)
     replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
     sent_as: Counter[str] = field(default_factory=Counter)  # own deltas per codec this loop chose

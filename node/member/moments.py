@@ -148,6 +148,7 @@ class SharedMoments:
         self._sent[key.fragment] = (key.base_version, data)
         moments_key = FragmentKey(key.run_id, key.fragment, key.base_version, key.publisher, Kind.MOMENTS)
         self.transport.publish_encoded(moments_key, data, codec=CODEC, numel=flat.numel(), tokens=tokens)
+        self.counters.moments_sent += 1
 
     def mix(self, f: int, version: int, refused: Collection[tuple[int, str, int]] = ()) -> int:
         """After fragment f's outer step from ``version``: average the own m as sent with the
@@ -155,6 +156,7 @@ class SharedMoments:
         Every m received for f is drained, used or not; the m of a delta the step refused
         (``refused``: fragment, publisher, version) is not mixed either."""
         received = self.transport.receive(f, Kind.MOMENTS)
+        self.counters.moments_received += len(received)  # what reached it: the testbed's m never mixed
         if refused:
             bad = set(refused)
             kept = [m for m in received if (f, m.key.publisher, m.key.base_version) not in bad]
