@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -64,16 +63,10 @@ logger = logging.getLogger(__name__)
 
 
 class _Progress:
-    """What ``Fetcher.transfers`` shows of a download in ranges: bytes in, of how many, and
-    whether a holder answered (``receiving.waited_on``)."""
+    """What ``Fetcher.transfers`` shows of a download in ranges: bytes in, of how many."""
 
     def __init__(self, byte_length: int, pieces: list[RangeAssembler]) -> None:
         self.byte_length, self._pieces = byte_length, pieces
-        self.asked_at = time.monotonic()
-
-    @property
-    def answered(self) -> bool:
-        return any(p.answered for p in self._pieces)
 
     @property
     def received(self) -> int:

@@ -32,9 +32,8 @@ from cgad.protocol.scheduling import FetchQueue, LinkMeter, VersionClock
 from cgad.protocol.selection import Candidate, OfferSelector
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, TransportStats
-from cgad.protocol.wire import ChunkAssembler
 
-__all__ = ["STATE_PASSES", "Receiver", "bytes_ahead", "decode_and_check", "link_busy", "waited_on"]
+__all__ = ["STATE_PASSES", "Receiver", "decode_and_check"]
 
 STATE_PASSES = 5  # a snapshot's holders are tried this many times over (busy ones free up)
 
@@ -57,36 +56,6 @@ def decode_and_check(data: bytearray, numel: int, max_norm: float | None) -> tor
         if not norm <= max_norm:
             raise FragmentError("norm_too_large", f"norm {norm:.4g} > {max_norm:.4g}")
     return tensor
-
-
-def waited_on(transfer: ChunkAssembler, now: float, grace: float) -> bool:
-    """Whether a transfer under way holds the link: its holder answered, or was asked less than
-    ``grace`` seconds ago (an honest holder's header comes within a connect timeout). One silent
-    for longer (a tarpit) holds a fetch slot until its header's wait ends, never the link: as
-    bytes still to come or as busy time it would make the link look slow, and every honest offer
-    after it too late."""
-    return transfer.answered or now - transfer.asked_at < grace
-
-
-def bytes_ahead(transfers: Sequence[ChunkAssembler], now: float, grace: float) -> int:
-    """Bytes still to come on the link for the transfers under way that hold it (``waited_on``)."""
-    return sum(a.byte_length - a.received for a in transfers if waited_on(a, now, grace))
-
-
-def link_busy(
-    was_busy: bool, arrived: int, transfers: Sequence[ChunkAssembler], now: float, grace: float
-) -> bool:
-    """Whether the time since the meter's last reading was the link's: fetches were in flight
-    (``was_busy``) and bytes flowed (``arrived``) or a transfer holds the link (``waited_on``).
-
-    Args:
-        was_busy: fetches were in flight at the last reading.
-        arrived: bytes received since.
-        transfers: the transfers under way now.
-        now: the monotonic clock's time.
-        grace: seconds a holder has to answer before its silence stops counting.
-    """
-    return was_busy and (arrived > 0 or any(waited_on(a, now, grace) for a in transfers))
 
 
 class Receiver:
@@ -169,8 +138,8 @@ class Receiver:
         self._meter()
         versions = self._progress().versions
         while len(self._in_flight) < self.options.max_fetches:
-            transfers, now = list(self._fetcher.transfers.values()), time.monotonic()
-            ahead = bytes_ahead(transfers, now, self.options.connect_timeout)
+            now = time.monotonic()
+            ahead = sum(a.byte_length - a.received for a in list(self._fetcher.transfers.values()))
             candidate, passed = self._queue.pop(
                 versions,
                 link_rate=self._downlink.current(now, idle=not self._in_flight),
@@ -189,13 +158,9 @@ class Receiver:
     # ---------------------------------------------------------------- fetching and accepting
 
     def _meter(self) -> None:
-        """Feed the downlink meter what arrived since its last reading (``link_busy``)."""
+        """Feed the downlink meter what arrived since its last reading."""
         fetched, was_busy = self._metered
-        arrived = self._fetcher.bytes_in - fetched
-        now, transfers = time.monotonic(), list(self._fetcher.transfers.values())
-        self._downlink.update(
-            now, arrived, link_busy(was_busy, arrived, transfers, now, self.options.connect_timeout)
-        )
+        self._downlink.update(time.monotonic(), self._fetcher.bytes_in - fetched, was_busy)
         self._metered = (self._fetcher.bytes_in, bool(self._in_flight))
 
     async def _fetch(self, candidate: Candidate) -> None:

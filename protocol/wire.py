@@ -9,7 +9,6 @@ out-of-order, surplus or mismatching bytes.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -153,13 +152,11 @@ class ChunkAssembler:
     """
 
     end = 0  # a whole transfer: ask for everything from ``received`` on (``RangeAssembler``)
-    answered = False  # a holder's header arrived: bytes are on their way (a silent one holds none)
 
     def __init__(self, expected_hash: bytes, byte_length: int, grow: bool = False) -> None:
         self.expected_hash = expected_hash
         self.byte_length = byte_length
         self.received = 0
-        self.asked_at = time.monotonic()  # when the transfer began (its first holder was asked)
         self._grow = grow
         self._buffer = bytearray(0 if grow else byte_length)
         self._parts: list[bytes] = []  # with ``grow``: what arrived, in order
@@ -174,7 +171,6 @@ class ChunkAssembler:
         """The holder's header must describe the bytes the record names."""
         if header.content_hash != self.expected_hash or header.byte_length != self.byte_length:
             raise FragmentError("bad_header", "holder describes other bytes than the signed record")
-        self.answered = True
 
     def add(self, chunk: pb.Chunk) -> None:
         self.add_slice(chunk.offset, chunk.data)
@@ -230,8 +226,6 @@ class RangeAssembler:
         start: the first byte of the range.
         end: one past its last byte.
     """
-
-    answered = False
 
     def __init__(self, expected_hash: bytes, byte_length: int, start: int, end: int) -> None:
         self.expected_hash, self.byte_length = expected_hash, byte_length

@@ -21,7 +21,6 @@ from cgad.protocol.config import NetworkOptions
 from cgad.protocol.fetching import Fetcher
 from cgad.protocol.framing import Opening
 from cgad.protocol.multisource import state_min_rate
-from cgad.protocol.receiving import bytes_ahead, link_busy, waited_on
 from cgad.protocol.records import Holdings, Offer
 from cgad.protocol.selection import Candidate
 from cgad.protocol.transport import FragmentKey, Kind, TransportStats
@@ -148,25 +147,6 @@ def test_a_header_and_then_nothing_is_silence() -> None:
         return "read"
 
     assert asyncio.run(main()) == "silent"
-
-
-def test_silent_transfers_leave_the_link_idle() -> None:
-    """What the scheduler sees of fetches in flight: a transfer whose holder answered, or was
-    asked within the grace (a connect timeout), holds the link; one silent for longer (a tarpit)
-    adds no bytes ahead and no busy time (busy time without bytes makes the link look slow, and
-    honest offers too late)."""
-    silent = ChunkAssembler(HASH, len(DATA))
-    answered = ChunkAssembler(HASH, len(DATA))
-    answered.check_header(pb.FragmentHeader(content_hash=HASH, byte_length=len(DATA)))
-    now = silent.asked_at + 5.0  # both asked 5 s ago, past a 2 s grace
-    assert waited_on(silent, silent.asked_at + 1.0, 2.0)  # a moment old: counted as before
-    assert not waited_on(silent, now, 2.0) and waited_on(answered, now, 2.0)
-    assert bytes_ahead([silent, silent], now, 2.0) == 0
-    assert bytes_ahead([silent, answered], now, 2.0) == len(DATA)
-    assert not link_busy(True, 0, [silent, silent], now, 2.0)
-    assert link_busy(True, 0, [silent, answered], now, 2.0)
-    assert link_busy(True, 4096, [], now, 2.0)  # a fetch that answered and finished in between
-    assert not link_busy(False, 0, [answered], now, 2.0)  # nothing was in flight at the last reading
 
 
 def _trickling(rate: float, chunk: int = 4096):
