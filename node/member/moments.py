@@ -156,7 +156,7 @@ class SharedMoments:
         Every m received for f is drained, used or not; the m of a delta the step refused
         (``refused``: fragment, publisher, version) is not mixed either."""
         received = self.transport.receive(f, Kind.MOMENTS)
-        self.counters.moments_received += len(received)  # what reached it: the testbed's m never mixed
+        self.counters.moments_received += len(received)  # reached the mix, taken or not
         if refused:
             bad = set(refused)
             kept = [m for m in received if (f, m.key.publisher, m.key.base_version) not in bad]
