@@ -48,8 +48,10 @@ def _fill(transport: NetworkTransport, key: str, count: int, size: int) -> int:
     key_id = DHTID.generate(source=key)
     expiration = get_dht_time() + 60
 
+    value = DHTProtocol.serializer.dumps(bytes(size))  # well-formed, as the validators admit
+
     async def fill() -> int:
-        return sum(storage.store_subkey(key_id, _owner(i), bytes(size), expiration) for i in range(count))
+        return sum(storage.store_subkey(key_id, _owner(i), value, expiration) for i in range(count))
 
     return asyncio.run_coroutine_threadsafe(fill(), transport.loop).result(30)
 
@@ -93,6 +95,8 @@ def test_a_lookup_survives_keys_bloated_past_a_message(netswarm: list[NetworkTra
     keys = [fragment_key(RUN, f) for f in (10, 11, 12)]
     for key in keys:  # 3 x ~1.9 MiB: what three keys may each hold, over p2pd's 4 MiB together
         _fill(p0, key, 80, 24 << 10)
+    polls = p0.polls  # the node holding them goes on looking keys up (it polls 9-12 too)
+    wait_for(lambda: p0.polls >= polls + 2, what="two polls by the node holding bloated keys")
     assert p3.dht_node is not None
     protocol = p3.dht_node.protocol
     # the raw RPC: whether the reply arrives at all (the records here are not signed, so
@@ -135,8 +139,13 @@ def test_dead_progress_records_never_keep_a_live_one_out(netswarm: list[NetworkT
     as it reached this node) still lands, in the room of dead ones, and a dead newcomer does not
     displace them. All in one turn of the node's event loop: no store from the swarm interleaves."""
     p0 = netswarm[0]
-    everyone = len(netswarm)
-    wait_for(lambda: p0.dht_node is not None and len(p0.swarm_progress()) == everyone, what="live reports")
+    ids = {peer.peer_id for peer in netswarm}
+    try:
+        wait_for(lambda: p0.dht_node is not None and ids <= set(p0.swarm_progress()), what="live reports")
+    except AssertionError:  # which reports were missing, and how old the ones seen were
+        now = get_dht_time()
+        seen = {peer[-6:]: round(now - p.time, 1) for peer, p in p0.swarm_progress().items()}
+        raise AssertionError(f"p0 sees {seen} of {sorted(i[-6:] for i in ids)}; polls {p0.polls}") from None
     assert p0.dht_node is not None
     storage = p0.dht_node.protocol.storage
     key_id = DHTID.generate(source=progress_key(RUN))
