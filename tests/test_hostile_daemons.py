@@ -22,8 +22,11 @@ UNDER_ATTACK = 6  # rounds each honest node trains on while judged, after the at
 # the second starts, so "before" may already be round 20), and an attack that gets through lifts
 # the loss by tenths
 LEARNED = 0.1
-# how far the mean of three evaluations may rise over six rounds by chance: at the plateau one
-# evaluation (4 batches) jumps by up to 0.5 now and then, in swarms with and without attackers
+# how far the held-out loss may rise over six rounds by chance: at the plateau one evaluation (4
+# batches) jumps by up to 0.5 now and then, in swarms with and without attackers. Where it ends is
+# the best of its last three evaluations: beside a x1e6 scaler (a third of the deltas, clipped to
+# two norms of the own Δ) one round now and then jumps by 0.5-1.6 and is back within two rounds
+# (docs/SECURITY.md); ground lost for good lifts all three
 SPIKES = 0.25
 # half the usual block: five daemons share the machine, and what is tested is per round
 SHORT = ["--inner-steps", "8"]
@@ -55,9 +58,9 @@ def _rounds_under_attack(
     honest: list, before_attack: list[float], judged: Callable[[dict], bool], what: str
 ) -> list[dict]:
     """Each honest node's status once it has trained ``UNDER_ATTACK`` more rounds, the attackers
-    sending all along, and ``judged`` holds of it. Its held-out losses (means of three
-    evaluations, each of 4 batches) are all finite; at most ``SPIKES`` worse at the end than when
-    those rounds began (an attack that gets through lifts them by more, at once); and ``LEARNED``
+    sending all along, and ``judged`` holds of it. Its held-out losses (each of 4 batches) are all
+    finite; the best of its last three at most ``SPIKES`` above the mean of the three before
+    those rounds (an attack that gets through lifts all three, at once, by more); and ``LEARNED``
     below what the node had reached before any attacker started (``before_attack``), so that harm
     done while the attackers joined shows too."""
     marks = [node.status()["round"] for node in honest]
@@ -70,7 +73,7 @@ def _rounds_under_attack(
         before = [loss for round_, loss in status["eval_history"] if round_ <= mark][-3:]
         assert len(before) == 3, f"{node.name}: evaluations by round {mark}: {status['eval_history']}"
         assert losses[-1] < FRESH_LOSS - 0.5, f"{node.name} never learned: {losses}"
-        end, start = sum(losses[-3:]) / 3, sum(before) / 3
+        end, start = min(losses[-3:]), sum(before) / 3
         assert end < start + SPIKES, f"{node.name} lost ground under attack: {before} -> {losses[-3:]}"
         assert end < before_attack[i] - LEARNED, f"{node.name}: {before_attack[i]:.3f} before, {losses}"
         finals.append(status)
