@@ -12,7 +12,7 @@ from cgad.node.member.moments import CODEC, REACH
 from cgad.node.member.outer import OuterLoop
 from cgad.node.sim.memory import VirtualNetwork
 from cgad.optim import staleness_weight
-from cgad.protocol.codec import decode, encode
+from cgad.protocol.codec import Codec, decode, encode
 from cgad.protocol.transport import Fragment, FragmentKey, Kind
 
 NUMEL = 512
@@ -171,3 +171,52 @@ def test_the_first_moment_of_a_refused_delta_is_not_mixed() -> None:
     a.apply(0)
     assert a.counters.rejected["opposed"] == 1 and a.counters.rejected["moments_refused"] == 1
     assert a.counters.moments_mixed == 0 and torch.equal(_m(opt_a), m_a)
+
+
+def test_a_first_moment_the_budget_cannot_hold_in_4_bits_goes_sparse_and_moves_only_what_it_carries() -> None:
+    """At the 10 Mbit testbed's budget (about 0.2 bytes a parameter a round) a 4-bit m never fit
+    beside the Δ and none was sent. The Δ now leaves m ``BUDGET_SHARE`` of the budget, m goes out
+    sparse within what is left, and a receiver moves only the coordinates it carries."""
+    network = VirtualNetwork()
+    budget = 0.2 * (NUMEL + 8) + 100  # a round's bytes to each fetcher (the headers' room beside)
+    members, wire = [], []
+    for name, seed in (("a", 0), ("b", 1)):
+        torch.manual_seed(seed)
+        theta = [torch.nn.Parameter(torch.zeros(NUMEL)), torch.nn.Parameter(torch.zeros(8))]
+        loop = OuterLoop(
+            theta, OuterOptions(), network.join(name), "run", codec="auto", link_budget=lambda: budget
+        )
+        optimizer = torch.optim.AdamW(theta, lr=1e-3)
+        loop.moments.attach(optimizer)
+        for _ in range(3):
+            for p in theta:
+                p.grad = torch.randn_like(p) + 1.0
+            optimizer.step()
+        publish = loop.transport.publish_encoded
+
+        def spy(key: FragmentKey, data: bytes, publish=publish, **named: object) -> None:
+            wire.append((key.publisher, key.kind, data, named["codec"]))
+            publish(key, data, **named)
+
+        loop.transport.publish_encoded = spy  # type: ignore[method-assign]  # the moments' too: one object
+        members.append((loop, optimizer))
+    (a, opt_a), (b, _) = members
+    m_a = _m(opt_a)
+    a.publish(0, tokens=10)
+    b.publish(0, tokens=10)
+    for member in (a, b):
+        sent = [(kind, data, codec) for who, kind, data, codec in wire if who == member.transport.peer_id]
+        assert [kind for kind, _, _ in sent] == [Kind.DELTA, Kind.MOMENTS], sent
+        assert sent[1][2] is Codec.SPARSE and sum(len(data) for _, data, _ in sent) <= budget
+    peer_m = next(
+        decode(data) for who, kind, data, _ in wire if kind is Kind.MOMENTS and who == b.transport.peer_id
+    )
+    carried = peer_m != 0
+    assert 0 < int(carried.sum()) < NUMEL // 2  # sparse: a share of the coordinates
+    a.apply(0)
+    assert a.counters.moments_mixed == 1
+    mixed = _m(opt_a)
+    assert torch.equal(mixed[~carried], m_a[~carried])  # what it did not carry stays the own
+    want = _within_reach(opt_a, m_a + (peer_m - _as_sent(m_a)) / 2)  # the mean of two where carried
+    assert torch.allclose(mixed[carried], want[carried], atol=1e-6)
+    assert not torch.allclose(mixed[carried], m_a[carried])  # it moved: the test can fail

@@ -116,9 +116,9 @@ class OuterLoop:
         self._encoder = encoder
         self._sending: dict[int, Future[None]] = {}
         sizes = [[self.phi[i].numel() for i in f] for f in self.fragments]  # each fragment's tensors
-        self.sender = Sender(
-            codec, sparse_keep=sparse_keep, link_budget=link_budget, total_numel=sum(map(sum, sizes)),
-            error_feedback=error_feedback, segments=sizes,
+        self.sender = Sender(  # the Δ leaves the first moment its share of the budget
+            codec, sparse_keep=sparse_keep, link_budget=self.moments.delta_budget,
+            total_numel=sum(map(sum, sizes)), error_feedback=error_feedback, segments=sizes,
         )  # fmt: skip
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
