@@ -15,10 +15,13 @@ held-out loss every round, the mean over nodes):
 - **steps**: the swarm's mean inner steps over the floor's mean inner steps, both at the end of
   the same minutes (what the exchange cost the trainers).
 
-Writes bench/results/worth_testbed.json and worth_testbed.png (loss against inner steps: each run's
-swarm, the floor, the ceiling).
+Several repeats files (settings of one scenario, oldest first) make one table. A repeats file
+names its floor's run (``floor_run``), or it is the scenario's floor with the file's tag.
 
-    python bench/worth_testbed.py bench/results/wan/10mbit-4-dec07-repeats.json [--jobs 1] [--report]
+Writes bench/results/worth_testbed.json and worth_testbed.png (loss against inner steps: the last
+setting's runs, the floor, the ceiling).
+
+    python bench/worth_testbed.py bench/results/wan/10mbit-4-dec07-repeats.json [...] [--jobs 1] [--report]
 """
 
 from __future__ import annotations
@@ -111,15 +114,17 @@ def ceiling_of(settings: dict[str, Any], workers: int, rounds: int) -> list[floa
     return min(found)[1] if found else None
 
 
-def report(repeats_path: Path, jobs: int, run: bool, rounds: int | None = None) -> dict[str, Any]:
+def report(
+    repeats_path: Path, jobs: int, run: bool, rounds: int | None = None
+) -> tuple[dict[str, Any], dict, int]:
+    """One setting's rows, G and steps share (and its runs' curves and H, for the plot)."""
     repeats = json.loads(repeats_path.read_text())
     scenario, directory = repeats["scenario"], repeats_path.parent
     settings, workers = sim_settings(scenario["args"]), scenario["nodes"]
     h = settings.get("inner_steps") or SimConfig.model_fields["inner_steps"].default
     records = {r["record"]: read_run(find_run(directory, r["record"])) for r in repeats["runs"]}
-    floor_name = f"{scenario['floor']}" + repeats_path.name.removesuffix("-repeats.json").removeprefix(
-        scenario["name"]
-    )
+    tag = repeats_path.name.removesuffix("-repeats.json").removeprefix(scenario["name"])
+    floor_name = repeats.get("floor_run") or f"{scenario['floor']}{tag}"
     floor_record = read_run(find_run(directory, floor_name))
     floor, floor_steps = curve(floor_record["final"])
     runs = {name: curve(record["final"]) for name, record in records.items()}
@@ -151,10 +156,17 @@ def report(repeats_path: Path, jobs: int, run: bool, rounds: int | None = None) 
         "G": {"mean": statistics.fmean(gains), "range": [min(gains), max(gains)], "runs": len(gains)},
         "steps_share": {"mean": statistics.fmean(shares), "range": [min(shares), max(shares)]},
     }
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, runs, h, OUT.with_suffix(".png"))
-    write_between(ROOT / "docs" / "WAN.md", "worth-testbed", table(result), by="bench/worth_testbed.py")
-    return result
+    return result, runs, h
+
+
+def write(results: list[tuple[dict[str, Any], dict, int]]) -> None:
+    """worth_testbed.json (each setting), the last setting's plot, and docs/WAN.md's table."""
+    OUT.write_text(
+        json.dumps({"what": __doc__.splitlines()[0], "settings": [r for r, _, _ in results]}, indent=1) + "\n"
+    )
+    plot(*results[-1], OUT.with_suffix(".png"))
+    blocks = "\n\n".join(table(result) for result, _, _ in results)
+    write_between(ROOT / "docs" / "WAN.md", "worth-testbed", blocks, by="bench/worth_testbed.py")
 
 
 def table(result: dict[str, Any]) -> str:
@@ -209,15 +221,22 @@ def plot(result: dict[str, Any], runs: dict[str, tuple[dict[int, float], float]]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("repeats", type=Path, help="bench/results/wan/<name>-repeats.json")
+    parser.add_argument(
+        "repeats", type=Path, nargs="+", help="bench/results/wan/<name>-repeats.json, oldest first"
+    )
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--report", action="store_true", help="only report from the log (no ceiling run)")
     parser.add_argument("--rounds", type=int, help="run the ceiling for at least this many rounds")
     args = parser.parse_args(argv)
-    result = report(args.repeats.resolve(), args.jobs, not args.report, args.rounds)
-    g, s = result["G"], result["steps_share"]
-    print(f"G {g['mean']:.3f} [{g['range'][0]:.3f}-{g['range'][1]:.3f}] over {g['runs']} runs; inner steps"
-          f" {s['mean']:.3f} of the floor's [{s['range'][0]:.3f}-{s['range'][1]:.3f}]")  # fmt: skip
+    results = [report(path.resolve(), args.jobs, not args.report, args.rounds) for path in args.repeats]
+    write(results)
+    for result, _, _ in results:
+        g, s = result["G"], result["steps_share"]
+        print(
+            f"{result['repeats']}: G {g['mean']:.3f} [{g['range'][0]:.3f}-{g['range'][1]:.3f}] over"
+            f" {g['runs']} runs; inner steps {s['mean']:.3f} of the floor's"
+            f" [{s['range'][0]:.3f}-{s['range'][1]:.3f}]"
+        )
     return 0
 
 
