@@ -143,9 +143,9 @@ class SharedMoments:
     def delta_budget(self) -> float | None:
         """What of the link's round budget the Δ may fill (the sender's ``link_budget``): all but
         ``BUDGET_SHARE`` while m is shared (unmeasured or unbounded: all of it)."""
-        budget = self.link_budget()
-        if budget is None or not math.isfinite(budget) or not self.on:
-            return budget
+        budget, optimizer = self.link_budget(), self._optimizer
+        if budget is None or not math.isfinite(budget) or not self.on or not (optimizer and optimizer.state):
+            return budget  # unmeasured, unbounded, or no m yet (before the first inner step)
         return budget * (1 - BUDGET_SHARE)
 
     def _wire(self, numel: int, room: float | None, sent_bytes: int) -> tuple[Codec, int] | None:
@@ -159,16 +159,16 @@ class SharedMoments:
         kept = next(fits, 0)
         return (Codec.SPARSE, kept) if kept else None
 
-    def send(self, key: FragmentKey, flat: Tensor, tokens: int, sent_bytes: int) -> None:
+    def send(self, key: FragmentKey, flat: Tensor, tokens: int, sent_bytes: int) -> int:
         """Publish ``flat`` (``take``'s copy of the m of ``key``'s fragment) beside its Δ of
         ``sent_bytes``, in what the link's round budget leaves (``_wire``); while the link is not
         measured, where m is at most ``UNMEASURED_SHARE`` of the Δ's bytes (a Δ in 16 or 32 bits:
-        a 4-bit m is 0.28 of a 16-bit Δ's bytes)."""
+        a 4-bit m is 0.28 of a 16-bit Δ's bytes). The bytes it sent (0: none)."""
         budget, numel = self.link_budget(), flat.numel()
         room = None if budget is None else budget * numel / self.total_numel - sent_bytes
         wire = self._wire(numel, room, sent_bytes)
         if wire is None or not all_finite(flat):
-            return
+            return 0
         codec, kept = wire
         own = encode(flat, CODEC)  # the own m as a dense send would carry it: what the mix is around
         data = own if codec is CODEC else encode(flat, codec, kept)
@@ -176,6 +176,7 @@ class SharedMoments:
         moments_key = FragmentKey(key.run_id, key.fragment, key.base_version, key.publisher, Kind.MOMENTS)
         self.transport.publish_encoded(moments_key, data, codec=codec, numel=numel, tokens=tokens)
         self.counters.moments_sent += 1
+        return len(data)
 
     def _judged(
         self, f: int, own: Tensor, sound: list[tuple[Fragment, float]]
@@ -187,7 +188,7 @@ class SharedMoments:
         sizes = [self.theta[i].numel() for i in self.fragments[f]]
         for m, w in sound:
             t = m.tensor.reshape(-1)
-            sent = None if m.kept is None else (t != 0).to(t.dtype)
+            sent = None if m.kept is None else t != 0  # a mask: no float copy per peer held
             if self.options.aggregation == "clip":
                 around = own if sent is None else own * sent
                 stick = Yardstick(lambda _, a, b, r=around: r[a:b], None, own.numel(), segments=sizes)
@@ -234,7 +235,7 @@ class SharedMoments:
                     weights.add_(w)
                 else:
                     shift.add_(t.sub(own).mul_(sent), alpha=w)
-                    weights.add_(sent, alpha=w)
+                    weights.add_(sent.to(weights.dtype), alpha=w)
             shift.div_(weights)
             start = 0
             for m in moments:  # m ← m + mean(own as sent, peers') − own as sent

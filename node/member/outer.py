@@ -194,11 +194,11 @@ class OuterLoop:
             self.transport.publish(Fragment(key, own, tokens))
             sent_bytes = encoded_size(own.numel(), "fp32")
         self.counters.published += 1
-        if m is not None:  # the inner first moment beside it, where the link has room
-            self.moments.send(key, m, tokens, sent_bytes)
+        # the inner first moment beside it where the link has room, and φ where the rest has
+        sent_bytes += 0 if m is None else self.moments.send(key, m, tokens, sent_bytes)
         lateness = lambda: self._lateness(f)  # noqa: E731
         mixing_due = self.mixer.due(self.versions[f], lateness) and self.mixer.room(
-            own.numel(), sent_bytes, self.sender.link_budget(), self.sender.total_numel
+            own.numel(), sent_bytes, self.moments.link_budget(), self.sender.total_numel
         )
         # with no live peer a φ would reach nobody, and a kept copy is 4 bytes a parameter
         if (self.method.mixes_params or mixing_due) and self.transport.live_peers():
