@@ -141,7 +141,7 @@ def test_dead_progress_records_never_keep_a_live_one_out(netswarm: list[NetworkT
     p0 = netswarm[0]
     ids = {peer.peer_id for peer in netswarm}
     try:
-        wait_for(lambda: p0.dht_node is not None and ids <= set(p0.swarm_progress()), what="live reports")
+        wait_for(lambda: p0.dht_node is not None and set(p0.swarm_progress()) == ids, what="live reports")
     except AssertionError:  # which reports were missing, and how old the ones seen were
         now = get_dht_time()
         seen = {peer[-6:]: round(now - p.time, 1) for peer, p in p0.swarm_progress().items()}

@@ -12,7 +12,7 @@ peers' m in 4-bit blocks, while no estimate of the mean m from the averaged delt
 What is sent: m of the fragment's tensors when its Δ is published, as a ``Kind.MOMENTS`` fragment
 of the same key: in 4-bit blocks (an eighth of a float32 Δ's bytes) where the link's round budget
 has room for it beside the Δ, else sparse (the largest magnitudes of each block) in what the Δ
-leaves of the budget; on a measured link the Δ leaves at least ``BUDGET_SHARE`` of it (at about 0.2
+leaves of the budget; on a measured link (``--codec auto``) the Δ leaves m ``BUDGET_SHARE`` (at about 0.2
 bytes a parameter, the 10 Mbit testbed's, a 4-bit m never fit and no m was ever sent: docs/DESIGN.md
 §1, "Under a link budget"). While the link is not measured, 4-bit where m is at most half the Δ's
 bytes. What is taken at the outer step: the peers' m of this step's version and of the
@@ -45,8 +45,9 @@ __all__ = ["BUDGET_SHARE", "CODEC", "REACH", "UNMEASURED_SHARE", "SharedMoments"
 
 CODEC = Codec.FP4  # m only seeds the next steps' average, which new gradients soon outweigh
 UNMEASURED_SHARE = 0.5  # m's bytes at most this share of the Δ's while the link is not measured
-# of a measured round budget, what the Δ leaves for m at least: at the testbed's budget, 4 members
-# with a sparse m in 0.3 or 0.5 of it captured G 0.83 / 0.82 at 60 rounds, 0.63 without an m
+# of a measured round budget, what the Δ (``--codec auto``) leaves for m: at the testbed's budget, 4
+# members captured G 0.85 [0.82-0.88] at 60 rounds with it, 0.64 without an m (seeds 0-2); 0.3 and
+# 0.5 gave 0.83 and 0.82 in a prototype (seed 0; bench/results/worth_budget_exploration.json)
 BUDGET_SHARE = 0.3
 REACH = 2.0  # the mixed m within this many times what Adam's own m can be beside its v (``_bound``)
 
@@ -182,22 +183,29 @@ class SharedMoments:
         self, f: int, own: Tensor, sound: list[tuple[Fragment, float]]
     ) -> list[tuple[Tensor, float, Tensor | None]]:
         """The peers' m that pass the screen, each (m, weight, where it was sent: None for all),
-        clipped around the own m (with ``--aggregation clip``; a sparse m around the own m at the
-        coordinates it carries, the only ones it moves)."""
-        out = []
+        clipped around the own m with ``--aggregation clip``: the dense ones in one pass, a sparse
+        one around the own m at the coordinates it carries (the only ones it moves)."""
+        masked = [
+            (m.tensor.reshape(-1), w, None if m.kept is None else m.tensor.reshape(-1) != 0) for m, w in sound
+        ]
+        if self.options.aggregation != "clip":
+            return masked
         sizes = [self.theta[i].numel() for i in self.fragments[f]]
-        for m, w in sound:
-            t = m.tensor.reshape(-1)
-            sent = None if m.kept is None else t != 0  # a mask: no float copy per peer held
-            if self.options.aggregation == "clip":
-                around = own if sent is None else own * sent
-                stick = Yardstick(lambda _, a, b, r=around: r[a:b], None, own.numel(), segments=sizes)
-                judged = stick.judge([(t, None)], self.options.clip_radius, copies=False)[0]
-                if judged.cosine < self.options.min_cosine:
-                    self.counters.rejected["moments_opposed"] += 1
-                    continue
-                t = judged.delta
-            out.append((t, w, sent))
+        dense = [n for n, (_, _, sent) in enumerate(masked) if sent is None]
+        whole = Yardstick(lambda _, a, b: own[a:b], None, own.numel(), segments=sizes)
+        judged = whole.judge([(masked[n][0], None) for n in dense], self.options.clip_radius, copies=False)
+        verdicts = dict(zip(dense, judged, strict=True))
+        out = []
+        for n, (t, w, sent) in enumerate(masked):
+            if sent is not None:  # the own m where this one was sent, a chunk at a time
+                stick = Yardstick(
+                    lambda _, a, b, s=sent: own[a:b] * s[a:b], None, own.numel(), segments=sizes
+                )
+                verdicts[n] = stick.judge([(t, None)], self.options.clip_radius, copies=False)[0]
+            if verdicts[n].cosine < self.options.min_cosine:
+                self.counters.rejected["moments_opposed"] += 1
+                continue
+            out.append((verdicts[n].delta, w, sent))
         return out
 
     def mix(self, f: int, version: int, refused: Collection[tuple[int, str, int]] = ()) -> int:
@@ -228,14 +236,15 @@ class SharedMoments:
         if not fresh:
             return 0
         with torch.no_grad():  # per coordinate, over the m that carry it: the own at weight 1
-            shift, weights = torch.zeros_like(own), torch.ones_like(own)
+            shift, weights = torch.zeros_like(own), 1.0  # a weight per coordinate once one is sparse
             for t, w, sent in fresh:  # summed one at a time: no k model-sized copies at once
                 if sent is None:
                     shift.add_(t.sub(own), alpha=w)
-                    weights.add_(w)
+                    weights += w
                 else:
                     shift.add_(t.sub(own).mul_(sent), alpha=w)
-                    weights.add_(sent.to(weights.dtype), alpha=w)
+                    weights = torch.full_like(own, weights) if isinstance(weights, float) else weights
+                    weights.add_(sent.to(own.dtype), alpha=w)
             shift.div_(weights)
             start = 0
             for m in moments:  # m ← m + mean(own as sent, peers') − own as sent
