@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,7 @@ from typing import Any
 from cgad.bench.wan.checks import EXPECTATIONS, check, check_floor, final_losses
 from cgad.bench.wan.provenance import data_seed, describe, refusal, tree_state
 from cgad.bench.wan.runlog import LEGACY_SUFFIX, SUFFIX, write_run
-from cgad.bench.wan.testbed import Link, Testbed, available
+from cgad.bench.wan.testbed import Link, Testbed, available, host_cpu_seconds
 from cgad.node.daemon.admin import call_admin
 from cgad.node.front.progress import progress_bar
 
@@ -152,6 +153,8 @@ def run(
             for index, link in enumerate(links):
                 bed.shape(index, link)
         started = time.monotonic()
+        host_at_start = host_cpu_seconds()
+        nodes_at_start = sum(sum(node.cpu_seconds().values()) for node in bed.nodes.values())
         deadline = started + scenario["minutes"] * 60
         partitions: list[tuple[float, int]] = []
         bar = progress_bar(int(deadline - started), scenario["name"], "s", every=60.0)
@@ -178,6 +181,7 @@ def run(
             time.sleep(POLL_SECONDS)
         bar.close()
         cpu = {index: node.cpu_seconds() for index, node in bed.nodes.items() if node.alive()}
+        host = _host_load(host_at_start, nodes_at_start, cpu, time.monotonic() - started)
         for index, node in bed.nodes.items():
             finals[index] = _status(node.admin) if node.alive() else None
             if node.alive():
@@ -196,9 +200,24 @@ def run(
     result = {"scenario": scenario, **state, "experiment": experiment, "started_at": started_at,
               "run_seed": run_seed, "data_seeds": seeds, "testbed": testbed, "samples": samples,
               "final": finals, "log_tails": logs, "phi_spread": spread,
-              "cpu_seconds_by_process": cpu}  # fmt: skip
+              "cpu_seconds_by_process": cpu, "host_cpu": host}  # fmt: skip
     result["checks"] = check(result)
     return result
+
+
+def _host_load(
+    at_start: tuple[float, float], nodes_at_start: float, cpu: dict[int, dict[str, float]], wall: float
+) -> dict[str, Any]:
+    """The host's CPU over the training time: its cores, how busy they were, the nodes' share of
+    it and what the rest of the host took (the runner, and anything else running beside it: a
+    run's inner steps depend on the cores left to the nodes, so a busy host explains a slow run).
+    The nodes' seconds count the live nodes only."""
+    busy, steal = host_cpu_seconds()
+    nodes = sum(sum(used.values()) for used in cpu.values()) - nodes_at_start
+    busy -= at_start[0]
+    return {"cores": os.cpu_count(), "wall_s": round(wall, 1), "busy_s": round(busy, 1),
+            "steal_s": round(steal - at_start[1], 1), "nodes_s": round(nodes, 1),
+            "others_s": round(busy - nodes, 1)}  # fmt: skip
 
 
 def phi_spread(checkpoints: list[Path]) -> dict[str, Any] | None:
@@ -390,6 +409,12 @@ def main() -> None:
             loss = None if status is None else status.get("eval_loss")
             cpu = {k: round(v) for k, v in result["cpu_seconds_by_process"].get(index, {}).items()}
             print(f"node {index}: final eval loss {loss}; CPU seconds {cpu}")
+        host = result["host_cpu"]
+        room = host["cores"] * host["wall_s"]
+        print(
+            f"host: {host['cores']} cores busy {host['busy_s']:.0f} s of {room:.0f};"
+            f" the nodes {host['nodes_s']:.0f} s, the rest of the host {host['others_s']:.0f} s"
+        )
         for verdict in result["checks"]:
             print(f"{'ok  ' if verdict['ok'] else 'FAIL'} {verdict['check']}: {verdict['detail']}")
         print(f"wrote {written} and {png}")

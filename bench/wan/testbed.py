@@ -49,7 +49,7 @@ HOST_ADDRESS = f"{SUBNET}.254"
 PRIVATE = "192.168"  # node I behind NAT: 192.168.(100+I).2, its router .1
 RULE_MARK = f"{PREFIX}-testbed"  # the comment on the host's firewall rules this testbed inserts
 
-__all__ = ["HOST_ADDRESS", "Link", "NodeProcess", "Testbed", "available"]
+__all__ = ["HOST_ADDRESS", "Link", "NodeProcess", "Testbed", "available", "host_cpu_seconds"]
 
 
 def available(nat: bool = False, cpu: bool = False) -> str | None:
@@ -115,6 +115,16 @@ class NodeProcess:
             if stat is not None and int(stat[2][3]) == self.process.pid:
                 used[stat[0]] = used.get(stat[0], 0.0) + stat[1]
         return used
+
+
+def host_cpu_seconds() -> tuple[float, float]:
+    """CPU seconds the whole host has been busy since boot (every core, every process, the kernel
+    too) and of them stolen by the hypervisor, from /proc/stat: beside the nodes' own CPU seconds,
+    what else ran on the host during a run (a run's inner steps depend on the cores left to it)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / tick, steal / tick
 
 
 class Testbed:
