@@ -20,7 +20,7 @@ defaults). Conditions: τ = 0, random delays of 0-4 and 0-8 rounds, stragglers (
 2-3× slower) and churn (5% a round, 10% of deliveries lost); every size runs τ = 0, ``--full``
 every condition at every size (8 runs them all by default). Ablations beside the default at N = 8,
 τ = 0: the defaults before the square-root rule (the inner lr as given, CGA's momentum 0.5), the
-rule with that momentum, every peer's delta taken (``--fan-in`` unbounded), and each member's own
+rule with that momentum, a fan-in of 4 (``--fan-in 4``, the default before ``auto``), and each member's own
 inner first moment (``--moments own``, the default before it was shared). 3 seeds.
 
 Runs go to bench/results/worth.runs.jsonl (``bench/runner/sweep.py``), so the sweep resumes where it
@@ -71,7 +71,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     # member's own first moment (the rule came first)
     "inner lr as given": {"inner_lr_scaling": "none", "cga_momentum": 0.5, "moments": "own"},
     "CGA momentum 0.5": {"cga_momentum": 0.5},
-    "every peer's delta": {"fan_in": None},
+    # the fixed cap before --fan-in auto (which takes every peer's delta up to 16 at this scale)
+    "fan-in 4": {"fan_in": 4},
     # the defaults before the shared first moment: each member's inner m its own
     "own first moment": {"moments": "own"},
 }

@@ -104,10 +104,10 @@ class ExchangeOptions(BaseModel):
     error_feedback: bool = Field(
         True, description="carry a lossy codec's rounding error into the fragment's next pseudo-gradient"
     )
-    fan_in: int | None = Field(
-        4,
-        ge=1,
-        description="at most this many peers' fragments taken per fragment and round (none: every peer's)",
+    fan_in: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto",
+        description="at most this many peers' fragments taken per fragment and round (none: every peer's;"
+        " auto: as many as 2 GiB holds decoded, 4 to 16: tiny 16, small 10, base and 1b 4)",
     )
 
     @model_validator(mode="after")

@@ -3,6 +3,8 @@
 One owner for the daemon's selector (``selection.OfferSelector``) and the simulator's in-memory
 network (``node/sim/memory.py``):
 
+- ``fan_in_for``: the cap a peer runs with, ``--fan-in`` as given or, under ``auto`` (the
+  default), as many peers as a bound on the deliveries held decoded allows, 4 to 16;
 - ``takeable``: how many of the live peers a round takes (what the inner lr's count, the round's
   wait and the byte budget read);
 - ``fan_in_order``: the order in which a round's offers claim slots;
@@ -17,11 +19,14 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from cgad.protocol.transport import FragmentKey, Kind
 
-__all__ = ["PENDING_SECONDS", "FanInSlots", "RoundKey", "fan_in_order", "round_key", "takeable"]
+__all__ = [
+    "FAN_IN_LEAST", "FAN_IN_MOST", "HELD_BYTES", "PENDING_SECONDS", "FanInSlots", "RoundKey", "fan_in_for",
+    "fan_in_order", "round_key", "takeable",
+]  # fmt: skip
 
 T = TypeVar("T")
 RoundKey = tuple[int, Kind, int]  # fragment, kind, base version: what the cap counts publishers per
@@ -30,6 +35,31 @@ RoundKey = tuple[int, Kind, int]  # fragment, kind, base version: what the cap c
 # timeout (``fetch_timeout``); a fetch that fails says so at once (``release``)
 PENDING_SECONDS = 300.0
 _NO_CAP = 1 << 30  # fan_in None: every peer's
+# ``--fan-in auto``: a round's deliveries (each peer's Δ and first moment, decoded to float32 until
+# the outer step) held within HELD_BYTES, and never fewer peers than FAN_IN_LEAST (the fixed cap
+# before auto) nor more than FAN_IN_MOST (each one taken is judged and summed at the outer step).
+# Under ``--codec auto`` the senders size their deltas to the peers that fetch them, so a wider
+# fan-in brings about the same bytes a round, in sparser deltas: at 8 members on the testbed's
+# budget every peer's delta captured twice the gain of 4 peers' (docs/DESIGN.md §1, "Under a
+# link budget")
+FAN_IN_LEAST, FAN_IN_MOST = 4, 16
+HELD_BYTES = 2 << 30
+FanIn = int | Literal["auto"] | None
+
+
+def fan_in_for(fan_in: FanIn, numel: int) -> int | None:
+    """The fan-in cap a peer of a model of ``numel`` parameters runs with.
+
+    Args:
+        fan_in: ``--fan-in``: a number of peers, None (every peer's), or "auto": as many peers as
+            ``HELD_BYTES`` holds a Δ and a first moment of each decoded (8 bytes a parameter),
+            within ``FAN_IN_LEAST`` to ``FAN_IN_MOST`` (with the bundled 4096-token BPE: tiny
+            16, small 10, base and 1b 4).
+        numel: the model's parameters.
+    """
+    if fan_in != "auto":
+        return fan_in
+    return max(FAN_IN_LEAST, min(FAN_IN_MOST, HELD_BYTES // (8 * max(numel, 1))))
 
 
 def takeable(live: int, fan_in: int | None) -> int:

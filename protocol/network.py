@@ -48,7 +48,7 @@ from cgad.protocol.config import PATHS, NetworkOptions
 from cgad.protocol.dhtbounds import bound_dht
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.event_thread import EventLoopThread, side_worker
-from cgad.protocol.fan_in import takeable
+from cgad.protocol.fan_in import fan_in_for, takeable
 from cgad.protocol.fetching import MAX_DESCRIPTION, Fetcher
 from cgad.protocol.polling import Poller
 from cgad.protocol.publishing import Publisher
@@ -84,11 +84,11 @@ DISCOVERY_POLLS = 1.5  # --codec auto: a delivery's seconds besides its bytes, i
 class NetworkTransport(Transport):
     """``Transport`` over a hivemind DHT, with bytes over direct gRPC or libp2p streams.
 
-    ``options``: any ``NetworkOptions`` subclass (only its ``NetworkOptions`` fields are read,
-    copied once here). ``fragment_numel``: the fragments to receive and the values each must
-    have; ``identity`` defaults to the key file ``options.identity`` (made if missing), or a fresh
-    key. ``stale_after``: the age (in versions of this peer's fragment) from which a delivery no
-    longer counts: such offers are not fetched, fetches in flight are cancelled once they reach
+    ``options``: any ``NetworkOptions`` subclass (its ``NetworkOptions`` fields copied once here,
+    ``--fan-in auto`` cut to the model: ``fragment_numel``, the fragments to receive and the values
+    of each); ``identity`` defaults to the key file ``options.identity`` (made if missing), or a
+    fresh key. ``stale_after``: the age (in versions of this peer's fragment) from which a delivery
+    no longer counts: such offers are not fetched, fetches in flight are cancelled once they reach
     it (``scheduling``); None: every age counts. ``max_ahead``: how far ahead of this peer's own
     version an offer may claim to be and still be fetched (None: the history horizon). ``kinds``:
     the kinds fetched (None: all). An ``observer`` (a monitor) writes no record: it is no peer."""
@@ -105,8 +105,9 @@ class NetworkTransport(Transport):
         observer: bool = False,
         kinds: frozenset[str] | None = None,
     ) -> None:
-        fields = set(NetworkOptions.model_fields)
-        self.options = NetworkOptions.model_validate(options.model_dump(include=fields))
+        given = options.model_dump(include=set(NetworkOptions.model_fields))
+        given["fan_in"] = fan_in_for(given["fan_in"], sum(fragment_numel.values()))
+        self.options = NetworkOptions.model_validate(given)
         self.num_fragments, self.observer, self.fan_in = num_fragments, observer, self.options.fan_in
         if identity is None:
             identity = Identity.load_or_create(self.options.identity) if self.options.identity else Identity()
@@ -300,8 +301,7 @@ class NetworkTransport(Transport):
         return data
 
     def describe_as(self, swarm_json: str) -> None:
-        """What this peer tells a peer that asks who it is (``describe``): its node's identity
-        of the swarm, as JSON."""
+        """What this peer tells a peer that asks who it is (``describe``): its swarm, as JSON."""
         if len(swarm_json) > MAX_DESCRIPTION:
             raise ValueError(f"a description of {len(swarm_json)} characters; at most {MAX_DESCRIPTION}")
         self._server.description = swarm_json

@@ -82,6 +82,25 @@ def test_the_fan_in_draws_offers_in_one_order_for_a_daemon_and_the_simulator():
         assert "fan_in_order(" in inspect.getsource(side)
 
 
+def test_the_fan_in_auto_is_cut_to_the_model_by_one_function_for_a_daemon_and_the_simulator():
+    """``--fan-in auto`` (the default): as many peers as 2 GiB holds a Δ and a first moment of
+    each decoded, 4 to 16. A daemon's transport cuts it from the fragments it receives, the
+    simulator from its model, both through ``fan_in.fan_in_for``; a number or none stands."""
+    import inspect
+
+    from cgad.node.sim import simulate
+    from cgad.node.training.model import model_config, parameter_count
+    from cgad.protocol.fan_in import fan_in_for
+    from cgad.protocol.network import NetworkTransport
+
+    sizes = {name: parameter_count(model_config(name, 1024)) for name in ("tiny", "small", "1b")}
+    caps = {name: fan_in_for("auto", numel) for name, numel in sizes.items()}
+    assert caps == {"tiny": 16, "small": 10, "1b": 4}, (caps, sizes)
+    assert fan_in_for(3, 10**9) == 3 and fan_in_for(None, 10) is None
+    for side in (NetworkTransport.__init__, simulate.simulate):
+        assert "fan_in_for(" in inspect.getsource(side)
+
+
 def test_the_fan_ins_slots_are_counted_by_one_ledger(monkeypatch):
     """``fan_in.FanInSlots`` holds the slots of a daemon's offer selector and of the simulator's
     peers: taken, spent when the bytes arrive, free again when they do not; half the slots at most

@@ -214,6 +214,10 @@ def test_the_simulator_caps_fan_in_as_a_daemon_does(corpus):
     # per worker and round at most 2 peers' fragments against 5 without the cap
     assert capped["applied"] <= 6 * 3 * 2 < uncapped["applied"]
     assert capped["bytes_sent"] < uncapped["bytes_sent"]
+    # the default, --fan-in auto, cut to the tiny model as a daemon's transport cuts it: 16, so
+    # every one of the 5 peers' fragments is taken, as without a cap
+    auto = run(corpus, workers=6, rounds=3)
+    assert auto["config"]["fan_in"] == 16 and auto["applied"] == uncapped["applied"]
 
 
 def test_a_republished_key_is_rejected_as_replay():

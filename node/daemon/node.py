@@ -187,7 +187,7 @@ class Node(MemberHooks):
                 Schedule.of(
                     c,
                     apply_delay=0 if self.exchange is not None else c.apply_delay,
-                    fan_in=c.fan_in,
+                    fan_in=self.transport.fan_in,  # --fan-in auto, cut to the model by the transport
                     align_after_adopting=self.exchange is None,
                 ),
                 hooks=self,

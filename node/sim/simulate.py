@@ -39,8 +39,9 @@ from cgad.node.sim.config import SimConfig
 from cgad.node.sim.groups import GroupFinder
 from cgad.node.sim.memory import Delay, MemoryTransport, VirtualNetwork
 from cgad.node.training.data import BatchIterator, TokenDataset
-from cgad.node.training.model import build_model
+from cgad.node.training.model import build_model, parameter_count
 from cgad.node.training.trainer import InnerTrainer, evaluate
+from cgad.protocol.fan_in import fan_in_for
 
 __all__ = ["simulate", "worker_batches"]
 
@@ -180,7 +181,9 @@ def simulate(
     """Run one simulated swarm to the end; returns its record (see the module doc for the keys).
     ``progress`` hears of inner steps as they are done; ``on_round`` of each round the whole
     swarm has finished, with the held-out loss of its workers' mean parameters."""
-    c = config
+    base_model = build_model(config.model, vocab_size, seed=config.seed)
+    # the fan-in a daemon of this model runs with (``--fan-in auto``: what its memory holds)
+    c = config.model_copy(update={"fan_in": fan_in_for(config.fan_in, parameter_count(base_model))})
     torch.manual_seed(c.seed)
     rng = random.Random(c.seed)
     network = VirtualNetwork(
@@ -191,7 +194,6 @@ def simulate(
         seed=c.seed * 7919 + 1,
     )
     eval_batches = dataset.eval_batches(c.eval_batches, c.batch_size, c.seq_len)
-    base_model = build_model(c.model, vocab_size, seed=c.seed)
     initial_loss = evaluate(base_model, eval_batches)
     attack = Attack.parse(c.attack) if c.attackers else None
     workers = _workers(c, dataset, network, base_model, attack)
@@ -379,7 +381,7 @@ def _record(
         "mean_outer_momentum": _mean(momenta) if momenta else None,
         "age_counts": _age_counts([d for d in delivered if not d.own]),
         "wall_seconds": time.perf_counter() - started,
-        "config": c.model_dump(),
+        "config": c.model_dump(),  # as it ran: ``--fan-in auto`` cut to the model
     }
 
 
