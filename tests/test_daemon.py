@@ -21,7 +21,7 @@ HOSTILE = {
 }  # fmt: skip
 STATUS_KEYS = {
     "peer_id", "run_id", "versions", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers",
-    "published", "applied", "rejected", "dropped_stale", "mean_age", "clipped", "skipped",
+    "fan_in", "published", "applied", "rejected", "dropped_stale", "mean_age", "clipped", "skipped",
     "cpu_seconds_by_thread", "outer_momentum", "tokens_capped", "inner_lr", *COUNTED,
 }  # fmt: skip
 
@@ -45,6 +45,7 @@ def test_swarm_trains_survives_sigkill_takes_a_late_joiner_and_lets_a_node_leave
     )
     assert status_json.returncode == 0, status_json.stderr
     assert STATUS_KEYS <= set(json.loads(status_json.stdout))
+    assert json.loads(status_json.stdout)["fan_in"] == 16  # --fan-in auto, cut to the tiny model
 
     # 1. three nodes train: held-out loss falls, and each applies both others' fragments
     ids = {n.name: n.status()["peer_id"] for n in nodes}

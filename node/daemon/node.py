@@ -430,6 +430,7 @@ class Node(MemberHooks):
             "eval_history": [list(e) for e in self.eval_history],
             "tokens_per_second": self.tokens_per_second,
             "peers": len(self.transport.live_peers()),
+            "fan_in": self.transport.fan_in,  # the most peers taken a round (--fan-in auto: cut to the model)
             **counters.totals(),
             "applied_by_peer": dict(counters.applied_by_peer.copy()),
             "rejected_by_peer": dict(
@@ -457,8 +458,7 @@ class Node(MemberHooks):
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),
-            # the training thread's time off training per outer step (evaluation, checkpoints apart)
-            "stall": self.stall.summary(),
+            "stall": self.stall.summary(),  # time off training per outer step (evaluation, checkpoints apart)
             "snapshot_bytes": self.snapshots.bytes,
             "parameters": self.loop.sender.total_numel,
             "uptime": time.time() - self.started_at,
