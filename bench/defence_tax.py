@@ -29,7 +29,8 @@ DEFAULT = "cga + late gossip"
 METHODS = (NO_DEFENCE, DEFAULT, "cga + late gossip, no screen")
 TAX = Sweep(
     "defence_tax",
-    {**BASE, "workers": 8, "rounds": 150},
+    # the fan-in its stored runs had (the default before --fan-in auto; keys do not name it)
+    {**BASE, "workers": 8, "rounds": 150, "fan_in": 4},
     {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"]},
     METHODS,
 )

@@ -141,7 +141,8 @@ LONG = Sweep(
 )
 SCALED = Sweep(
     "long_sweep_8x150",
-    {**BASE, "workers": 8, "rounds": 150},
+    # the fan-in its stored runs had (the default before --fan-in auto; keys do not name it)
+    {**BASE, "workers": 8, "rounds": 150, "fan_in": 4},
     {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"],
      "stragglers": {"stragglers": [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]},
      "churn+drop": CONDITIONS["churn+drop"]},

@@ -1,14 +1,14 @@
 """How a swarm scales with its size in the simulator: 4 to 256 members under the daemon's fan-in cap.
 
 Each member is the daemon's member engine (node/sim/simulate.py) with every outer flag at the
-daemon's default (CGA, late mixing, clipping, fan-in 4), on the sweeps' 0.6M-parameter Llama
-(bench/sweep_model.json), H = 8, 20 rounds, batch 4 x 64 tokens, random delays of 0-4 rounds, the
-data split as daemons draw it (``shared``), deltas sent as 4-bit blocks with error feedback. For
-each size: the members' mean final held-out loss and the loss of their average phi (does the
-swarm drift apart as it grows?), the consensus distance (mean ||phi_i - mean phi|| / ||mean phi||
-over the last rounds), bytes each member sent per round, fragments it applied per round and their
-mean age. Beside the default, at the second-largest size: a wider fan-in and no mixing, to see
-what keeps the swarm together.
+daemon's default (CGA, late mixing, clipping) and a fan-in of 4 (the default before ``auto``), on
+the sweeps' 0.6M-parameter Llama (bench/sweep_model.json), H = 8, 20 rounds, batch 4 x 64 tokens,
+random delays of 0-4 rounds, the data split as daemons draw it (``shared``), deltas sent as 4-bit
+blocks with error feedback. For each size: the members' mean final held-out loss and the loss of
+their average phi (does the swarm drift apart as it grows?), the consensus distance (mean ||phi_i -
+mean phi|| / ||mean phi|| over the last rounds), bytes each member sent per round, fragments it
+applied per round and their mean age. Beside the default, at the second-largest size: a wider fan-in
+and no mixing, to see what keeps the swarm together.
 
 Runs go to a JSON-lines log as they finish (an interrupted sweep resumes), each with the commit it
 ran at. Outputs bench/results/sim_scale.json and sim_scale.png.
@@ -40,6 +40,7 @@ SEEDS = [0, 1]
 BASE = dict(
     inner_steps=8, rounds=20, batch_size=4, seq_len=64, eval_batches=4, inner_lr=1e-3,
     delay="random:4", data_split="shared", codec="4bit",
+    fan_in=4,  # the stored runs' (the default before --fan-in auto, which takes 16 here at 4× the bytes)
 )  # fmt: skip
 ALONE_FROM = 128  # members: runs this large go one at a time (a 256-member run holds ~10 GB)
 # what might keep a large swarm together, tried at the second-largest size beside the default

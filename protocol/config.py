@@ -110,6 +110,12 @@ class ExchangeOptions(BaseModel):
         " auto: as many as 2 GiB holds decoded, 4 to 16: tiny 16, small 10, base and 1b 4)",
     )
 
+    @field_validator("fan_in", mode="before")
+    @classmethod
+    def _none_is_every_peer(cls, value: object) -> object:
+        """``--fan-in none`` (a flag is text): every peer's, as ``fan_in: null`` in a file."""
+        return None if isinstance(value, str) and value.strip().lower() == "none" else value
+
     @model_validator(mode="after")
     def _sparse_needs_feedback(self) -> ExchangeOptions:
         if self.codec in LOOP_CODECS and not self.error_feedback:

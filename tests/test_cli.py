@@ -41,6 +41,9 @@ def test_join_help_lists_what_a_volunteer_sets_and_help_all_every_option():
     # a flag the short help leaves out is still taken; an internal is not a flag, but a file's key
     dry = cli("join", "--dry-run", "--fan-in", "3")
     assert dry.returncode == 0 and '"fan_in": 3' in dry.stdout, dry.stderr
+    for given, shown in (("none", "null"), ("auto", '"auto"')):  # every peer's; cut to the model
+        dry = cli("join", "--dry-run", "--fan-in", given)
+        assert dry.returncode == 0 and f'"fan_in": {shown}' in dry.stdout, dry.stderr
     assert cli("join", "--dry-run", "--record-ttl", "60").returncode == 2
 
 
