@@ -177,6 +177,19 @@ def test_main_refuses_a_tree_with_changes_before_anything_else(runner, monkeypat
         runner.main()
 
 
+def test_the_host_load_counts_each_node_process_over_the_run_alone(runner, monkeypatch):
+    """``host_cpu``: what the nodes used during the run (a node restarted since counts whole, a
+    node killed and gone is the rest of the host's), and what the rest of the host took."""
+    monkeypatch.setattr(runner, "host_cpu_seconds", lambda: (1300.0, 2.0))
+    first = [object() for _ in range(3)]  # the node processes at the start
+    at_start = {i: (node, 5.0) for i, node in enumerate(first)}  # index: (node, CPU seconds so far)
+    at_end = {0: {"cgad-node": 300.0, "p2pd": 5.0}, 1: {"cgad-node": 200.0}}  # node 2 killed
+    now = {0: first[0], 1: object()}  # node 1 restarted: a new process
+    host = runner._host_load((100.0, 1.0), at_start, at_end, now, 600.0)
+    assert host["busy_s"] == 1200.0 and host["steal_s"] == 1.0 and host["wall_s"] == 600.0
+    assert host["nodes_s"] == (305.0 - 5.0) + 200.0 and host["others_s"] == 1200.0 - 500.0
+
+
 def test_node_i_gets_the_same_data_seed_in_a_swarm_and_its_floor(runner):
     swarm = runner.load_scenario(SCENARIOS / "10mbit-4-h50-downloading-joiners.json")
     floor = runner.load_scenario(SCENARIOS / f"{swarm['floor']}.json")

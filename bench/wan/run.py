@@ -154,7 +154,7 @@ def run(
                 bed.shape(index, link)
         started = time.monotonic()
         host_at_start = host_cpu_seconds()
-        nodes_at_start = sum(sum(node.cpu_seconds().values()) for node in bed.nodes.values())
+        nodes_at_start = {i: (node, sum(node.cpu_seconds().values())) for i, node in bed.nodes.items()}
         deadline = started + scenario["minutes"] * 60
         partitions: list[tuple[float, int]] = []
         bar = progress_bar(int(deadline - started), scenario["name"], "s", every=60.0)
@@ -181,7 +181,7 @@ def run(
             time.sleep(POLL_SECONDS)
         bar.close()
         cpu = {index: node.cpu_seconds() for index, node in bed.nodes.items() if node.alive()}
-        host = _host_load(host_at_start, nodes_at_start, cpu, time.monotonic() - started)
+        host = _host_load(host_at_start, nodes_at_start, cpu, dict(bed.nodes), time.monotonic() - started)
         for index, node in bed.nodes.items():
             finals[index] = _status(node.admin) if node.alive() else None
             if node.alive():
@@ -206,18 +206,27 @@ def run(
 
 
 def _host_load(
-    at_start: tuple[float, float], nodes_at_start: float, cpu: dict[int, dict[str, float]], wall: float
+    at_start: tuple[float, float],
+    nodes_at_start: dict[int, tuple[Any, float]],
+    cpu: dict[int, dict[str, float]],
+    nodes: dict[int, Any],
+    wall: float,
 ) -> dict[str, Any]:
     """The host's CPU over the training time: its cores, how busy they were, the nodes' share of
     it and what the rest of the host took (the runner, and anything else running beside it: a
     run's inner steps depend on the cores left to the nodes, so a busy host explains a slow run).
-    The nodes' seconds count the live nodes only."""
+    The nodes' seconds are those of the nodes alive at the end, less what the same process had
+    used at the start (a node restarted since counts whole); a node killed and not restarted is
+    counted in the rest of the host."""
     busy, steal = host_cpu_seconds()
-    nodes = sum(sum(used.values()) for used in cpu.values()) - nodes_at_start
+    used_by_nodes = 0.0
+    for index, used in cpu.items():  # the same node process as at the start, or a new one
+        node, before = nodes_at_start.get(index, (None, 0.0))
+        used_by_nodes += sum(used.values()) - (before if node is nodes.get(index) else 0.0)
     busy -= at_start[0]
     return {"cores": os.cpu_count(), "wall_s": round(wall, 1), "busy_s": round(busy, 1),
-            "steal_s": round(steal - at_start[1], 1), "nodes_s": round(nodes, 1),
-            "others_s": round(busy - nodes, 1)}  # fmt: skip
+            "steal_s": round(steal - at_start[1], 1), "nodes_s": round(used_by_nodes, 1),
+            "others_s": round(busy - used_by_nodes, 1)}  # fmt: skip
 
 
 def phi_spread(checkpoints: list[Path]) -> dict[str, Any] | None:
