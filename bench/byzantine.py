@@ -60,6 +60,7 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "mean": {"aggregation": "mean"},
     "clip": {},
     "clip, no screen": {"min_cosine": -1.0},
+    "clip + data score": {"data_score": "on"},
 }
 DEFAULT = "clip"
 # clipping alone only where the screen could make a difference: the attacks of a Δ of honest size
@@ -93,7 +94,7 @@ def run_cell(cell: tuple[str, str | None, int, str, int]) -> dict[str, Any]:
         attackers=attackers if attack else 0, attack=attack,
     )  # fmt: skip
     record = simulate(config, load_dataset(tokenizer), tokenizer.vocab_size)
-    keep = ("final_loss", "initial_loss", "diverged", "rejected", "clipped", "applied", "losses")
+    keep = ("final_loss", "initial_loss", "diverged", "rejected", "clipped", "applied", "losses", "probed")
     return {"key": run_key(*cell), "optimizer": optimizer, "attack": attack, "attackers": attackers,
             "aggregation": aggregation, "seed": seed, **{k: record[k] for k in keep}}  # fmt: skip
 

@@ -143,6 +143,15 @@ class OuterOptions(Part):
         "whose deltas arrive fresh (0, the default: plain averaging; the inner lr's square-root rule "
         "already gives the step its length)",
     )
+    data_score: Literal["on", "off"] = Field(
+        "off",
+        description="clip: on: each peer's pseudo-gradient that passed the screen is also judged on a few "
+        "windows of this node's held-out text (never the evaluation's): one that raises the loss beyond "
+        "chance is refused (counted 'harmful'), and each peer weighs by its record (docs/SECURITY.md)",
+    )
+    score_share: float = Field(
+        0.1, gt=0, le=1, description="data score: the most of a block's inner compute its forward passes take"
+    )
     noloco_beta: float = Field(0.5, ge=0, lt=1, description="NoLoCo: momentum β")
     restart_every: int = Field(
         0, ge=0, description="reset the outer optimizer's state every N steps (0: never)"

@@ -4,7 +4,9 @@ parameters) and another claims (in its fragments and in its progress records) to
 versions ahead; a late joiner never adopts the poisoned snapshot. In a second swarm, peers that
 reverse their pseudo-gradients, replace them with noise ten times their size, or claim a trillion
 tokens for each block while it shifts its pseudo-gradients along one direction (mirror, hidden
-inside the clip) are refused, clipped and capped while the honest ones train on."""
+inside the clip) are refused, clipped and capped while the honest ones train on. With the data
+score on (``--data-score on``), the scaler's clipped deltas are refused as harmful on each honest
+node's held-out windows and the honest peer's are taken."""
 
 import math
 import subprocess
@@ -32,19 +34,22 @@ SPIKES = 0.25
 SHORT = ["--inner-steps", "8"]
 # the attackers send fp32, so that nothing in the encoding stops what they send
 FP32 = [*SHORT, "--codec", "fp32"]
+# the data score on, at half a block's compute: these blocks (8 steps of 2 × 32 tokens) are too
+# small for one test at the default share, which a daemon's default block holds many times over
+SCORED = [*SHORT, "--data-score", "on", "--score-share", "0.5"]
 # a trillion tokens per block, and each Δ shifted a norm along one direction (node/sim/attacks.py)
 INFLATING_MIRROR = "tokens:1000000000000+mirror:1"
 
 
-def _two_honest(workdir, started: list) -> tuple[list[str], list[float]]:
-    """Start two honest nodes, the second joining the first, and let them train ROUNDS rounds
-    together; return the first's addresses and each one's held-out loss by then (the mean of its
-    last three evaluations), before any attacker exists. Two are enough: a delivery is judged
-    against the node's own Δ, not a vote."""
-    first = NodeProcess("honest0", workdir, [], SHORT)
+def _two_honest(workdir, started: list, flags: list[str] = SHORT) -> tuple[list[str], list[float]]:
+    """Start two honest nodes (``flags``), the second joining the first, and let them train ROUNDS
+    rounds together; return the first's addresses and each one's held-out loss by then (the mean
+    of its last three evaluations), before any attacker exists. Two are enough: a delivery is
+    judged against the node's own Δ, not a vote."""
+    first = NodeProcess("honest0", workdir, [], flags)
     started.append(first)
     peers = first.maddrs()
-    started.append(NodeProcess("honest1", workdir, peers, SHORT))
+    started.append(NodeProcess("honest1", workdir, peers, flags))
     before = []
     for node in started[:2]:
         status = node.wait(
@@ -121,6 +126,34 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
     assert summary.returncode == 0, summary.stderr
     assert "future" in summary.stdout and scaler_id in summary.stdout, summary.stdout
     assert "ages of applied fragments" in summary.stdout, summary.stdout
+
+
+@pytest.mark.timeout(900)
+def test_the_data_score_refuses_a_scalers_deltas_and_takes_the_honest_ones(daemons):
+    """The ×1e6 scaler of the test above, clipped to two norms of the own Δ, is a step the shape
+    screens take and that now and then lifts a round's loss by 0.5-1.6 (docs/SECURITY.md). With
+    ``--data-score on`` each delivery is also judged on held-out windows: the scaler's are refused
+    as harmful more often than they are taken, no round loses ground, and the honest peer's deltas
+    are taken (at most one in five refused, for any reason)."""
+    workdir, started = daemons
+    peers, before_attack = _two_honest(workdir, started, SCORED)
+    honest = started[:2]
+    honest_ids = [node.status()["peer_id"] for node in honest]
+    scaler = NodeProcess("scaler", workdir, peers, FP32, hostile="scale:1e6")
+    started.append(scaler)
+    scaler_id = scaler.status()["peer_id"]
+    scaler.wait(lambda status: status["published"] >= 2, "the scaler publishing", timeout=600)
+    judged = lambda s: s["rejected"].get("harmful", 0) >= 3  # noqa: E731
+    finals = _rounds_under_attack(honest, before_attack, judged, "six more rounds, the scaler judged")
+    for node, other, status in zip(honest, reversed(honest_ids), finals, strict=True):
+        refused = status["rejected_by_peer"].get(scaler_id, 0)
+        taken = status["applied_by_peer"].get(scaler_id, 0)
+        assert refused >= 3 and refused >= taken, f"{node.name}: {refused} refused, {taken} taken"
+        honest_taken = status["applied_by_peer"].get(other, 0)
+        honest_refused = status["rejected_by_peer"].get(other, 0)
+        assert honest_taken >= 10, (node.name, status["applied_by_peer"])
+        assert honest_refused <= max(2, honest_taken // 5), (node.name, honest_refused, status["rejected"])
+        assert status["probed"] > 0 and status["probe_tokens"] > 0
 
 
 @pytest.mark.timeout(900)

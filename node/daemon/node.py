@@ -42,6 +42,7 @@ from cgad.node.member.ledger import layout_numels
 from cgad.node.member.methods import UsableVersions, method
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
+from cgad.node.member.scoring import data_score
 from cgad.node.training.data import load_dataset
 from cgad.node.training.model import build_model, model_fingerprint
 from cgad.node.training.tokenizer import load_tokenizer
@@ -148,12 +149,11 @@ class Node(MemberHooks):
                 seed=seed,
                 # the all-reduce sends fp16 through hivemind's averager: no codec to pick there
                 codec=c.codec if c.sync == "exchange" else None,
-                sparse_keep=c.sparse_keep,
-                params_codec=c.params_codec,
-                link_budget=self.transport.round_budget,
-                error_feedback=c.error_feedback,
+                sparse_keep=c.sparse_keep, params_codec=c.params_codec,
+                link_budget=self.transport.round_budget, error_feedback=c.error_feedback,
                 encoder=side_worker("cgad-encode"),
                 heard=bool(c.peers),  # the first node of a swarm has nobody to publish for yet
+                score=data_score(c, self.model, self.dataset, seed, self.device, self.autocast),
             )
             self.trainer.lr_scale = inner_lr_scale(c, self.loop)  # the swarm's √N (--inner-lr-scaling)
             if self.exchange is None:  # an all-reduce round averages one tensor: Δ

@@ -43,7 +43,7 @@ def layout_numels(params: list[Any], fragments: int) -> list[int]:
 # what every report of a loop counts (a daemon's status, the simulator's record): one list
 COUNTED = ("published", "unheard", "applied", "dropped_stale", "clipped", "tokens_capped", "discarded",
            "held_ahead", "mixed", "clipped_params", "replayed", "tensors_cut", "moments_sent",
-           "moments_received", "moments_mixed")  # fmt: skip
+           "moments_received", "moments_mixed", "probed", "probe_tokens")  # fmt: skip
 
 
 @dataclass
@@ -70,6 +70,8 @@ class Counters:
     moments_mixed: int = 0  # peers' inner first moments averaged into this member's (``moments``)
     replayed: int = 0  # extra outer steps on versions this peer had missed (catching up)
     sent_as: Counter[str] = field(default_factory=Counter)  # own deltas per codec this loop chose
+    probed: int = 0  # peers' deltas judged on held-out windows (``scoring``; refused: "harmful")
+    probe_tokens: int = 0  # the tokens those forward passes read, the loss at φ's included
 
     def mean_age(self) -> float:
         """The mean age in rounds of the deliveries taken."""

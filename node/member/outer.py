@@ -9,8 +9,9 @@ This is the code both the daemon and the simulator run. At fragment f's turn:
 2. what peers published for f and the transport delivered since is taken; each delivery's age is
    τ = versions[f] − base (docs/DESIGN.md §3); the own Δ has age 0; with ``--aggregation clip``
    (the default) a peer's Δ pointing against the own one is refused (``opposed``) and the rest
-   are clipped around it, tensor by tensor and whole (``sender.Yardstick``), and a peer's token
-   claim weighs at most ``TOKEN_CAP`` times the own block;
+   are clipped around it, tensor by tensor and whole (``sender.Yardstick``); with a data score, a
+   Δ that raises the member's held-out loss is refused and each peer weighs by its record; a
+   peer's token claim weighs at most ``TOKEN_CAP`` times the own block (node/member/intake.py);
 3. the outer method (``cgad.node.member.methods``) takes one step on f, whatever arrived;
 4. versions[f] += 1, and θ_f ← φ_f: the local model continues from the new outer parameters,
    with the peers' fresh first moments averaged into its own; a peer behind the swarm's version
@@ -38,12 +39,14 @@ from torch import Tensor
 from cgad.node.config import OuterOptions, TrainingOptions
 from cgad.node.member.audience import Audience
 from cgad.node.member.carry import hold_progress, restart_theta
+from cgad.node.member.intake import take
 from cgad.node.member.ledger import Counters, Delivery, strided_fragments
 from cgad.node.member.methods import Contribution, StepInput, UsableVersions, fresh_share, method, unflatten
 from cgad.node.member.mixing import Mixer, remember_phi
 from cgad.node.member.moments import SharedMoments
 from cgad.node.member.outer_state import HEARD, Phi0, Reference, load_checked_state, snapshot_state
-from cgad.node.member.sender import Judged, Sender, Yardstick
+from cgad.node.member.scoring import DataScore
+from cgad.node.member.sender import Sender, Yardstick
 from cgad.optim.averaging import effective_count, running_count
 from cgad.optim.averaging import inner_lr_scale as sqrt_scale
 from cgad.optim.cga import running_freshness
@@ -54,7 +57,6 @@ from cgad.protocol.transport import Fragment, FragmentKey, Kind, Transport
 
 HISTORY = 100_000
 REFUSED_KEPT = 1024  # the latest refused deliveries, whose first moments are not mixed either
-TOKEN_CAP = 2  # a delivery weighs at most this many times the receiver's own block (claims are cheap)
 
 __all__ = ["OuterLoop", "inner_lr_scale"]
 
@@ -76,14 +78,17 @@ class OuterLoop:
         error_feedback: bool = True,
         encoder: Executor | None = None,
         heard: bool = True,
+        score: DataScore | None = None,
     ) -> None:
         """``codec``, ``sparse_keep``, ``link_budget``, ``error_feedback``: the member's ``Sender``'s
         (the one owner of the codec choice; the transport gets bytes). ``params_codec``: φ's, for
         mixing. ``encoder``: a one-thread executor that encodes each Δ while training goes on (a
         daemon's); None: at once (the simulator's, which must repeat). ``heard``: whether the
-        member starts with an audience (``Audience``: the first of a swarm starts without)."""
+        member starts with an audience (``Audience``: the first of a swarm starts without).
+        ``score``: what judges each peer's Δ on this member's held-out windows (None: shape only)."""
         self.theta = params
         self.options = options
+        self.score = score
         self.method, self.transport, self.run_id = method(options.optimizer), transport, run_id
         self.usable = UsableVersions.of(options)
         self.fragments = strided_fragments(len(params), options.fragments)
@@ -120,6 +125,8 @@ class OuterLoop:
             codec, sparse_keep=sparse_keep, link_budget=self.moments.delta_budget,
             total_numel=sum(map(sum, sizes)), error_feedback=error_feedback, segments=sizes,
         )  # fmt: skip
+        if score is not None:
+            score.attach(self.phi, self.fragments, self.counters)
         groups = [{"params": [self.phi[i] for i in frag]} for frag in self.fragments]
         self.optimizer = self.method.build(groups, options, peers=len(transport.live_peers()))
 
@@ -375,55 +382,13 @@ class OuterLoop:
     def _take(
         self, f: int, incoming: list[tuple[Fragment, int]], own: Fragment | None, yardstick: Yardstick | None
     ) -> tuple[list[Contribution], list[Delivery]]:
-        """The deliveries the step takes, each with its age scale; those scaled to 0 are dropped
-        as stale. A peer's token count is its own claim: it weighs at most ``TOKEN_CAP`` times this
-        peer's own block. Counted, and kept in ``history``."""
-        taken, deliveries = [], []
-        own_tokens = self._own_tokens.get(f)
-        cap = TOKEN_CAP * max(own_tokens, 1) if yardstick is not None and own_tokens is not None else None
-        # peers' deltas are judged against this node's own latest Δ of f, never against what peers
-        # sent: beside one honest peer and one attacker, any statistic of theirs is the attacker's
-        if self.options.aggregation == "clip" and yardstick is None:
-            # no finite block of its own yet: nothing to judge peers by
-            self.counters.rejected["no_yardstick"] += sum(frag is not own for frag, _ in incoming)
-            incoming = [(frag, age) for frag, age in incoming if frag is own]
-        scales = [self._age_scale(a) for _, a in incoming]
-        judged: dict[int, Judged] = {}  # by position in incoming
-        if self.options.aggregation == "clip" and yardstick is not None:
-            peers = [n for n, (frag, _) in enumerate(incoming) if frag is not own and scales[n] != 0.0]
-            deltas = [(incoming[n][0].tensor, incoming[n][0].kept) for n in peers]
-            judged = dict(zip(peers, yardstick.judge(deltas, self.options.clip_radius), strict=True))
-        for n, (frag, age) in enumerate(incoming):
-            scale = scales[n]
-            if scale == 0.0:
-                self.counters.dropped_stale += 1
-                continue
-            is_own = frag is own
-            delta, clipped, credited = frag.tensor, False, True
-            if n in judged:
-                j = judged[n]
-                if j.cosine < self.options.min_cosine or j.copy:
-                    self._refused.append((f, frag.key.publisher, frag.key.base_version))  # nor its m
-                    self.counters.rejected["copied" if j.copy else "opposed"] += 1
-                    if not j.copy:  # no blame for a copy: whose work it is, the bytes cannot tell
-                        self.counters.rejected_by_peer[frag.key.publisher] += 1
-                    continue
-                delta, clipped, credited = j.delta, j.clipped, not j.uncredited  # copies of it: no credit
-                self.counters.clipped += clipped
-                self.counters.tensors_cut += j.tensors_cut > 0
-            tokens = frag.tokens
-            if cap is not None and not is_own and tokens > cap:
-                tokens = cap
-                self.counters.tokens_capped += 1
-            taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own, bool(clipped)))
-            deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
-            if not is_own:
-                self.counters.applied += 1
-                if credited:
-                    self.counters.applied_by_peer[frag.key.publisher] += 1
-                self.counters.applied_by_age[age] += 1
-            self.counters.age_sum += age
-            self.counters.age_count += 1
+        """The deliveries the step takes (``intake.take``), kept in ``history``."""
+        o = self.options
+        taken, deliveries = take(
+            f, incoming, own, yardstick, aggregation=o.aggregation, clip_radius=o.clip_radius,
+            min_cosine=o.min_cosine, own_tokens=self._own_tokens.get(f), age_scale=self._age_scale,
+            counters=self.counters, refused=self._refused, score=self.score,
+        )  # fmt: skip
         self.history.extend(deliveries)
         return taken, deliveries
 

@@ -33,6 +33,7 @@ from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import Delivery, strided_fragments, summed_totals
 from cgad.node.member.outer import OuterLoop, inner_lr_scale
 from cgad.node.member.outer_state import Phi0
+from cgad.node.member.scoring import data_score
 from cgad.node.member.swarm import snapshot_ceiling, snapshot_order
 from cgad.node.sim.attacks import Attack, ForgingTransport, edge_targets
 from cgad.node.sim.config import SimConfig
@@ -162,6 +163,7 @@ def _workers(
             sparse_keep=c.sparse_keep,
             error_feedback=c.error_feedback,
             link_budget=transports[w].round_budget,
+            score=data_score(c, model, dataset, seed=c.seed * 31 + w),
         )
         trainer = InnerTrainer(
             model, batches, lr=c.inner_lr, warmup_steps=c.warmup_steps, lr_scale=inner_lr_scale(c, loop)

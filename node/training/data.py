@@ -180,6 +180,51 @@ class TokenDataset:
         return list(torch.from_numpy(windows).split(batch_size))
 
 
+class ProbeWindows:
+    """Windows of the held-out tail that no evaluation window overlaps, drawn at random: what a
+    member judges peers' pseudo-gradients on (``member/scoring.py``). Drawn afresh at each call
+    from the member's own generator, so a peer cannot tune what it sends to them, and never from
+    the evaluation batches, so that judging by them does not select for the reported loss.
+
+    Args:
+        dataset: the corpus.
+        eval_layout: the evaluation batches' (n, batch_size) at ``seq_len`` (``eval_batches``).
+        seq_len: tokens per window.
+        seed: the member's own.
+    """
+
+    TRIES = 64  # draws per window before the tail is taken as too full of evaluation windows
+
+    def __init__(self, dataset: TokenDataset, eval_layout: tuple[int, int], seq_len: int, seed: int) -> None:
+        self.tokens = dataset.eval_tokens
+        self.seq_len = seq_len
+        n, batch_size = eval_layout
+        room = len(self.tokens) - seq_len
+        spread = np.linspace(0, max(room, 0), n * batch_size).round().astype(np.int64)
+        self._eval_starts = spread if room >= 0 else np.zeros(0, np.int64)
+        self._rng = np.random.default_rng([seed, 0x9E0B])
+
+    def draw(self, n: int) -> torch.Tensor | None:
+        """``n`` windows, [n, seq_len] int64; None where the tail has no room outside the
+        evaluation windows."""
+        room = len(self.tokens) - self.seq_len
+        if room < 0 or n < 1:
+            return None
+        starts: list[int] = []
+        for _ in range(n * self.TRIES):
+            start = int(self._rng.integers(0, room + 1))
+            i = int(np.searchsorted(self._eval_starts, start))
+            near = self._eval_starts[max(i - 1, 0) : i + 1]
+            if near.size == 0 or bool(np.all(np.abs(near - start) >= self.seq_len)):
+                starts.append(start)
+                if len(starts) == n:
+                    break
+        if len(starts) < n:
+            return None
+        index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.seq_len)
+        return torch.from_numpy(self.tokens[index].astype(np.int64))
+
+
 def load_dataset(
     tokenizer: Tokenizer,
     data: str | os.PathLike[str] | None = None,

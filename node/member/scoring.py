@@ -1,0 +1,258 @@
+"""The data score: a peer's pseudo-gradient judged by what it does to this member's loss.
+
+A screen of shapes (the direction screen, the clip around the own Δ, tensor by tensor) cannot see
+a Δ that has an honest shape and a harmful effect: an honest Δ plus a push on a few parameters
+that stays inside every radius, or one aimed at what this member's data needs. What such a step
+does shows on data. At fragment f's outer step, for each peer's Δ_j that passed the screen, on
+windows of the member's own held-out text that no evaluation window overlaps, drawn afresh each
+step (``training/data.py::ProbeWindows``):
+
+    h_j = mean over chunks c of [ loss_c(φ − Δ_j) − max(loss_c(φ), loss_c(φ − Δ_own)) ]
+
+with its standard error s_j over the chunks (the losses are paired: the same tokens). The
+reference is the worse of not stepping and taking the own Δ alone: a whole Δ taken alone is a
+step several times the length of its share in the mean (the inner lr's √N rule), fit from another
+member's φ, and honest ones often do a little worse there than the own (against the own alone,
+an honest peer's was refused a quarter of the time on real daemons); what singles a peer out is
+doing worse than both, beyond chance.
+A Δ with h_j > ``z`` · s_j and h_j > ``min_harm`` is refused (``harmful``). Each identity keeps a
+record, a running mean of its t = h_j / s_j (cut to [−z, 2z]); every Δ it sends that is taken
+weighs ``(z − record) / (z − 1)``, cut to [0, 1]: in full up to a record of 1, nothing at z; a
+peer whose steps do worse than the own round after round, each within chance, weighs less and
+less. A newcomer starts at 0 (full weight): its first
+harmful Δ is refused by the test itself. A step with no own Δ (a replay) probes nothing.
+
+The score costs forward passes: at most ``share`` of the inner compute of a block (a forward pass
+counted a third of a training step), split between the losses at φ and at φ − Δ_own and one per
+peer's Δ; where the
+fan-in is wider than the budget holds at ``min_chunks`` chunks each, a random subset of the peers
+is probed, the rest taken at their record's weight (which one, a peer cannot know before); a
+block too small for even one peer's test beside the own probes nothing (``--score-share`` up).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cgad.node.member.ledger import Counters
+from cgad.node.training.data import ProbeWindows, TokenDataset
+from cgad.node.training.probe import Probe, chunks_per_window
+
+RECORDS_KEPT = 4096  # identities whose records are kept
+
+__all__ = ["DataScore", "ScoreOptions", "Verdict", "data_score", "judge_losses"]
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """How the data score judges and what it may cost.
+
+    Args:
+        share: the most of a block's inner compute its forward passes take (token-passes, a
+            forward a third of a training step).
+        z: the t-value past which a Δ's harm is beyond chance.
+        min_harm: the least rise in loss (nats) refused however sure (a step that changes the loss
+            by less harms nothing worth a refusal).
+        decay: the record's running-mean decay per probed Δ.
+        min_chunks: the fewest chunks (of ``probe.CHUNK`` tokens) a Δ is probed on: fewer make
+            the spread, and with it the test, a guess.
+    """
+
+    share: float = 0.1
+    z: float = 3.0
+    min_harm: float = 0.002
+    decay: float = 0.8
+    min_chunks: int = 16
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One probed Δ: its mean rise in loss, the rise's standard error, and whether it is refused."""
+
+    harm: float
+    error: float
+    refused: bool
+
+    @property
+    def t(self) -> float:
+        if self.error > 0.0:
+            return self.harm / self.error
+        return math.copysign(math.inf, self.harm) if self.harm else 0.0
+
+
+def judge_losses(base: Tensor, stepped: Tensor, z: float, min_harm: float) -> Verdict:
+    """The verdict on a step from the per-chunk losses before (``base``) and after it (``stepped``),
+    the same chunks. Non-finite losses after the step are harm beyond any doubt."""
+    if not bool(torch.isfinite(stepped).all()):
+        return Verdict(math.inf, 0.0, True)
+    finite = torch.isfinite(base)
+    diff = (stepped - base)[finite].double()
+    if diff.numel() == 0:
+        return Verdict(0.0, 0.0, False)
+    harm = float(diff.mean())
+    error = float(diff.std(unbiased=True)) / math.sqrt(diff.numel()) if diff.numel() > 1 else 0.0
+    return Verdict(harm, error, harm > min_harm and harm > z * error)
+
+
+class DataScore:
+    """The data score of one member (its probe, its windows, its records of peers).
+
+    Args:
+        probe: the member's model, to compute losses at other parameters.
+        windows: draws n held-out windows ([n, seq_len]; None where there are none).
+        budget: token-passes one outer step may spend (``share`` of a block's inner compute).
+        seq_len: tokens per window.
+        options: the thresholds.
+        seed: draws which peers are probed where the budget holds fewer than the fan-in.
+    """
+
+    def __init__(
+        self,
+        probe: Probe,
+        windows: Callable[[int], Tensor | None],
+        budget: int,
+        seq_len: int,
+        options: ScoreOptions = ScoreOptions(),
+        seed: int = 0,
+    ) -> None:
+        self.probe = probe
+        self.windows = windows
+        self.budget = budget
+        self.seq_len = seq_len
+        self.options = options
+        self.rng = random.Random(seed)
+        self.records: dict[str, float] = {}
+        self.counters = Counters()  # the loop's, once attached: probed, probe_tokens
+        self._phi: list[Tensor] = []
+        self._fragments: list[list[int]] = []
+
+    @classmethod
+    def of(
+        cls,
+        probe: Probe,
+        windows: Callable[[int], Tensor | None],
+        *,
+        inner_steps: int,
+        fragments: int,
+        batch_size: int,
+        seq_len: int,
+        options: ScoreOptions = ScoreOptions(),
+        seed: int = 0,
+    ) -> DataScore:
+        """The score whose budget per outer step is ``options.share`` of a block's inner compute
+        (a block: ``inner_steps / fragments`` steps of ``batch_size × seq_len`` tokens, each a
+        forward and a backward pass, three forwards' worth)."""
+        block_tokens = inner_steps * batch_size * seq_len // max(fragments, 1)
+        return cls(probe, windows, int(options.share * 3 * block_tokens), seq_len, options, seed)
+
+    def attach(self, phi: list[Tensor], fragments: list[list[int]], counters: Counters) -> None:
+        """The outer parameters φ (updated in place by the loop), each fragment's indices, and the
+        loop's counters."""
+        self._phi, self._fragments, self.counters = phi, fragments, counters
+
+    def _remember(self, publisher: str, record: float) -> None:
+        """Keep ``record``; past ``RECORDS_KEPT`` identities the most neutral record is forgotten
+        (throwaway identities cannot grow the table, and a record of harm outlives them)."""
+        self.records[publisher] = record
+        if len(self.records) > RECORDS_KEPT:
+            del self.records[min(self.records, key=lambda p: abs(self.records[p]))]
+
+    def weight(self, publisher: str) -> float:
+        """What a Δ of ``publisher`` weighs by its record: 1 up to a record of 1 (an honest peer
+        does a little worse on this member's windows than its own Δ now and then), 0 at ``z``."""
+        z = self.options.z
+        return min(1.0, max(0.0, (z - self.records.get(publisher, 0.0)) / (z - 1.0)))
+
+    def plan(self, peers: int) -> tuple[int, int]:
+        """(peers probed, windows each) within the budget, beside the two reference passes (φ
+        and the own step): every peer where the budget holds ``min_chunks`` chunks each, else as
+        many as it holds; none where it holds not even one peer's (a block too small for the
+        share: the records rule)."""
+        per_pass = self.budget // max(self.seq_len, 1)  # windows the budget holds in all
+        least = math.ceil(self.options.min_chunks / chunks_per_window(self.seq_len))
+        if peers == 0 or per_pass < 3 * least:
+            return 0, 0
+        if per_pass >= (peers + 2) * least:
+            return peers, per_pass // (peers + 2)
+        return per_pass // least - 2, least
+
+    def judge(self, f: int, own: Tensor | None, peers: list[tuple[str, Tensor]]) -> list[float]:
+        """Each peer's Δ of fragment f (flat, screened and clipped): its weight, 0 if refused.
+
+        Args:
+            f: the fragment.
+            own: the own Δ of this step, what each peer's is held against (None: no own Δ this
+                step, a replay's: nothing is probed, each peer weighs by its record).
+            peers: (publisher, Δ) pairs.
+        """
+        if not peers:
+            return []
+        if not self._phi:
+            raise RuntimeError("DataScore.judge before attach")
+        weights = [self.weight(publisher) for publisher, _ in peers]
+        count, per = self.plan(len(peers))
+        windows = None if own is None or count == 0 else self.windows(per)
+        if windows is None:
+            return weights
+        probed = sorted(self.rng.sample(range(len(peers)), count))
+        # a chunk's reference is the worse of not stepping and the own step: a peer is refused
+        # only for doing worse than both (a whole Δ alone is a longer step than its share of the
+        # mean, and one fit from another φ: honest ones often do a little worse than the own)
+        stay = self.probe.chunk_losses([p.detach() for p in self._phi], windows)
+        reference = torch.maximum(stay, self.probe.chunk_losses(self._stepped(f, own), windows))
+        self.counters.probe_tokens += windows.numel() * (2 + len(probed))
+        o = self.options
+        for n in probed:
+            publisher, delta = peers[n]
+            stepped = self.probe.chunk_losses(self._stepped(f, delta), windows)
+            verdict = judge_losses(reference, stepped, o.z, o.min_harm)
+            self.counters.probed += 1
+            t = max(-o.z, min(2 * o.z, verdict.t))
+            self._remember(publisher, o.decay * self.records.get(publisher, 0.0) + (1 - o.decay) * t)
+            weights[n] = 0.0 if verdict.refused else self.weight(publisher)
+        return weights
+
+    def _stepped(self, f: int, delta: Tensor) -> list[Tensor]:
+        """Every parameter at φ, fragment f's at φ_f − Δ."""
+        params = [p.detach() for p in self._phi]
+        offset = 0
+        for i in self._fragments[f]:
+            numel = params[i].numel()
+            params[i] = params[i] - delta[offset : offset + numel].view_as(params[i]).to(params[i].dtype)
+            offset += numel
+        return params
+
+
+def data_score(
+    config: Any,
+    model: torch.nn.Module,
+    dataset: TokenDataset,
+    seed: int,
+    device: torch.device | str = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+) -> DataScore | None:
+    """The member's data score as its configuration sets it (``--data-score``, ``--score-share``),
+    cut at the composition root, the daemon's and the simulator's alike; None when off.
+
+    Args:
+        config: the daemon's or the simulator's configuration.
+        model: the member's model (its probe computes with it, never changing it).
+        dataset: the corpus whose held-out tail the windows come from.
+        seed: the member's own (which windows, which peers are probed).
+        device, autocast_dtype: where and how the member's model computes.
+    """
+    if config.data_score != "on" or config.aggregation != "clip":
+        return None
+    windows = ProbeWindows(dataset, (config.eval_batches, config.batch_size), config.seq_len, seed)
+    return DataScore.of(
+        Probe(model, device, autocast_dtype), windows.draw, inner_steps=config.inner_steps,
+        fragments=config.fragments, batch_size=config.batch_size, seq_len=config.seq_len,
+        options=ScoreOptions(share=config.score_share), seed=seed,
+    )  # fmt: skip

@@ -1,0 +1,81 @@
+"""The held-out probe: a model's loss at parameters other than its own, on a few windows.
+
+A member judges a peer's pseudo-gradient by what it does to its own loss (``member/scoring.py``):
+the loss at φ and at φ − Δ on the same windows, per chunk of tokens, so that the difference comes
+with its spread. The model's own parameters (θ, mid-block) are never touched: the forward pass
+takes the given tensors in their place (``torch.func.functional_call``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import functional_call
+
+CHUNK = 8  # predicted tokens per chunk: the unit whose losses give a difference its spread
+
+__all__ = ["CHUNK", "Probe", "chunks_per_window"]
+
+
+def chunks_per_window(seq_len: int) -> int:
+    """The chunks ``chunk_losses`` yields per window of ``seq_len`` tokens (``seq_len`` − 1 are
+    predicted; a window shorter than a chunk is one)."""
+    return max((seq_len - 1) // CHUNK, 1)
+
+
+class Probe:
+    """Per-chunk losses of ``model`` at given parameters.
+
+    Args:
+        model: the member's model (a causal LM taking ``input_ids``, returning ``logits``).
+        device: where the model computes; parameters given on another device are copied there.
+        autocast_dtype: the trainer's autocast dtype (None: full precision).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device | str = "cpu",
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.names = [name for name, _ in model.named_parameters()]
+        self.device = torch.device(device)
+        self.autocast_dtype = autocast_dtype
+
+    @torch.no_grad()
+    def chunk_losses(self, params: Sequence[Tensor], windows: Tensor) -> Tensor:
+        """The mean next-token loss of each chunk of ``CHUNK`` predicted tokens of each window,
+        flat (float64; +inf where a chunk's loss is not finite).
+
+        Args:
+            params: one tensor per model parameter, in ``named_parameters`` order.
+            windows: [n, seq_len] token ids.
+        """
+        if len(params) != len(self.names):
+            raise ValueError(f"{len(params)} tensors for {len(self.names)} parameters")
+        values = {name: p.to(self.device) for name, p in zip(self.names, params, strict=True)}
+        input_ids = windows.to(self.device)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype
+            else contextlib.nullcontext()
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with autocast:
+                logits = functional_call(self.model, values, args=(), kwargs={"input_ids": input_ids}).logits
+        finally:
+            self.model.train(was_training)
+        predicted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+        losses = F.cross_entropy(predicted, input_ids[:, 1:].reshape(-1), reduction="none")
+        losses = losses.reshape(input_ids.shape[0], -1)
+        usable = losses.shape[1] // CHUNK * CHUNK or losses.shape[1]  # a window shorter than a chunk: one
+        chunks = losses[:, :usable].reshape(input_ids.shape[0], -1, min(CHUNK, usable)).mean(dim=2).flatten()
+        chunks = chunks.double().cpu()
+        return torch.where(torch.isfinite(chunks), chunks, torch.full_like(chunks, float("inf")))
