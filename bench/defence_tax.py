@@ -8,7 +8,12 @@ of no defence.
 Runs go to bench/results/defence_tax.runs.jsonl as they finish (the sweep resumes); the summary
 to defence_tax.json and defence_tax.png.
 
-    python bench/defence_tax.py [--jobs 2] [--report] [--methods NAME ...] [--rerun]
+    python bench/defence_tax.py [--jobs 2] [--report] [--methods NAME ...] [--rerun] [--at-defaults]
+
+``--at-defaults``: the same scale with every flag at its default (the stored table above ran
+``cga`` with CGA's momentum 0.5 and a fan-in of 4, before the inner lr's square-root rule and the
+shared first moment): no defence, the default, and the default with the data score on
+(``--data-score on``), to bench/results/defence_tax_defaults.*.
 
 ``--rerun`` runs the chosen methods' cells again after a change to what they simulate (the new
 records replace the old on reading; the old stay in the log with the commit that made them).
@@ -22,7 +27,17 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from cgad.bench.long_sweep import BASE, CONDITIONS, RESULTS, SEEDS, Sweep, load_log, run_all, run_key
+from cgad.bench.long_sweep import (
+    AT_DEFAULTS,
+    BASE,
+    CONDITIONS,
+    RESULTS,
+    SEEDS,
+    Sweep,
+    load_log,
+    run_all,
+    run_key,
+)
 
 NO_DEFENCE = "cga + late gossip, mean"
 DEFAULT = "cga + late gossip"
@@ -34,16 +49,26 @@ TAX = Sweep(
     {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"]},
     METHODS,
 )
+AT_DEFAULT = Sweep(
+    "defence_tax_defaults",
+    {**BASE, "workers": 8, "rounds": 150},
+    {"τ=0": CONDITIONS["τ=0"], "random:8": CONDITIONS["random:8"]},
+    AT_DEFAULTS,
+)
 LABELS = {
     NO_DEFENCE: "no defence (--aggregation mean)",
     DEFAULT: "the default (clip, screen)",
     "cga + late gossip, no screen": "clipping alone (--min-cosine -1)",
+    "defaults, mean": "no defence (--aggregation mean)",
+    "defaults": "the default (clip, screen)",
+    "defaults + data score": "the default + --data-score on",
 }
 BOUND = 0.01  # issue 27: the default's final loss at most this above no defence
 
 
-def report(jobs: list[tuple[str, str, int, dict]]) -> dict[str, Any]:
-    done = load_log(TAX)
+def report(jobs: list[tuple[str, str, int, dict]], sweep: Sweep = TAX) -> dict[str, Any]:
+    no_defence, default = sweep.methods[0], sweep.methods[1]
+    done = load_log(sweep)
     cells: dict[str, dict[str, Any]] = {}
     for method, condition, seed, settings in jobs:
         record = done.get(run_key(method, condition, seed, settings))
@@ -57,21 +82,21 @@ def report(jobs: list[tuple[str, str, int, dict]]) -> dict[str, Any]:
             losses = [r["final_loss"] for r in cell["runs"]]
             cell["mean"] = statistics.fmean(losses)
             cell["std"] = statistics.stdev(losses) if len(losses) > 1 else 0.0
-            base = cells.get(NO_DEFENCE, {}).get(condition)
-            if base is not None and method != NO_DEFENCE:
+            base = cells.get(no_defence, {}).get(condition)
+            if base is not None and method != no_defence:
                 paired = {r["seed"]: r["final_loss"] for r in base["runs"]}
                 diffs = [r["final_loss"] - paired[r["seed"]] for r in cell["runs"] if r["seed"] in paired]
                 cell["tax"] = statistics.fmean(diffs) if diffs else None
                 cell["tax_per_seed"] = diffs
                 cell["within_bound"] = bool(diffs) and statistics.fmean(diffs) <= BOUND
     config = {
-        **TAX.base,
-        "conditions": TAX.conditions,
+        **sweep.base,
+        "conditions": sweep.conditions,
         "seeds": SEEDS,
         "bound": BOUND,
         "model": "sweep_model.json",
     }
-    return {"config": config, "no_defence": NO_DEFENCE, "default": DEFAULT, "cells": cells}
+    return {"config": config, "no_defence": no_defence, "default": default, "cells": cells}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -81,7 +106,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     conditions = list(result["config"]["conditions"])
-    methods = [m for m in METHODS if m in result["cells"]]
+    methods = [m for m in LABELS if m in result["cells"]]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / max(len(methods), 1)
     for k, method in enumerate(methods):
@@ -107,16 +132,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="only write the summary from the log")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="run only these")
+    parser.add_argument("--methods", nargs="+", choices=METHODS + AT_DEFAULTS, help="run only these")
     parser.add_argument("--rerun", action="store_true", help="run the chosen methods' cells again")
+    parser.add_argument("--at-defaults", action="store_true", help="every flag at its default (above)")
     args = parser.parse_args()
-    jobs = [(m, c, seed, {}) for seed in SEEDS for c in TAX.conditions for m in TAX.methods]
+    sweep = AT_DEFAULT if args.at_defaults else TAX
+    jobs = [(m, c, seed, {}) for seed in SEEDS for c in sweep.conditions for m in sweep.methods]
     if not args.report:
-        chosen = [job for job in jobs if job[0] in args.methods]
-        rerun = frozenset(TAX.conditions) if args.rerun else frozenset()
-        run_all(TAX, chosen, args.jobs, "defence tax", rerun=rerun)
-    result = report(jobs)
-    out = RESULTS / "defence_tax.json"
+        chosen = [job for job in jobs if job[0] in (args.methods or sweep.methods)]
+        rerun = frozenset(sweep.conditions) if args.rerun else frozenset()
+        run_all(sweep, chosen, args.jobs, "defence tax", rerun=rerun)
+    result = report(jobs, sweep)
+    out = RESULTS / f"{sweep.name}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
     for method, by_condition in result["cells"].items():

@@ -103,8 +103,14 @@ METHODS: dict[str, tuple[str, dict[str, Any], list[dict[str, Any]] | None]] = {
     # (ARCHIVED), since the code that made them is gone and a rerun would make other rows
     "cga + late gossip, screen by record": ("cga", {"mixing": "late", "cga_momentum": 0.5}, None),
     "sgd, screen by record": ("sgd", {"outer_lr": 1.0}, None),
+    # every flag at its default (bench/defence_tax.py --at-defaults), without a defence, and with
+    # the data score on
+    "defaults": ("cga", {}, None),
+    "defaults, mean": ("cga", {"aggregation": "mean"}, None),
+    "defaults + data score": ("cga", {"data_score": "on"}, None),
 }  # fmt: skip
 SCREEN_OFF = ("cga + late gossip, no screen", "sgd, no screen")
+AT_DEFAULTS = ("defaults, mean", "defaults", "defaults + data score")  # bench/defence_tax.py's
 SCREEN_BY_RECORD = ("cga + late gossip, screen by record", "sgd, screen by record")
 ARCHIVED = frozenset(SCREEN_BY_RECORD)  # in the tables from their logged runs, never run again
 # tuned once without delay and once under random delay; the delayed conditions use the latter
@@ -137,8 +143,9 @@ class Sweep(NamedTuple):
 
 
 LONG = Sweep(
-    "long_sweep", BASE, CONDITIONS, tuple(m for m in METHODS if m not in SCREEN_OFF + SCREEN_BY_RECORD)
-)
+    "long_sweep", BASE, CONDITIONS,
+    tuple(m for m in METHODS if m not in SCREEN_OFF + SCREEN_BY_RECORD + AT_DEFAULTS),
+)  # fmt: skip
 SCALED = Sweep(
     "long_sweep_8x150",
     # the fan-in its stored runs had (the default before --fan-in auto; keys do not name it)
