@@ -10,9 +10,12 @@ rest, where the records are held and answered:
 - ``BoundedLocalStorage``: at most ``MAX_KEY_RECORDS`` subkeys and ``MAX_KEY_BYTES`` bytes under
   one key; a new subkey beyond either takes the room of records the node calls dead
   (``evictable``: a progress record older than the liveness TTL, a holder that is not live), the
-  largest first, and is refused where they are not enough (an owner refreshing or withdrawing its
-  record always may), so live records that came first stay and dead ones never keep a live one
-  out; its expiration heaps are compacted, so refreshes of the same records do not grow them.
+  largest first, then, where the newcomer's record is within its fair share of the key (8 KiB),
+  of live records larger than that share, the largest first; it is refused where they are not
+  enough (an owner refreshing or withdrawing its record always may), so dead records never keep a
+  live one out, and live identities keep a newcomer of honest size out only by holding all
+  ``MAX_KEY_RECORDS`` subkeys, however large their records; its expiration heaps are compacted,
+  so refreshes of the same records do not grow them.
 - ``search_beam``: the nodes a poll's search keeps asking, the replicas' number (a store's, twice).
 - ``budget_find_replies``: one ``rpc_find`` reply stays under ``MAX_FIND_REPLY_BYTES`` whatever the
   number of keys asked: a dictionary over its share keeps its smallest records (ties drawn at
@@ -137,13 +140,23 @@ class BoundedLocalStorage(DHTLocalStorage):
         self, key: DHTID, subkey: Subkey, value: BinaryDHTValue, entries: DictionaryDHTValue, total: int,
         size: int,
     ) -> bool:  # fmt: skip
-        """Drop dead records of a full key (the largest first) until a new live one of ``size``
-        bytes fits; nothing is dropped for a dead one, or where all the dead would not make room."""
+        """Drop records of a full key until a new live one of ``size`` bytes fits: dead ones (the
+        largest first), then, for a newcomer within its fair share of the key's bytes
+        (twice ``max_bytes / max_records``, 8 KiB), live ones over that share and larger than it (the largest
+        first), so that live identities with bloated records fill no more than their share each
+        and a key closes to newcomers only when ``max_records`` owners hold it; nothing is dropped
+        for a dead newcomer, or where all that may go would not make room."""
         evictable = self.evictable
         if evictable is None or evictable(key, subkey, value):
             return False
         dead = [(_record_bytes(s, e.value), s) for s, e in entries.items() if evictable(key, s, e.value)]
         dead.sort(key=lambda pair: pair[0], reverse=True)  # the largest first
+        fair = 2 * self.max_bytes // self.max_records  # twice the even share: a full honest holder's fits
+        if size <= fair:
+            gone = {s for _, s in dead}
+            sizes = ((_record_bytes(s, e.value), s) for s, e in entries.items() if s not in gone)
+            bloated = [(n, s) for n, s in sizes if n > fair]
+            dead += sorted(bloated, key=lambda pair: pair[0], reverse=True)
         count, drop = len(entries.data), []
         for record_bytes, subkey in dead:
             if count < self.max_records and total + size <= self.max_bytes:

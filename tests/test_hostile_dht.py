@@ -89,6 +89,34 @@ def test_an_owner_may_refresh_its_record_in_a_full_key() -> None:
     assert len(held.expiration_heap) < 100
 
 
+def test_live_throwaway_identities_with_bloated_records_keep_no_newcomer_out() -> None:
+    """A hundred live identities (they keep reporting: the node cannot call them dead) with
+    records of 22 KB fill a key to its last byte; a newcomer's record of honest size still lands,
+    in the room of the largest, and one as bloated as theirs does not. A key closes to newcomers
+    only when MAX_KEY_RECORDS owners hold it: what throwaway identities can take is bounded by
+    their number, not by the bytes each signs."""
+    storage = BoundedLocalStorage(evictable=lambda key, subkey, value: False)  # every record live
+    key, expires = DHTID.generate(source="k"), get_dht_time() + 60
+    bloated = DHTProtocol.serializer.dumps(bytes(22_000))
+    taken = sum(storage.store_subkey(key, _owner(i), bloated, expires) for i in range(100))
+
+    def room() -> int:
+        return MAX_KEY_BYTES - sum(len(s) + len(v.value) for s, v in storage.get(key).value.items())
+
+    assert taken < 100 and room() < 23_000  # full of them: fewer than a hundred fit
+    assert storage.store_subkey(key, _owner(999), bytes(room() - 100), expires)  # to the last byte
+    assert room() < 1_500 and storage.evicted == 0
+    assert storage.store_subkey(key, _owner(1000), DHTProtocol.serializer.dumps(bytes(1_500)), expires)
+    assert _owner(1000) in storage.get(key).value.data and storage.evicted == 1
+    assert not storage.store_subkey(key, _owner(1001), bloated, expires)  # no room made for its like
+    # honest-sized live records of MAX_KEY_RECORDS owners: full for good, and none displaced
+    small = BoundedLocalStorage(evictable=lambda key, subkey, value: False)
+    record = DHTProtocol.serializer.dumps(bytes(1_500))
+    assert all(small.store_subkey(key, _owner(i), record, expires) for i in range(MAX_KEY_RECORDS))
+    assert not small.store_subkey(key, _owner(MAX_KEY_RECORDS), record, expires)
+    assert small.evicted == 0
+
+
 @pytest.mark.timeout(90)
 def test_a_lookup_survives_keys_bloated_past_a_message(netswarm: list[NetworkTransport]) -> None:
     p0, _, _, p3 = netswarm
