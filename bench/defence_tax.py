@@ -8,7 +8,7 @@ of no defence.
 Runs go to bench/results/defence_tax.runs.jsonl as they finish (the sweep resumes); the summary
 to defence_tax.json and defence_tax.png.
 
-    python bench/defence_tax.py [--jobs 2] [--report] [--methods NAME ...] [--rerun] [--at-defaults]
+    python bench/defence_tax.py [--jobs 2] [--report] [--methods NAME ...] [--rerun] [--at-defaults] [--seeds N ...]
 
 ``--at-defaults``: the same scale with every flag at its default (the stored table above ran
 ``cga`` with CGA's momentum 0.5 and a fan-in of 4, before the inner lr's square-root rule and the
@@ -92,7 +92,7 @@ def report(jobs: list[tuple[str, str, int, dict]], sweep: Sweep = TAX) -> dict[s
     config = {
         **sweep.base,
         "conditions": sweep.conditions,
-        "seeds": SEEDS,
+        "seeds": sorted({seed for _, _, seed, _ in jobs}),
         "bound": BOUND,
         "model": "sweep_model.json",
     }
@@ -135,9 +135,10 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS + AT_DEFAULTS, help="run only these")
     parser.add_argument("--rerun", action="store_true", help="run the chosen methods' cells again")
     parser.add_argument("--at-defaults", action="store_true", help="every flag at its default (above)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS, help="run only these seeds")
     args = parser.parse_args()
     sweep = AT_DEFAULT if args.at_defaults else TAX
-    jobs = [(m, c, seed, {}) for seed in SEEDS for c in sweep.conditions for m in sweep.methods]
+    jobs = [(m, c, seed, {}) for seed in args.seeds for c in sweep.conditions for m in sweep.methods]
     if not args.report:
         chosen = [job for job in jobs if job[0] in (args.methods or sweep.methods)]
         rerun = frozenset(sweep.conditions) if args.rerun else frozenset()
