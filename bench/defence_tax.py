@@ -8,7 +8,8 @@ of no defence.
 Runs go to bench/results/defence_tax.runs.jsonl as they finish (the sweep resumes); the summary
 to defence_tax.json and defence_tax.png.
 
-    python bench/defence_tax.py [--jobs 2] [--report] [--methods NAME ...] [--rerun] [--at-defaults] [--seeds N ...]
+    python bench/defence_tax.py [--jobs 2] [--report] [--methods NAME ...] [--rerun]
+                                [--at-defaults] [--seeds N ...]
 
 ``--at-defaults``: the same scale with every flag at its default (the stored table above ran
 ``cga`` with CGA's momentum 0.5 and a fan-in of 4, before the inner lr's square-root rule and the

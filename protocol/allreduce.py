@@ -17,14 +17,16 @@ averager without it can neither join the DHT nor find a group's records there.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -66,13 +68,18 @@ START_TRIES = 3
 class AveragerSettings:
     """What an averager of either kind is started with: its DHT's key prefix, the group it
     forms (``group_size`` peers at most), the matchmaking window (``matchmaking_time`` seconds),
-    how long a step may take (``timeout``), and a private swarm's key for its DHT (None: public)."""
+    how long a step may take (``timeout``), and a private swarm's key for its DHT (None: public).
+    ``identity``: the libp2p identity its DHT runs under (the node's own, so that a group's members
+    are known by the node's peer ids; None: a fresh one); ``allowed``: with an identity, the peer
+    ids whose groups a ``GroupAverager`` takes (``--allow``; None: any)."""
 
     prefix: str
     group_size: int
     matchmaking_time: float
     timeout: float
     swarm_key: SwarmKey | None = None
+    identity: bytes | None = field(default=None, repr=False)
+    allowed: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -118,7 +125,7 @@ class AllReduceExchange(Transport):
         if self.averager is None:
             raise RuntimeError("AllReduceExchange.publish before start")
         own = fragment.tensor.detach().float()
-        mean, members = _average_once(
+        mean, members, _ = _average_once(
             self.averager, own, self.settings.timeout, "this round steps on the own update alone"
         )
         self.groups[members] += 1
@@ -173,6 +180,7 @@ class GroupAverager:
         self.dht: hivemind.DHT | None = None
         self.averager: DecentralizedAverager | None = None
         self.groups: Counter[int] = Counter()  # sizes of the groups each step averaged in; 1: none
+        self.outsiders = 0  # groups whose mean was not taken: members outside ``settings.allowed``
         self.finished_at: float | None = None  # time.monotonic() when the last ``average`` returned
 
     def start(self, initial_peers: Sequence[str], host_maddrs: Sequence[str]) -> None:
@@ -211,13 +219,26 @@ class GroupAverager:
         timeout = timeout if timeout is not None else self.timeout
         if not 0 < window < timeout:
             raise ValueError(f"a matchmaking window of {window} s within a timeout of {timeout} s")
-        mean, members = _average_once(
+        mean, members, peers = _average_once(
             self.averager, tensor.detach().float().flatten(), timeout, "going on without it",
             scheduled_time=get_dht_time() + window,
         )  # fmt: skip
-        self.groups[members] += 1
         self.finished_at = time.monotonic()
+        allowed = self.settings.allowed
+        if mean is not None and allowed is not None and not peers <= allowed | {self.peer_id}:
+            # with an allowlist, a group with anyone outside it: its mean is not taken (its all-
+            # reduce could not keep them out, the result can be)
+            logger.warning("a consensus group with %d peers outside --allow; going on without it",
+                           len(peers - allowed - {self.peer_id}))  # fmt: skip
+            self.outsiders += 1
+            return None
+        self.groups[members] += 1
         return (mean, members) if mean is not None and all_finite(mean) else None
+
+    @property
+    def peer_id(self) -> str | None:
+        """The averager's own peer id (the node's, when started with its identity)."""
+        return self.dht.peer_id.to_base58() if self.dht is not None else None
 
     def close(self) -> None:
         if self.averager is not None:
@@ -234,9 +255,10 @@ def _average_once(
     timeout: float,
     otherwise: str,
     scheduled_time: float | None = None,
-) -> tuple[torch.Tensor | None, int]:
+) -> tuple[torch.Tensor | None, int, set[str]]:
     """One all-reduce of ``tensor`` (flat, float32) with whatever group forms: the group's mean (a
-    copy) and its size, or None and 1 when no group of two or more averaged (``otherwise`` says
+    copy), its size and its members' peer ids, or None, 1 and none when no group of two or more
+    averaged (``otherwise`` says
     what the caller does then, in the warning of a failed step). ``scheduled_time`` (DHT time):
     when a group short of members starts (None: the averager's matchmaking time from now)."""
     with averager.get_tensors() as tensors:
@@ -248,9 +270,9 @@ def _average_once(
         gathered = None
     members = len(gathered) if gathered else 1
     if members < 2:
-        return None, 1
+        return None, 1, set()
     with averager.get_tensors() as tensors:
-        return tensors[0].clone(), members
+        return tensors[0].clone(), members, {peer.to_base58() for peer in gathered}
 
 
 def _start_averager(
@@ -267,16 +289,19 @@ def _start_averager(
     ``allreduce_timeout`` seconds, none: no limit); the pair started again whole when either is not
     ready in time (an averager may hang on a DHT that stopped answering)."""
     error: NotReady | None = None
+    options = {"authorizer": SwarmAuthorizer(settings.swarm_key)} if settings.swarm_key else {}
     for _ in range(START_TRIES):
-        dht = start_child(
-            lambda: hivemind.DHT(
-                initial_peers=list(initial_peers),
-                host_maddrs=list(host_maddrs),
-                start=False,
-                **({"authorizer": SwarmAuthorizer(settings.swarm_key)} if settings.swarm_key else {}),
-            ),
-            "DHT",
-        )
+        with _identity_file(settings.identity) as identity_path:  # read by p2pd as it starts
+            dht = start_child(
+                lambda: hivemind.DHT(
+                    initial_peers=list(initial_peers),
+                    host_maddrs=list(host_maddrs),
+                    start=False,
+                    **options,
+                    **({"identity_path": identity_path} if identity_path else {}),
+                ),
+                "DHT",
+            )
         try:
             averager = start_child(
                 lambda dht=dht: DecentralizedAverager(
@@ -302,6 +327,20 @@ def _start_averager(
             _stop(dht)
             raise
     raise NotReady(f"{error} ({START_TRIES} times, with a new DHT each time)") from error
+
+
+@contextlib.contextmanager
+def _identity_file(identity: bytes | None) -> Iterator[str | None]:
+    """A file p2pd can read ``identity`` from, in a private temporary folder, for the context
+    (None: no identity, no file)."""
+    if identity is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as folder:  # mode 0o700: nobody else can look in
+        path = os.path.join(folder, "identity.key")
+        with open(path, "wb") as key_file:
+            key_file.write(identity)
+        yield path
 
 
 def _stop(dht: hivemind.DHT) -> None:

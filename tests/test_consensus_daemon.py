@@ -15,6 +15,7 @@ from cgad.node.daemon.joining import IncompatibleSwarm, check_compatible
 from cgad.node.member.consensus import ConsensusStep
 from cgad.protocol.allreduce import AveragerSettings, GroupAverager
 from cgad.protocol.auth import SwarmKey
+from cgad.protocol.records import Identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -152,3 +153,37 @@ def test_an_averager_without_the_swarm_key_is_never_in_a_private_swarms_group() 
     finally:
         for averager in averagers:
             averager.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_with_an_allowlist_a_group_with_an_outsider_is_not_taken() -> None:
+    """Two members listing each other (``--allow``) and an outsider they did not list, all in one
+    averager DHT, step together: the outsider gets into the group (the all-reduce cannot keep it
+    out), and each member takes no mean from that group (without the list it took the outsider's
+    share in its mean). The averagers run under their nodes' identities, so a member is known by
+    its node's peer id."""
+    identities = [Identity() for _ in range(3)]
+    allowed = frozenset(i.peer_id for i in identities[:2])
+
+    def averager(identity: Identity, listed: frozenset[str] | None) -> GroupAverager:
+        settings = AveragerSettings("t", 3, 2.0, 15, identity=identity.libp2p_identity, allowed=listed)
+        return GroupAverager(1000, settings)
+
+    averagers = [averager(identities[0], allowed), averager(identities[1], allowed)]
+    averagers.append(averager(identities[2], None))
+    try:
+        averagers[0].start([], LOOPBACK)
+        for other in averagers[1:]:
+            other.start(averagers[0].maddrs(), LOOPBACK)
+        assert [a.peer_id for a in averagers] == [i.peer_id for i in identities]
+        members = [_Member(torch.full((1000,), float(i))) for i in range(3)]
+        _step_all(members, averagers, late={})
+        outsider = members[2].joined[0]
+        assert outsider is not None and outsider.members == 3  # the outsider was in their group
+        for member, listed in zip(members[:2], averagers[:2], strict=True):
+            assert member.joined == [None], member.joined  # and its mean was not taken
+            assert listed.outsiders == 1
+    finally:
+        for a in averagers:
+            a.close()

@@ -26,7 +26,7 @@ from cgad.protocol.allreduce import (
     listen_anywhere,
 )
 from cgad.protocol.auth import SwarmKey
-from cgad.protocol.records import run_prefix
+from cgad.protocol.records import Identity, run_prefix
 
 __all__ = ["consensus_averager", "join_group", "start_averaging"]
 
@@ -34,14 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 def consensus_averager(
-    config: JoinConfig, numel: int, swarm_key: SwarmKey | None = None
+    config: JoinConfig, numel: int, swarm_key: SwarmKey | None = None, identity: Identity | None = None
 ) -> GroupAverager | None:
     """The averager of the blocking step, or None when it is off.
 
     Args:
-        config: the node's configuration (``consensus_*``).
+        config: the node's configuration (``consensus_*``, ``allow``).
         numel: the values of the whole φ.
         swarm_key: a private swarm's key: the averager's DHT takes it.
+        identity: the node's: its averager runs under the node's peer id, so that with ``--allow``
+            a group with a member outside the list is known and its mean not taken.
     """
     if not config.consensus_every:
         return None
@@ -53,6 +55,8 @@ def consensus_averager(
             matchmaking_time=config.consensus_timeout / 3,
             timeout=config.consensus_timeout,
             swarm_key=swarm_key,
+            identity=identity.libp2p_identity if identity is not None else None,
+            allowed=frozenset(config.allow) if config.allow and identity is not None else None,
         ),
     )
 

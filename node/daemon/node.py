@@ -140,7 +140,7 @@ class Node(MemberHooks):
                 if c.sync == "allreduce"
                 else None
             )
-            self.groups = consensus_averager(c, sum(numels), self.transport.swarm_key)  # φ with a group
+            self.groups = consensus_averager(c, sum(numels), self.transport.swarm_key, self.identity)
             self.loop = OuterLoop(
                 params,
                 c,
