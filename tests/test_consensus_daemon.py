@@ -118,6 +118,7 @@ def test_two_daemons_take_the_blocking_step_beside_the_exchange(daemons) -> None
     ]
     for status in statuses:
         assert status["consensus"]["every"] == 1 and status["applied"] > 0  # the exchange goes on beside
+        assert status["consensus"]["outsiders"] == 0  # no allowlist: every group is taken
         assert status["consensus"]["waited_s"] > 0  # the time the trainer was blocked for its groups
         assert status["eval_loss"] < FRESH_LOSS - 0.5, status["eval_history"]
     # Ctrl-C still stops it: hivemind's averager start sets SIGINT to ignored in its parent

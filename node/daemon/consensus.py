@@ -28,7 +28,7 @@ from cgad.protocol.allreduce import (
 from cgad.protocol.auth import SwarmKey
 from cgad.protocol.records import Identity, run_prefix
 
-__all__ = ["consensus_averager", "join_group", "start_averaging"]
+__all__ = ["consensus_averager", "consensus_status", "join_group", "start_averaging"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,14 @@ def join_group(member: Member, averager: GroupAverager) -> None:
     if group is None:
         logger.info("round %s: no consensus group formed in time; going on alone", member.awaiting_group)
     member.join_group(group, time.monotonic() - started)
+
+
+def consensus_status(member: Member, averager: GroupAverager | None) -> dict[str, Any] | None:
+    """What the status document says of the blocking step (None: off): the engine's record, and
+    the groups whose mean was refused for a member outside ``--allow``."""
+    if averager is None:
+        return None
+    return {**member.consensus.summary(), "outsiders": averager.outsiders}
 
 
 def start_averaging(

@@ -29,7 +29,7 @@ from cgad.node.config import JoinConfig
 from cgad.node.daemon.admin import AdminServer
 from cgad.node.daemon.allocator import give_back_freed_memory
 from cgad.node.daemon.checkpoint import TOKENIZER_DIR, load_checkpoint, save_checkpoint
-from cgad.node.daemon.consensus import consensus_averager, join_group, start_averaging
+from cgad.node.daemon.consensus import consensus_averager, consensus_status, join_group, start_averaging
 from cgad.node.daemon.dashboard import DashboardServer, floor_points
 from cgad.node.daemon.joining import StateSync, check_compatible
 from cgad.node.daemon.metrics import Metrics
@@ -454,7 +454,7 @@ class Node(MemberHooks):
             "inner_lr": self.trainer.optimizer.param_groups[0]["lr"],  # × √N averaged (--inner-lr-scaling)
             "resyncs": self.member.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
-            "consensus": self.member.consensus.summary() if self.groups is not None else None,
+            "consensus": consensus_status(self.member, self.groups),
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),
