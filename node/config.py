@@ -203,6 +203,8 @@ class OuterOptions(Part):
                 f"--mixing late is made and measured for cga's steps; with --optimizer {self.optimizer} "
                 "use --mixing gossip"
             )
+        if self.data_score == "on" and self.aggregation != "clip":
+            raise ValueError("--data-score judges what the clip takes: it needs --aggregation clip")
         if self.consensus_every and self.optimizer == "local":
             raise ValueError("--consensus-every averages φ with peers; --optimizer local trains alone")
         return self

@@ -298,7 +298,10 @@ def _start_averager(
                     host_maddrs=list(host_maddrs),
                     start=False,
                     **options,
-                    **({"identity_path": identity_path} if identity_path else {}),
+                    # the node's own p2pd holds this identity too: hivemind's check that it is free
+                    # (dialling it through the bootstrap peers) would find the node and refuse
+                    **({"identity_path": identity_path, "check_if_identity_free": False}
+                       if identity_path else {}),
                 ),
                 "DHT",
             )

@@ -10,12 +10,13 @@ rest, where the records are held and answered:
 - ``BoundedLocalStorage``: at most ``MAX_KEY_RECORDS`` subkeys and ``MAX_KEY_BYTES`` bytes under
   one key; a new subkey beyond either takes the room of records the node calls dead
   (``evictable``: a progress record older than the liveness TTL, a holder that is not live), the
-  largest first, then, where the newcomer's record is within its fair share of the key (8 KiB),
-  of live records larger than that share, the largest first; it is refused where they are not
-  enough (an owner refreshing or withdrawing its record always may), so dead records never keep a
-  live one out, and live identities keep a newcomer of honest size out only by holding all
-  ``MAX_KEY_RECORDS`` subkeys, however large their records; its expiration heaps are compacted,
-  so refreshes of the same records do not grow them.
+  largest first, then, where the newcomer's record is within its fair share (12 KiB, above any
+  honest record), of live records larger than that share, the largest first; it is refused where
+  they are not enough (an owner refreshing or withdrawing its record always may), so dead records
+  never keep a live one out, and live identities keep a newcomer of honest size out only by
+  holding the key with records of at most the fair share (about 170 of them), however large
+  theirs are beyond it; its expiration heaps are compacted, so refreshes of the same records do
+  not grow them.
 - ``search_beam``: the nodes a poll's search keeps asking, the replicas' number (a store's, twice).
 - ``budget_find_replies``: one ``rpc_find`` reply stays under ``MAX_FIND_REPLY_BYTES`` whatever the
   number of keys asked: a dictionary over its share keeps its smallest records (ties drawn at
@@ -47,6 +48,10 @@ __all__ = [
 MAX_KEY_RECORDS = 512  # subkeys under one key: a record per peer of a swarm of up to 512
 MAX_KEY_BYTES = 2 << 20  # bytes under one key (subkeys and values): far below p2pd's 4 MiB
 MAX_FIND_REPLY_BYTES = 3 << 20  # one reply, all keys together, leaving room for neighbours
+# a record no larger than this is never displaced by a live newcomer: above every honest record
+# (a full holdings record, 32 offers, a certificate, 4 relay addresses and a 4096-bit owner key,
+# is under 9 KB), and half a record's cap, so that 170 live owners at most fill a key with it
+FAIR_RECORD_BYTES = 12 << 10
 _RESULT_OVERHEAD = 4096  # a result's neighbour ids and framing, besides its value
 
 
@@ -142,16 +147,15 @@ class BoundedLocalStorage(DHTLocalStorage):
     ) -> bool:  # fmt: skip
         """Drop records of a full key until a new live one of ``size`` bytes fits: dead ones (the
         largest first), then, for a newcomer within its fair share of the key's bytes
-        (twice ``max_bytes / max_records``, 8 KiB), live ones over that share and larger than it (the largest
-        first), so that live identities with bloated records fill no more than their share each
-        and a key closes to newcomers only when ``max_records`` owners hold it; nothing is dropped
-        for a dead newcomer, or where all that may go would not make room."""
+        (``FAIR_RECORD_BYTES``, 12 KiB), live ones over that share (the largest first), so that
+        live identities with bloated records fill no more than their share each; nothing is
+        dropped for a dead newcomer, or where all that may go would not make room."""
         evictable = self.evictable
         if evictable is None or evictable(key, subkey, value):
             return False
         dead = [(_record_bytes(s, e.value), s) for s, e in entries.items() if evictable(key, s, e.value)]
         dead.sort(key=lambda pair: pair[0], reverse=True)  # the largest first
-        fair = 2 * self.max_bytes // self.max_records  # twice the even share: a full honest holder's fits
+        fair = min(FAIR_RECORD_BYTES, self.max_bytes // 4)
         if size <= fair:
             gone = {s for _, s in dead}
             sizes = ((_record_bytes(s, e.value), s) for s, e in entries.items() if s not in gone)

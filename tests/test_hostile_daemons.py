@@ -133,8 +133,9 @@ def test_the_data_score_refuses_a_scalers_deltas_and_takes_the_honest_ones(daemo
     """The ×1e6 scaler of the test above, clipped to two norms of the own Δ, is a step the shape
     screens take and that now and then lifts a round's loss by 0.5-1.6 (docs/SECURITY.md). With
     ``--data-score on`` each delivery is also judged on held-out windows: the scaler's are refused
-    as harmful more often than they are taken, no round loses ground, and the honest peer's deltas
-    are taken (at most one in five refused, for any reason)."""
+    as harmful and the rest weigh less by its record, no round loses ground, and the honest
+    peer's deltas are taken, at half their weight or more (at most one in five refused, for any
+    reason)."""
     workdir, started = daemons
     peers, before_attack = _two_honest(workdir, started, SCORED)
     honest = started[:2]
@@ -148,10 +149,13 @@ def test_the_data_score_refuses_a_scalers_deltas_and_takes_the_honest_ones(daemo
     for node, other, status in zip(honest, reversed(honest_ids), finals, strict=True):
         refused = status["rejected_by_peer"].get(scaler_id, 0)
         taken = status["applied_by_peer"].get(scaler_id, 0)
-        assert refused >= 3 and refused >= taken, f"{node.name}: {refused} refused, {taken} taken"
+        # refused beyond chance, and what is taken weighs less than an honest peer's by its record
+        weight, honest_weight = status["distrusted"].get(scaler_id, 1.0), status["distrusted"].get(other, 1.0)
+        assert refused >= 3 and weight < 1.0, f"{node.name}: {refused} refused, {taken} taken at {weight}"
+        assert honest_weight >= 0.5 and honest_weight > weight, (node.name, status["distrusted"])
         honest_taken = status["applied_by_peer"].get(other, 0)
         honest_refused = status["rejected_by_peer"].get(other, 0)
-        assert honest_taken >= 10, (node.name, status["applied_by_peer"])
+        assert honest_taken >= 5, (node.name, status["applied_by_peer"])
         assert honest_refused <= max(2, honest_taken // 5), (node.name, honest_refused, status["rejected"])
         assert status["probed"] > 0 and status["probe_tokens"] > 0
 

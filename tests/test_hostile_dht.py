@@ -93,8 +93,9 @@ def test_live_throwaway_identities_with_bloated_records_keep_no_newcomer_out() -
     """A hundred live identities (they keep reporting: the node cannot call them dead) with
     records of 22 KB fill a key to its last byte; a newcomer's record of honest size still lands,
     in the room of the largest, and one as bloated as theirs does not. A key closes to newcomers
-    only when MAX_KEY_RECORDS owners hold it: what throwaway identities can take is bounded by
-    their number, not by the bytes each signs."""
+    only when owners of records within the fair share fill it (170 of 12 KiB) or hold all its
+    subkeys: what throwaway identities can take is bounded by their number, not by the bytes each
+    signs."""
     storage = BoundedLocalStorage(evictable=lambda key, subkey, value: False)  # every record live
     key, expires = DHTID.generate(source="k"), get_dht_time() + 60
     bloated = DHTProtocol.serializer.dumps(bytes(22_000))

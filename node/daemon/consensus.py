@@ -55,7 +55,8 @@ def consensus_averager(
             matchmaking_time=config.consensus_timeout / 3,
             timeout=config.consensus_timeout,
             swarm_key=swarm_key,
-            identity=identity.libp2p_identity if identity is not None else None,
+            # with an allowlist, under the node's peer id (a fresh one otherwise)
+            identity=identity.libp2p_identity if config.allow and identity is not None else None,
             allowed=frozenset(config.allow) if config.allow and identity is not None else None,
         ),
     )

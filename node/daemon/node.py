@@ -153,7 +153,7 @@ class Node(MemberHooks):
                 link_budget=self.transport.round_budget, error_feedback=c.error_feedback,
                 encoder=side_worker("cgad-encode"),
                 heard=bool(c.peers),  # the first node of a swarm has nobody to publish for yet
-                score=data_score(c, self.model, self.dataset, seed, self.device, self.autocast),
+                score=data_score(c, self.model, self.dataset, None, self.device, self.autocast),
             )
             self.trainer.lr_scale = inner_lr_scale(c, self.loop)  # the swarm's √N (--inner-lr-scaling)
             if self.exchange is None:  # an all-reduce round averages one tensor: Δ
@@ -446,8 +446,7 @@ class Node(MemberHooks):
             "downlink_bytes_per_second": self.transport.downlink_rate,
             "send_budget_bytes": self.transport.round_budget(),  # --codec auto: bytes per round per fetcher
             "sent_as": dict(counters.sent_as.copy()),
-            "bytes_in": self.transport.stats.bytes_received,
-            "bytes_out": self.transport.stats.bytes_sent,
+            "bytes_in": self.transport.stats.bytes_received, "bytes_out": self.transport.stats.bytes_sent,
             "fetches_waiting": self.transport.fetches_waiting,
             "mean_age": self.loop.counters.mean_age(),
             "outer_momentum": self.loop.method.momentum_now(self.loop.optimizer),
@@ -455,6 +454,7 @@ class Node(MemberHooks):
             "resyncs": self.member.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
             "consensus": consensus_status(self.member, self.groups),
+            "distrusted": self.loop.score.distrusted() if self.loop.score is not None else None,
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),

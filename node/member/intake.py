@@ -8,8 +8,8 @@ For fragment f's step, the own Δ (age 0) and the peers' deliveries, each with i
    against it, refused (``opposed``); a copy of the own, refused (``copied``); the rest clipped
    around it, tensor by tensor and whole;
 3. with a data score (``scoring.DataScore``), what it does: a step that raises this member's loss
-   on its own held-out windows beyond chance is refused (``harmful``), and every peer's weight
-   follows its record;
+   on its own held-out windows beyond chance is refused (``harmful``), and every peer's token
+   claim is cut to its record's share (``distrusted`` at none);
 4. its token claim, at most ``TOKEN_CAP`` times the own block.
 
 Nothing here steps: ``take`` returns the contributions and the deliveries, counted in ``counters``.
@@ -97,26 +97,30 @@ def take(
             counters.tensors_cut += j.tensors_cut > 0
         kept.append((n, delta, bool(clipped), credited))
     weights = [1.0] * len(kept)
+    harmful: set[int] = set()  # positions in kept refused by this step's test, not by a record
     if score is not None:
         peers = [i for i, (n, _, _, _) in enumerate(kept) if incoming[n][0] is not own]
         own_delta = next((d for n, d, _, _ in kept if incoming[n][0] is own), None)
         offered = [(incoming[kept[i][0]][0].key.publisher, kept[i][1]) for i in peers]
-        judged_weights = score.judge(f, own_delta, offered)
-        for i, weight in zip(peers, judged_weights, strict=True):
+        for i, (weight, refused_now) in zip(peers, score.judge(f, own_delta, offered), strict=True):
             weights[i] = weight
-    for (n, delta, clipped, credited), weight in zip(kept, weights, strict=True):
+            if refused_now:
+                harmful.add(i)
+    for k, ((n, delta, clipped, credited), weight) in enumerate(zip(kept, weights, strict=True)):
         frag, age = incoming[n]
         is_own = frag is own
         if weight == 0.0:
             refused.append((f, frag.key.publisher, frag.key.base_version))
-            counters.rejected["harmful"] += 1
+            counters.rejected["harmful" if k in harmful else "distrusted"] += 1
             counters.rejected_by_peer[frag.key.publisher] += 1
             continue
-        scale = scales[n] * weight
+        scale = scales[n]
         tokens = frag.tokens
         if cap is not None and not is_own and tokens > cap:
             tokens = cap
             counters.tokens_capped += 1
+        if weight < 1.0:  # its record's share of its claim: every method weighs deltas by tokens
+            tokens = max(1, round(tokens * weight))
         taken.append(Contribution(delta, tokens, age, scale, frag.key.publisher, is_own, clipped))
         deliveries.append(Delivery(f, frag.key.publisher, frag.key.base_version, age, scale, own=is_own))
         if not is_own:

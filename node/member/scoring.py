@@ -7,9 +7,10 @@ does shows on data. At fragment f's outer step, for each peer's Δ_j that passed
 windows of the member's own held-out text that no evaluation window overlaps, drawn afresh each
 step (``training/data.py::ProbeWindows``):
 
-    h_j = mean over chunks c of [ loss_c(φ − Δ_j) − max(loss_c(φ), loss_c(φ − Δ_own)) ]
+    h_j = mean over windows w of [ loss_w(φ − Δ_j) − max(loss_w(φ), loss_w(φ − Δ_own)) ]
 
-with its standard error s_j over the chunks (the losses are paired: the same tokens). The
+with its standard error s_j over the windows (the losses are paired: the same tokens; a
+window's chunks are not independent, so the spread is the windows'). The
 reference is the worse of not stepping and taking the own Δ alone: a whole Δ taken alone is a
 step several times the length of its share in the mean (the inner lr's √N rule), fit from another
 member's φ, and honest ones often do a little worse there than the own (against the own alone,
@@ -17,22 +18,25 @@ an honest peer's was refused a quarter of the time on real daemons); what single
 doing worse than both, beyond chance.
 A Δ with h_j > ``z`` · s_j and h_j > ``min_harm`` is refused (``harmful``). Each identity keeps a
 record, a running mean of its t = h_j / s_j (cut to [−z, 2z]); every Δ it sends that is taken
-weighs ``(z − record) / (z − 1)``, cut to [0, 1]: in full up to a record of 1, nothing at z; a
-peer whose steps do worse than the own round after round, each within chance, weighs less and
-less. A newcomer starts at 0 (full weight): its first
-harmful Δ is refused by the test itself. A step with no own Δ (a replay) probes nothing.
+weighs ``(z − record) / (z − 1)`` of its token claim, cut to [0, 1]: in full up to a record of 1,
+nothing at z (counted ``distrusted``); a peer whose steps do worse than the own round after round,
+each within chance, weighs less and less. A newcomer starts at 0 (full weight) and is probed
+first: its first harmful Δ is refused by the test itself. A step with no own Δ (a replay) probes
+nothing.
 
 The score costs forward passes: at most ``share`` of the inner compute of a block (a forward pass
 counted a third of a training step), split between the losses at φ and at φ − Δ_own and one per
-peer's Δ; where the
-fan-in is wider than the budget holds at ``min_chunks`` chunks each, a random subset of the peers
-is probed, the rest taken at their record's weight (which one, a peer cannot know before); a
-block too small for even one peer's test beside the own probes nothing (``--score-share`` up).
+peer's Δ, each on at most four times the windows the test needs; where the fan-in is wider than
+the budget holds at ``min_chunks`` chunks (and ``min_windows`` windows) each, publishers with no
+record are probed first and then a random subset (from a seed no peer knows), the rest taken at
+their record's weight; a block too small for even one peer's test beside the own probes nothing
+(``--score-share`` up).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,8 +65,9 @@ class ScoreOptions:
         min_harm: the least rise in loss (nats) refused however sure (a step that changes the loss
             by less harms nothing worth a refusal).
         decay: the record's running-mean decay per probed Δ.
-        min_chunks: the fewest chunks (of ``probe.CHUNK`` tokens) a Δ is probed on: fewer make
-            the spread, and with it the test, a guess.
+        min_chunks: the fewest chunks (of ``probe.CHUNK`` tokens) a Δ is probed on.
+        min_windows: the fewest windows: the spread is taken over windows (the chunks of one
+            window are not independent), and fewer make it, and the test, a guess.
     """
 
     share: float = 0.1
@@ -70,6 +75,7 @@ class ScoreOptions:
     min_harm: float = 0.002
     decay: float = 0.8
     min_chunks: int = 16
+    min_windows: int = 4
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,9 @@ class Verdict:
 
 
 def judge_losses(base: Tensor, stepped: Tensor, z: float, min_harm: float) -> Verdict:
-    """The verdict on a step from the per-chunk losses before (``base``) and after it (``stepped``),
-    the same chunks. Non-finite losses after the step are harm beyond any doubt."""
+    """The verdict on a step from the per-window losses of the reference (``base``) and after the
+    step (``stepped``), the same windows. Non-finite losses after the step are harm beyond any
+    doubt."""
     if not bool(torch.isfinite(stepped).all()):
         return Verdict(math.inf, 0.0, True)
     finite = torch.isfinite(base)
@@ -158,11 +165,12 @@ class DataScore:
         self._phi, self._fragments, self.counters = phi, fragments, counters
 
     def _remember(self, publisher: str, record: float) -> None:
-        """Keep ``record``; past ``RECORDS_KEPT`` identities the most neutral record is forgotten
-        (throwaway identities cannot grow the table, and a record of harm outlives them)."""
+        """Keep ``record``; past ``RECORDS_KEPT`` identities the least recently judged is forgotten
+        (throwaway identities cannot grow the table; a forgotten one is probed first again)."""
+        self.records.pop(publisher, None)  # kept in the order of their last update
         self.records[publisher] = record
         if len(self.records) > RECORDS_KEPT:
-            del self.records[min(self.records, key=lambda p: abs(self.records[p]))]
+            del self.records[next(iter(self.records))]  # the least recently judged
 
     def weight(self, publisher: str) -> float:
         """What a Δ of ``publisher`` weighs by its record: 1 up to a record of 1 (an honest peer
@@ -170,21 +178,30 @@ class DataScore:
         z = self.options.z
         return min(1.0, max(0.0, (z - self.records.get(publisher, 0.0)) / (z - 1.0)))
 
+    def distrusted(self, most: int = 32) -> dict[str, float]:
+        """The peers whose deltas weigh less than in full by their records, the least trusted
+        first (at most ``most``): what a status shows."""
+        weights = {publisher: self.weight(publisher) for publisher in self.records}
+        low = sorted((w, p) for p, w in weights.items() if w < 1.0)[:most]
+        return {publisher: round(weight, 3) for weight, publisher in low}
+
     def plan(self, peers: int) -> tuple[int, int]:
         """(peers probed, windows each) within the budget, beside the two reference passes (φ
         and the own step): every peer where the budget holds ``min_chunks`` chunks each, else as
         many as it holds; none where it holds not even one peer's (a block too small for the
         share: the records rule)."""
         per_pass = self.budget // max(self.seq_len, 1)  # windows the budget holds in all
-        least = math.ceil(self.options.min_chunks / chunks_per_window(self.seq_len))
+        o = self.options
+        least = max(o.min_windows, math.ceil(o.min_chunks / chunks_per_window(self.seq_len)))
         if peers == 0 or per_pass < 3 * least:
             return 0, 0
-        if per_pass >= (peers + 2) * least:
-            return peers, per_pass // (peers + 2)
+        if per_pass >= (peers + 2) * least:  # the budget is a bound, not a target: 4 × the least
+            return peers, min(per_pass // (peers + 2), 4 * least)
         return per_pass // least - 2, least
 
-    def judge(self, f: int, own: Tensor | None, peers: list[tuple[str, Tensor]]) -> list[float]:
-        """Each peer's Δ of fragment f (flat, screened and clipped): its weight, 0 if refused.
+    def judge(self, f: int, own: Tensor | None, peers: list[tuple[str, Tensor]]) -> list[tuple[float, bool]]:
+        """Each peer's Δ of fragment f (flat, screened and clipped): its weight (0: not taken), and
+        whether this step's test refused it (else its weight is its record's).
 
         Args:
             f: the fragment.
@@ -196,28 +213,35 @@ class DataScore:
             return []
         if not self._phi:
             raise RuntimeError("DataScore.judge before attach")
-        weights = [self.weight(publisher) for publisher, _ in peers]
+        weights = [(self.weight(publisher), False) for publisher, _ in peers]
         count, per = self.plan(len(peers))
         windows = None if own is None or count == 0 else self.windows(per)
         if windows is None:
             return weights
-        probed = sorted(self.rng.sample(range(len(peers)), count))
-        # a chunk's reference is the worse of not stepping and the own step: a peer is refused
+        # publishers with no record first (a fresh identity's Δ is not taken unjudged at full
+        # weight), the rest drawn at random (from a seed no peer knows)
+        order = sorted(range(len(peers)), key=lambda n: (peers[n][0] in self.records, self.rng.random()))
+        probed = sorted(order[:count])
+        # a window's reference is the worse of not stepping and the own step: a peer is refused
         # only for doing worse than both (a whole Δ alone is a longer step than its share of the
         # mean, and one fit from another φ: honest ones often do a little worse than the own)
-        stay = self.probe.chunk_losses([p.detach() for p in self._phi], windows)
-        reference = torch.maximum(stay, self.probe.chunk_losses(self._stepped(f, own), windows))
+        stay = self._window_losses([p.detach() for p in self._phi], windows)
+        reference = torch.maximum(stay, self._window_losses(self._stepped(f, own), windows))
         self.counters.probe_tokens += windows.numel() * (2 + len(probed))
         o = self.options
         for n in probed:
             publisher, delta = peers[n]
-            stepped = self.probe.chunk_losses(self._stepped(f, delta), windows)
+            stepped = self._window_losses(self._stepped(f, delta), windows)
             verdict = judge_losses(reference, stepped, o.z, o.min_harm)
             self.counters.probed += 1
             t = max(-o.z, min(2 * o.z, verdict.t))
             self._remember(publisher, o.decay * self.records.get(publisher, 0.0) + (1 - o.decay) * t)
-            weights[n] = 0.0 if verdict.refused else self.weight(publisher)
+            weights[n] = (0.0, True) if verdict.refused else (self.weight(publisher), False)
         return weights
+
+    def _window_losses(self, params: list[Tensor], windows: Tensor) -> Tensor:
+        """Each window's mean chunk loss (+inf where a chunk's is not finite)."""
+        return self.probe.chunk_losses(params, windows).view(windows.shape[0], -1).mean(dim=1)
 
     def _stepped(self, f: int, delta: Tensor) -> list[Tensor]:
         """Every parameter at φ, fragment f's at φ_f − Δ."""
@@ -234,7 +258,7 @@ def data_score(
     config: Any,
     model: torch.nn.Module,
     dataset: TokenDataset,
-    seed: int,
+    seed: int | None,
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
 ) -> DataScore | None:
@@ -245,14 +269,17 @@ def data_score(
         config: the daemon's or the simulator's configuration.
         model: the member's model (its probe computes with it, never changing it).
         dataset: the corpus whose held-out tail the windows come from.
-        seed: the member's own (which windows, which peers are probed).
+        seed: which windows and which peers are probed (None: drawn from the operating system,
+            a daemon's: a peer must not know them; the simulator passes its own, to repeat).
         device, autocast_dtype: where and how the member's model computes.
     """
-    if config.data_score != "on" or config.aggregation != "clip":
+    if config.data_score != "on":
         return None
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "big")
     windows = ProbeWindows(dataset, (config.eval_batches, config.batch_size), config.seq_len, seed)
     return DataScore.of(
-        Probe(model, device, autocast_dtype), windows.draw, inner_steps=config.inner_steps,
-        fragments=config.fragments, batch_size=config.batch_size, seq_len=config.seq_len,
-        options=ScoreOptions(share=config.score_share), seed=seed,
+        Probe(model, device, autocast_dtype, batch_windows=config.batch_size), windows.draw,
+        inner_steps=config.inner_steps, fragments=config.fragments, batch_size=config.batch_size,
+        seq_len=config.seq_len, options=ScoreOptions(share=config.score_share), seed=seed,
     )  # fmt: skip

@@ -34,6 +34,7 @@ class Probe:
         model: the member's model (a causal LM taking ``input_ids``, returning ``logits``).
         device: where the model computes; parameters given on another device are copied there.
         autocast_dtype: the trainer's autocast dtype (None: full precision).
+        batch_windows: windows per forward pass (the trainer's batch: what its memory holds).
     """
 
     def __init__(
@@ -41,8 +42,10 @@ class Probe:
         model: torch.nn.Module,
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
+        batch_windows: int = 8,
     ) -> None:
         self.model = model
+        self.batch_windows = max(1, batch_windows)
         self.names = [name for name, _ in model.named_parameters()]
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
@@ -59,7 +62,6 @@ class Probe:
         if len(params) != len(self.names):
             raise ValueError(f"{len(params)} tensors for {len(self.names)} parameters")
         values = {name: p.to(self.device) for name, p in zip(self.names, params, strict=True)}
-        input_ids = windows.to(self.device)
         autocast = (
             torch.autocast(self.device.type, dtype=self.autocast_dtype)
             if self.autocast_dtype
@@ -67,15 +69,19 @@ class Probe:
         )
         was_training = self.model.training
         self.model.eval()
+        chunks = []
         try:
-            with autocast:
-                logits = functional_call(self.model, values, args=(), kwargs={"input_ids": input_ids}).logits
+            for part in windows.split(self.batch_windows):  # a forward at most a batch of windows
+                input_ids = part.to(self.device)
+                with autocast:
+                    logits = functional_call(self.model, values, (), {"input_ids": input_ids}).logits
+                predicted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+                losses = F.cross_entropy(predicted, input_ids[:, 1:].reshape(-1), reduction="none")
+                losses = losses.reshape(input_ids.shape[0], -1)
+                usable = losses.shape[1] // CHUNK * CHUNK or losses.shape[1]  # shorter than a chunk: one
+                per = min(CHUNK, usable)
+                chunks.append(losses[:, :usable].reshape(input_ids.shape[0], -1, per).mean(dim=2).flatten())
         finally:
             self.model.train(was_training)
-        predicted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-        losses = F.cross_entropy(predicted, input_ids[:, 1:].reshape(-1), reduction="none")
-        losses = losses.reshape(input_ids.shape[0], -1)
-        usable = losses.shape[1] // CHUNK * CHUNK or losses.shape[1]  # a window shorter than a chunk: one
-        chunks = losses[:, :usable].reshape(input_ids.shape[0], -1, min(CHUNK, usable)).mean(dim=2).flatten()
-        chunks = chunks.double().cpu()
-        return torch.where(torch.isfinite(chunks), chunks, torch.full_like(chunks, float("inf")))
+        flat = torch.cat(chunks).double().cpu()
+        return torch.where(torch.isfinite(flat), flat, torch.full_like(flat, float("inf")))
