@@ -220,3 +220,38 @@ def test_a_first_moment_the_budget_cannot_hold_in_4_bits_goes_sparse_and_moves_o
     want = _within_reach(opt_a, m_a + (peer_m - _as_sent(m_a)) / 2)  # the mean of two where carried
     assert torch.allclose(mixed[carried], want[carried], atol=1e-6)
     assert not torch.allclose(mixed[carried], m_a[carried])  # it moved: the test can fail
+
+
+def test_a_distrusted_peers_first_moment_weighs_as_its_record_weighs_its_delta() -> None:
+    """With the data score, a peer whose record weighs its deltas at one half has its m mixed at
+    one half too (one weighed at nothing, not at all), not at full weight beside its cut Δ."""
+    from cgad.node.member.scoring import DataScore
+
+    network = VirtualNetwork()
+    torch.manual_seed(0)
+    theta = [torch.nn.Parameter(torch.zeros(NUMEL)), torch.nn.Parameter(torch.zeros(8))]
+    score = DataScore(probe=None, windows=lambda n: None, budget=0, seq_len=64)  # type: ignore[arg-type]
+    a = OuterLoop(theta, OuterOptions(), network.join("a"), "run", score=score)
+    opt_a = torch.optim.AdamW(theta, lr=1e-3)
+    a.moments.attach(opt_a)
+    for _ in range(3):
+        for p in theta:
+            p.grad = torch.randn_like(p) + 1.0
+        opt_a.step()
+    m_a = _m(opt_a)
+    score.records.update({"half": 2.0, "none": 3.0})  # weights (3 − 2) / 2 and 0: no probe runs
+    version = a.versions[0]
+    a.publish(0, tokens=10)
+    delta = a._turn[0].tensor
+    theirs = {name: m_a + 0.01 * torch.randn_like(m_a) for name in ("half", "none")}
+    for name, m in theirs.items():
+        peer = network.join(name)
+        peer.publish(Fragment(FragmentKey("run", 0, version, name), delta.clone(), 10))
+        key = FragmentKey("run", 0, version, name, Kind.MOMENTS)
+        peer.publish_encoded(key, encode(m, CODEC), codec=CODEC, numel=m.numel(), tokens=10)
+    a.apply(0)
+    own = _as_sent(m_a)
+    want = _within_reach(opt_a, m_a + 0.5 * (_as_sent(theirs["half"]) - own) / 1.5)
+    # the one weighed at nothing: its Δ not taken (distrusted), so neither its m
+    assert a.counters.rejected["distrusted"] == 1 and a.counters.rejected["moments_refused"] == 1
+    assert a.counters.moments_mixed == 1 and torch.allclose(_m(opt_a), want, atol=1e-6)

@@ -208,11 +208,18 @@ class SharedMoments:
             out.append((verdicts[n].delta, w, sent))
         return out
 
-    def mix(self, f: int, version: int, refused: Collection[tuple[int, str, int]] = ()) -> int:
+    def mix(
+        self,
+        f: int,
+        version: int,
+        refused: Collection[tuple[int, str, int]] = (),
+        trust: Callable[[str], float] | None = None,
+    ) -> int:
         """After fragment f's outer step from ``version``: average the own m as sent with the
         peers' fresh ones (each judged around it) into the trainer's m; how many peers' were taken.
         Every m received for f is drained, used or not; the m of a delta the step refused
-        (``refused``: fragment, publisher, version) is not mixed either."""
+        (``refused``: fragment, publisher, version) is not mixed either, and ``trust`` (the data
+        score's weight of a publisher, 0 to 1) weighs each peer's m as it weighs its deltas."""
         received = self.transport.receive(f, Kind.MOMENTS)
         self.counters.moments_received += len(received)  # reached the mix, taken or not
         if refused:
@@ -230,6 +237,10 @@ class SharedMoments:
         aged = [(m, self._weight(version - m.key.base_version)) for m in received]
         aged = [(m, w) for m, w in aged if w > 0.0]  # ahead, or past the cutoff
         self.counters.rejected["moments_late"] += len(received) - len(aged)
+        if trust is not None:
+            trusted = [(m, w * trust(m.key.publisher)) for m, w in aged]
+            aged = [(m, w) for m, w in trusted if w > 0.0]
+            self.counters.rejected["moments_distrusted"] += len(trusted) - len(aged)
         sound = [(m, w) for m, w in aged if m.tensor.numel() == own.numel() and all_finite(m.tensor)]
         self.counters.rejected["moments_malformed"] += len(aged) - len(sound)
         fresh = self._judged(f, own, sound)

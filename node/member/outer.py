@@ -296,7 +296,7 @@ class OuterLoop:
                 restart_theta(theta, phi, progress, carried)
             raise
         restart_theta(theta, phi, progress, carried)
-        self.moments.mix(f, base, self._refused)
+        self.moments.mix(f, base, self._refused, self.score.weight if self.score is not None else None)
         return deliveries
 
     def _take_steps(
