@@ -10,6 +10,7 @@ import torch
 from cgad.node.config import OuterOptions
 from cgad.node.member.moments import CODEC, REACH
 from cgad.node.member.outer import OuterLoop
+from cgad.node.member.scoring import DataScore
 from cgad.node.sim.memory import VirtualNetwork
 from cgad.optim import staleness_weight
 from cgad.protocol.codec import Codec, decode, encode
@@ -19,11 +20,11 @@ NUMEL = 512
 
 
 def _member(
-    network: VirtualNetwork, name: str, seed: int, **options: object
+    network: VirtualNetwork, name: str, seed: int, score: DataScore | None = None, **options: object
 ) -> tuple[OuterLoop, torch.optim.AdamW]:
     torch.manual_seed(seed)
     theta = [torch.nn.Parameter(torch.zeros(NUMEL)), torch.nn.Parameter(torch.zeros(8))]
-    loop = OuterLoop(theta, OuterOptions(**options), network.join(name), "run")
+    loop = OuterLoop(theta, OuterOptions(**options), network.join(name), "run", score=score)
     optimizer = torch.optim.AdamW(theta, lr=1e-3)
     loop.moments.attach(optimizer)
     for _ in range(3):  # a block of inner steps on gradients of its own
@@ -225,19 +226,9 @@ def test_a_first_moment_the_budget_cannot_hold_in_4_bits_goes_sparse_and_moves_o
 def test_a_distrusted_peers_first_moment_weighs_as_its_record_weighs_its_delta() -> None:
     """With the data score, a peer whose record weighs its deltas at one half has its m mixed at
     one half too (one weighed at nothing, not at all), not at full weight beside its cut Δ."""
-    from cgad.node.member.scoring import DataScore
-
     network = VirtualNetwork()
-    torch.manual_seed(0)
-    theta = [torch.nn.Parameter(torch.zeros(NUMEL)), torch.nn.Parameter(torch.zeros(8))]
     score = DataScore(probe=None, windows=lambda n: None, budget=0, seq_len=64)  # type: ignore[arg-type]
-    a = OuterLoop(theta, OuterOptions(), network.join("a"), "run", score=score)
-    opt_a = torch.optim.AdamW(theta, lr=1e-3)
-    a.moments.attach(opt_a)
-    for _ in range(3):
-        for p in theta:
-            p.grad = torch.randn_like(p) + 1.0
-        opt_a.step()
+    a, opt_a = _member(network, "a", 0, score=score)
     m_a = _m(opt_a)
     score.records.update({"half": 2.0, "none": 3.0})  # weights (3 − 2) / 2 and 0: no probe runs
     version = a.versions[0]
