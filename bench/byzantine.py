@@ -225,7 +225,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.text(x, top, f"{c['mean']:.1f}", ha="center", va="bottom", fontsize=8)
     floor = result["floor"]["mean"]
     ax.axhline(floor, color="black", linestyle="--", linewidth=1, label=f"each worker alone ({floor:.3f})")
-    clean = result["table"][result["config"]["default"]]["none"]["mean"]
+    shown = result["config"]["default"] if result["config"]["default"] in result["table"] else aggregations[0]
+    clean = result["table"][shown]["none"]["mean"]
     ax.axhline(clean * (1 + WITHIN), color="gray", linestyle=":", linewidth=1, label="no attack + 5%")
     lows = [result["table"][a]["none"]["mean"] for a in aggregations]
     ax.set_ylim(min(lows) - 0.3, floor + 1.1)
