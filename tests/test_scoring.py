@@ -42,6 +42,22 @@ def test_a_rise_beyond_chance_is_refused_and_noise_is_not():
     assert judge_losses(base, blown, z=3.0, min_harm=0.002).refused  # non-finite: harm beyond doubt
 
 
+def test_the_bar_rises_as_the_windows_fall():
+    """The spread comes from the windows themselves: over few of them a t-value of 3 is common by
+    chance (one in 29 over 4 windows), so the bar is Student's t as rare as a normal 3."""
+    from cgad.node.member.scoring import critical_t, t_tail
+
+    assert critical_t(3, 3.0) == pytest.approx(9.2189, abs=1e-3)  # scipy.stats.t.isf(norm.sf(3), 3)
+    assert critical_t(7, 3.0) == pytest.approx(4.5300, abs=1e-3)
+    assert critical_t(1000, 3.0) == pytest.approx(3.0, abs=0.01)
+    assert t_tail(2.0, 5) == pytest.approx(0.0509697, abs=1e-6)
+    base = torch.zeros(4, dtype=torch.float64)
+    clear = torch.tensor([0.10, 0.12, 0.08, 0.11], dtype=torch.float64)  # t ≈ 12 over 4 windows
+    assert judge_losses(base, clear, z=3.0, min_harm=0.002).refused
+    noisy = torch.tensor([0.10, 0.02, 0.07, 0.01], dtype=torch.float64)  # t ≈ 2.4: chance over 4
+    assert not judge_losses(base, noisy, z=3.0, min_harm=0.002).refused
+
+
 def test_probe_windows_never_overlap_an_evaluation_window_and_differ_per_draw():
     tokens = np.arange(20_000, dtype=np.uint16)
     dataset = TokenDataset(tokens, "numbers", eval_fraction=0.1)

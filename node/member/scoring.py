@@ -16,7 +16,9 @@ step several times the length of its share in the mean (the inner lr's √N rule
 member's φ, and honest ones often do a little worse there than the own (against the own alone,
 an honest peer's was refused a quarter of the time on real daemons); what singles a peer out is
 doing worse than both, beyond chance.
-A Δ with h_j > ``z`` · s_j and h_j > ``min_harm`` is refused (``harmful``). Each identity keeps a
+A Δ with h_j > t* · s_j and h_j > ``min_harm`` is refused (``harmful``), t* the Student's t value
+as unlikely over that many windows as a normal variable past ``z`` (``critical_t``: 9.2 over 4
+windows, 4.5 over 8, 3.3 over 31 at z = 3). Each identity keeps a
 record, a running mean of its t = h_j / s_j (cut to [−z, 2z]); every Δ it sends that is taken
 weighs ``(z − record) / (z − 1)`` of its token claim, cut to [0, 1]: in full up to a record of 1,
 nothing at z (counted ``distrusted``); a peer whose steps do worse than the own round after round,
@@ -35,6 +37,7 @@ their record's weight; a block too small for even one peer's test beside the own
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -93,6 +96,48 @@ class Verdict:
         return math.copysign(math.inf, self.harm) if self.harm else 0.0
 
 
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (modified Lentz)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 300):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # fmt: skip
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < 1e-12:
+            break
+    return result
+
+
+def t_tail(t: float, dof: int) -> float:
+    """P(T > t) for Student's t with ``dof`` degrees of freedom (t ≥ 0)."""
+    x = dof / (dof + t * t)
+    a, b = dof / 2.0, 0.5
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    front = math.exp(log_front)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return 0.5 * front * _beta_fraction(a, b, x) / a
+    return 0.5 * (1.0 - front * _beta_fraction(b, a, 1.0 - x) / b)
+
+
+@functools.lru_cache(maxsize=256)
+def critical_t(dof: int, z: float) -> float:
+    """The t-value past which a mean over ``dof`` + 1 windows is as unlikely by chance as a normal
+    variable past ``z``: the spread itself is estimated from those windows, so with few of them the
+    bar is higher (4 windows, z = 3: about 10)."""
+    tail = 0.5 * math.erfc(z / math.sqrt(2.0))
+    low, high = z, z * 1000.0
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_tail(middle, dof) > tail else (low, middle)
+    return high
+
+
 def judge_losses(base: Tensor, stepped: Tensor, z: float, min_harm: float) -> Verdict:
     """The verdict on a step from the per-window losses of the reference (``base``) and after the
     step (``stepped``), the same windows. Non-finite losses after the step are harm beyond any
@@ -104,8 +149,10 @@ def judge_losses(base: Tensor, stepped: Tensor, z: float, min_harm: float) -> Ve
     if diff.numel() == 0:
         return Verdict(0.0, 0.0, False)
     harm = float(diff.mean())
-    error = float(diff.std(unbiased=True)) / math.sqrt(diff.numel()) if diff.numel() > 1 else 0.0
-    return Verdict(harm, error, harm > min_harm and harm > z * error)
+    if diff.numel() < 2:
+        return Verdict(harm, 0.0, False)  # no spread to judge by
+    error = float(diff.std(unbiased=True)) / math.sqrt(diff.numel())
+    return Verdict(harm, error, harm > min_harm and harm > critical_t(diff.numel() - 1, z) * error)
 
 
 class DataScore:
