@@ -22,10 +22,9 @@ import logging
 import os
 import re
 import signal
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -39,6 +38,7 @@ from hivemind.utils import get_dht_time
 from cgad.protocol.auth import SwarmAuthorizer, SwarmKey
 from cgad.protocol.codec import Codec, all_finite, decode
 from cgad.protocol.config import check_multiaddr
+from cgad.protocol.records import Identity
 from cgad.protocol.transport import Fragment, FragmentKey, Inbox, Kind, Transport, TransportStats
 
 __all__ = [
@@ -78,7 +78,7 @@ class AveragerSettings:
     matchmaking_time: float
     timeout: float
     swarm_key: SwarmKey | None = None
-    identity: bytes | None = field(default=None, repr=False)
+    identity: Identity | None = field(default=None, repr=False)
     allowed: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
@@ -291,7 +291,8 @@ def _start_averager(
     error: NotReady | None = None
     options = {"authorizer": SwarmAuthorizer(settings.swarm_key)} if settings.swarm_key else {}
     for _ in range(START_TRIES):
-        with _identity_file(settings.identity) as identity_path:  # read by p2pd as it starts
+        identity = settings.identity.key_file(None) if settings.identity else contextlib.nullcontext(None)
+        with identity as identity_path:  # read by p2pd as it starts
             dht = start_child(
                 lambda: hivemind.DHT(
                     initial_peers=list(initial_peers),
@@ -330,20 +331,6 @@ def _start_averager(
             _stop(dht)
             raise
     raise NotReady(f"{error} ({START_TRIES} times, with a new DHT each time)") from error
-
-
-@contextlib.contextmanager
-def _identity_file(identity: bytes | None) -> Iterator[str | None]:
-    """A file p2pd can read ``identity`` from, in a private temporary folder, for the context
-    (None: no identity, no file)."""
-    if identity is None:
-        yield None
-        return
-    with tempfile.TemporaryDirectory() as folder:  # mode 0o700: nobody else can look in
-        path = os.path.join(folder, "identity.key")
-        with open(path, "wb") as key_file:
-            key_file.write(identity)
-        yield path
 
 
 def _stop(dht: hivemind.DHT) -> None:

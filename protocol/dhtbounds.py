@@ -155,7 +155,7 @@ class BoundedLocalStorage(DHTLocalStorage):
             return False
         dead = [(_record_bytes(s, e.value), s) for s, e in entries.items() if evictable(key, s, e.value)]
         dead.sort(key=lambda pair: pair[0], reverse=True)  # the largest first
-        fair = min(FAIR_RECORD_BYTES, self.max_bytes // 4)
+        fair = FAIR_RECORD_BYTES
         if size <= fair:
             gone = {s for _, s in dead}
             sizes = ((_record_bytes(s, e.value), s) for s, e in entries.items() if s not in gone)

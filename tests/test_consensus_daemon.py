@@ -168,7 +168,7 @@ def test_with_an_allowlist_a_group_with_an_outsider_is_not_taken() -> None:
     allowed = frozenset(i.peer_id for i in identities[:2])
 
     def averager(identity: Identity, listed: frozenset[str] | None) -> GroupAverager:
-        settings = AveragerSettings("t", 3, 2.0, 15, identity=identity.libp2p_identity, allowed=listed)
+        settings = AveragerSettings("t", 3, 2.0, 15, identity=identity, allowed=listed)
         return GroupAverager(1000, settings)
 
     averagers = [averager(identities[0], allowed), averager(identities[1], allowed)]

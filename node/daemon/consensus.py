@@ -56,7 +56,7 @@ def consensus_averager(
             timeout=config.consensus_timeout,
             swarm_key=swarm_key,
             # with an allowlist, under the node's peer id (a fresh one otherwise)
-            identity=identity.libp2p_identity if config.allow and identity is not None else None,
+            identity=identity if config.allow else None,
             allowed=frozenset(config.allow) if config.allow and identity is not None else None,
         ),
     )

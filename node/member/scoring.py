@@ -13,9 +13,8 @@ with its standard error s_j over the windows (the losses are paired: the same to
 window's chunks are not independent, so the spread is the windows'). The
 reference is the worse of not stepping and taking the own Δ alone: a whole Δ taken alone is a
 step several times the length of its share in the mean (the inner lr's √N rule), fit from another
-member's φ, and honest ones often do a little worse there than the own (against the own alone,
-an honest peer's was refused a quarter of the time on real daemons); what singles a peer out is
-doing worse than both, beyond chance.
+member's φ, and honest ones often do a little worse there than the own; what singles a peer out
+is doing worse than both, beyond chance.
 A Δ with h_j > t* · s_j and h_j > ``min_harm`` is refused (``harmful``), t* the Student's t value
 as unlikely over that many windows as a normal variable past ``z`` (``critical_t``: 9.2 over 4
 windows, 4.5 over 8, 3.3 over 31 at z = 3). Each identity keeps a
@@ -272,13 +271,14 @@ class DataScore:
         # a window's reference is the worse of not stepping and the own step: a peer is refused
         # only for doing worse than both (a whole Δ alone is a longer step than its share of the
         # mean, and one fit from another φ: honest ones often do a little worse than the own)
-        stay = self._window_losses([p.detach() for p in self._phi], windows)
-        reference = torch.maximum(stay, self._window_losses(self._stepped(f, own), windows))
+        phi = [p.detach().to(self.probe.device) for p in self._phi]  # once: a GPU's copy of φ
+        stay = self._window_losses(phi, windows)
+        reference = torch.maximum(stay, self._window_losses(self._stepped(phi, f, own), windows))
         self.counters.probe_tokens += windows.numel() * (2 + len(probed))
         o = self.options
         for n in probed:
             publisher, delta = peers[n]
-            stepped = self._window_losses(self._stepped(f, delta), windows)
+            stepped = self._window_losses(self._stepped(phi, f, delta), windows)
             verdict = judge_losses(reference, stepped, o.z, o.min_harm)
             self.counters.probed += 1
             t = max(-o.z, min(2 * o.z, verdict.t))
@@ -290,13 +290,14 @@ class DataScore:
         """Each window's mean chunk loss (+inf where a chunk's is not finite)."""
         return self.probe.chunk_losses(params, windows).view(windows.shape[0], -1).mean(dim=1)
 
-    def _stepped(self, f: int, delta: Tensor) -> list[Tensor]:
-        """Every parameter at φ, fragment f's at φ_f − Δ."""
-        params = [p.detach() for p in self._phi]
+    def _stepped(self, phi: list[Tensor], f: int, delta: Tensor) -> list[Tensor]:
+        """Every parameter at ``phi``, fragment f's at φ_f − Δ (Δ flat, on the host)."""
+        params = list(phi)
         offset = 0
         for i in self._fragments[f]:
             numel = params[i].numel()
-            params[i] = params[i] - delta[offset : offset + numel].view_as(params[i]).to(params[i].dtype)
+            part = delta[offset : offset + numel].view_as(params[i])
+            params[i] = params[i] - part.to(params[i].device, params[i].dtype)
             offset += numel
         return params
 

@@ -175,9 +175,17 @@ class TokenDataset:
                 f"corpus {self.source} is too small: its held-out part has {len(self.eval_tokens)} tokens, "
                 f"fewer than one window of {seq_len}"
             )
-        starts = np.linspace(0, len(self.eval_tokens) - seq_len, n * batch_size).round().astype(np.int64)
+        starts = self.eval_starts(n * batch_size, seq_len)
         windows = self.eval_tokens[starts[:, None] + np.arange(seq_len)].astype(np.int64)
         return list(torch.from_numpy(windows).split(batch_size))
+
+    def eval_starts(self, count: int, seq_len: int) -> np.ndarray:
+        """Where in the held-out tail each of ``count`` evaluation windows of ``seq_len`` tokens
+        starts (``eval_batches``'), in order; none where the tail holds no window."""
+        room = len(self.eval_tokens) - seq_len
+        if room < 0:
+            return np.zeros(0, np.int64)
+        return np.linspace(0, room, count).round().astype(np.int64)
 
 
 class ProbeWindows:
@@ -199,9 +207,7 @@ class ProbeWindows:
         self.tokens = dataset.eval_tokens
         self.seq_len = seq_len
         n, batch_size = eval_layout
-        room = len(self.tokens) - seq_len
-        spread = np.linspace(0, max(room, 0), n * batch_size).round().astype(np.int64)
-        self._eval_starts = spread if room >= 0 else np.zeros(0, np.int64)
+        self._eval_starts = dataset.eval_starts(n * batch_size, seq_len)
         self._rng = np.random.default_rng([seed, 0x9E0B])
 
     def draw(self, n: int) -> torch.Tensor | None:

@@ -56,7 +56,8 @@ class Probe:
         flat (float64; +inf where a chunk's loss is not finite).
 
         Args:
-            params: one tensor per model parameter, in ``named_parameters`` order.
+            params: one tensor per model parameter, in ``named_parameters`` order (copied to the
+                model's device where they are elsewhere: the caller moves them once).
             windows: [n, seq_len] token ids.
         """
         if len(params) != len(self.names):
@@ -78,9 +79,8 @@ class Probe:
                 predicted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
                 losses = F.cross_entropy(predicted, input_ids[:, 1:].reshape(-1), reduction="none")
                 losses = losses.reshape(input_ids.shape[0], -1)
-                usable = losses.shape[1] // CHUNK * CHUNK or losses.shape[1]  # shorter than a chunk: one
-                per = min(CHUNK, usable)
-                chunks.append(losses[:, :usable].reshape(input_ids.shape[0], -1, per).mean(dim=2).flatten())
+                count, per = chunks_per_window(part.shape[1]), min(CHUNK, losses.shape[1])
+                chunks.append(losses[:, : count * per].reshape(-1, count, per).mean(dim=2).flatten())
         finally:
             self.model.train(was_training)
         flat = torch.cat(chunks).double().cpu()
