@@ -36,7 +36,7 @@ from cgad.node.daemon.metrics import Metrics
 from cgad.node.daemon.monitor import swarm_rows
 from cgad.node.daemon.snapshots import SnapshotPublisher
 from cgad.node.daemon.stall import StallMeter
-from cgad.node.daemon.status import cpu_seconds_by_thread, status_line
+from cgad.node.daemon.status import cpu_seconds_by_thread, exchange_status, status_line
 from cgad.node.member.engine import Member, MemberHooks, Schedule
 from cgad.node.member.ledger import layout_numels
 from cgad.node.member.methods import UsableVersions, method
@@ -413,10 +413,6 @@ class Node(MemberHooks):
     # ------------------------------------------------------------------ what it shows
 
     def status(self) -> dict[str, Any]:
-        counters = self.loop.counters
-        rejected = dict(self.transport.stats.rejected)
-        for reason, count in dict(counters.rejected).items():
-            rejected[reason] = rejected.get(reason, 0) + count
         recent = list(self.losses)
         return {
             "peer_id": self.peer_id,
@@ -429,40 +425,18 @@ class Node(MemberHooks):
             "eval_loss": self.eval_history[-1][1] if self.eval_history else None,
             "eval_history": [list(e) for e in self.eval_history],
             "tokens_per_second": self.tokens_per_second,
-            "peers": len(self.transport.live_peers()),
-            "fan_in": self.transport.fan_in,  # the most peers taken a round (--fan-in auto: cut to the model)
-            **counters.totals(),
-            "applied_by_peer": dict(counters.applied_by_peer.copy()),
-            "rejected_by_peer": dict(
-                counters.rejected_by_peer.copy() + self.transport.stats.rejected_by_peer.copy()
-            ),
-            "applied_by_age": {str(age): n for age, n in sorted(counters.applied_by_age.copy().items())},
-            "rejected": rejected,
+            **exchange_status(self.loop, self.transport),
             "phase_nudges": dict(self.member.phase_nudges),
-            "skipped": dict(self.transport.stats.skipped),
-            "records_stored": dict(self.transport.stats.records_stored),
-            "dht_lookups": self.transport.stats.dht_lookups,
-            "dht_served": dict(self.transport.stats.dht_served),
-            "downlink_bytes_per_second": self.transport.downlink_rate,
-            "send_budget_bytes": self.transport.round_budget(),  # --codec auto: bytes per round per fetcher
-            "sent_as": dict(counters.sent_as.copy()),
-            "bytes_in": self.transport.stats.bytes_received, "bytes_out": self.transport.stats.bytes_sent,
-            "fetches_waiting": self.transport.fetches_waiting,
-            "mean_age": self.loop.counters.mean_age(),
-            "outer_momentum": self.loop.method.momentum_now(self.loop.optimizer),
             "inner_lr": self.trainer.optimizer.param_groups[0]["lr"],  # × √N averaged (--inner-lr-scaling)
             "resyncs": self.member.resyncs,
             "allreduce_groups": dict(self.exchange.groups) if self.exchange is not None else None,
             "consensus": consensus_status(self.member, self.groups),
-            "distrusted": self.loop.score.distrusted() if self.loop.score is not None else None,
             "started_from": self.started_from,
             "resumed": self.resumed,
             "device": str(self.device),
             "stall": self.stall.summary(),  # time off training per outer step (evaluation, checkpoints apart)
             "snapshot_bytes": self.snapshots.bytes,
-            "parameters": self.loop.sender.total_numel,
             "uptime": time.time() - self.started_at,
-            "reach": self.transport.reach(),
         }
 
     def dashboard_snapshot(self) -> dict[str, Any]:

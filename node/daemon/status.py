@@ -10,7 +10,45 @@ from typing import Any
 
 from cgad.protocol.text import printable
 
-__all__ = ["cpu_seconds_by_thread", "status_line", "status_report"]
+__all__ = ["cpu_seconds_by_thread", "exchange_status", "status_line", "status_report"]
+
+
+def exchange_status(loop: Any, transport: Any) -> dict[str, Any]:
+    """The exchange's part of a node's status: what its outer loop took and refused (by peer and
+    by age), what its transport fetched, stored and sent, and the data score's distrust.
+
+    Args:
+        loop: the node's ``OuterLoop`` (its counters, method, sender and score).
+        transport: the node's transport (its stats, live peers, link meter and reach).
+    """
+    counters, stats = loop.counters, transport.stats
+    rejected = dict(stats.rejected)
+    for reason, count in dict(counters.rejected).items():
+        rejected[reason] = rejected.get(reason, 0) + count
+    return {
+        "peers": len(transport.live_peers()),
+        "fan_in": transport.fan_in,  # the most peers taken a round (--fan-in auto: cut to the model)
+        **counters.totals(),
+        "applied_by_peer": dict(counters.applied_by_peer.copy()),
+        "rejected_by_peer": dict(counters.rejected_by_peer.copy() + stats.rejected_by_peer.copy()),
+        "applied_by_age": {str(age): n for age, n in sorted(counters.applied_by_age.copy().items())},
+        "rejected": rejected,
+        "skipped": dict(stats.skipped),
+        "records_stored": dict(stats.records_stored),
+        "dht_lookups": stats.dht_lookups,
+        "dht_served": dict(stats.dht_served),
+        "downlink_bytes_per_second": transport.downlink_rate,
+        "send_budget_bytes": transport.round_budget(),  # --codec auto: bytes per round per fetcher
+        "sent_as": dict(counters.sent_as.copy()),
+        "bytes_in": stats.bytes_received,
+        "bytes_out": stats.bytes_sent,
+        "fetches_waiting": transport.fetches_waiting,
+        "mean_age": counters.mean_age(),
+        "outer_momentum": loop.method.momentum_now(loop.optimizer),
+        "distrusted": loop.score.distrusted() if loop.score is not None else None,
+        "parameters": loop.sender.total_numel,
+        "reach": transport.reach(),
+    }
 
 
 def _number(value: float | None) -> str:
