@@ -219,7 +219,8 @@ def report(scale: str, full: bool) -> dict[str, Any]:
             for f in CEILING_LRS
             if complete[f]
         }
-        best = min(finals, key=finals.get) if finals else None
+        # the best of every lr tried, or none: the best of those run so far is not the ceiling's best
+        best = min(finals, key=finals.get) if len(finals) == len(CEILING_LRS) else None
         size: dict[str, Any] = {
             "floor": _mean_curve([r["losses"] for r in floors.values()]) if all(floors.values()) else None,
             "ceiling": _mean_curve([r["losses"] for r in ceilings[1.0].values()]) if complete[1.0] else None,
@@ -341,7 +342,10 @@ def table(result: dict[str, Any]) -> str:
             cells = [_cell(row["G"], r) for r in rounds] + [_cell(row.get("G_best"), r) for r in rounds[-2:]]
             cells += [_cell(row.get("W"), r, row.get("w_at_least")) for r in rounds[-2:]]
             lines.append(f"| {n} | {name} | " + " | ".join(cells) + " |")
-    best = ", ".join(f"N = {n}: {v['ceiling_best_lr_factor']}×" for n, v in result["sizes"].items())
+    best = ", ".join(
+        f"N = {n}: {v['ceiling_best_lr_factor']}×" if v["ceiling_best_lr_factor"] else f"N = {n}: not run"
+        for n, v in result["sizes"].items()
+    )
     lines.append("")
     lines.append(
         f"Means over seeds {result['seeds']} with [min-max]; commits {', '.join(result['commits'])}. "
@@ -404,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.scale == "sweep":
         write_between(RESULTS_MD, "worth", table(result))
         write_between(README, "worth", headline(result))
+    else:
+        write_between(
+            RESULTS_MD,
+            f"worth-{args.scale}",
+            table(result),
+            by=f"bench/worth.py --scale {args.scale} --report",
+        )
     print(f"wrote {RESULTS / name}.json and .png")
     return 0
 

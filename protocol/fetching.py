@@ -81,13 +81,14 @@ logger = logging.getLogger(__name__)
 
 class Fetcher:
     """Fetches over gRPC or libp2p. ``p2p`` is set by the transport once libp2p runs; failures
-    that say something about a holder are passed to ``reject(reason, detail)``."""
+    that say something about a holder are passed to ``reject(reason, detail)``, with the holder
+    to blame as a third argument where one is known."""
 
     def __init__(
         self,
         options: NetworkOptions,
         stats: TransportStats,
-        reject: Callable[[str, str], None],
+        reject: Callable[..., None],
         swarm_key: SwarmKey | None = None,
     ) -> None:
         self.options = options
@@ -188,7 +189,7 @@ class Fetcher:
             if others:
                 self.reject("bad_hash", f"from one of {', '.join([*others, holder.peer_id])}: {error.detail}")
                 return await self._fetch_judged(holder, assembler, contributors, gone, min_rate)
-            self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}")
+            self.reject("bad_hash", f"from {holder.peer_id}: {error.detail}", holder.peer_id)
             gone[holder.peer_id] = "bad_hash"
             return None
         if assembler.received > before and holder.peer_id not in contributors:

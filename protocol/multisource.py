@@ -6,11 +6,14 @@ ranges of ``PIECE_BYTES``; each holder (up to ``MAX_SOURCES``) takes the next ra
 taken, and the ranges arrive side by side. A holder that fails or trickles leaves its range,
 resumed where it stopped, to the others, and one slower than its share of the rate the download
 needs to finish in its time (``state_min_rate``) is dropped for good after ``MIN_RATE_GRACE``:
-a holder trickling at 5 kB/s held joiners for half an hour. The signed record names the hash of
-the whole, so it is
-checked once every range is in; bytes that fail it are fetched again the careful way
-(``Fetcher.fetch``: one holder at a time, which says who sent them), so a holder that lies costs
-one extra download, never a wrong state.
+a holder trickling at 5 kB/s held joiners for half an hour. The publisher's signed record names
+each piece's hash (``wire.piece_hashes``): a piece that fails is fetched again from another
+holder, and the one holder that sent it is named (``bad_hash``) and asked for nothing more, so a
+lying re-server costs a piece, not a download. A piece two holders filled (one took it over from
+the other) and that fails names neither: it is fetched again whole, from one holder. The hash of
+the whole is checked once every range is in; bytes that fail it (or a record without piece
+hashes) are fetched again the careful way (``Fetcher.fetch``: one holder at a time, which says
+who sent them), never a wrong state.
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ from cgad.protocol.errors import FragmentError
 from cgad.protocol.fetching import MIN_RATE_GRACE, MIN_TRANSFER_RATE
 from cgad.protocol.records import Holdings
 from cgad.protocol.selection import Candidate
-from cgad.protocol.wire import RangeAssembler, content_hash
+from cgad.protocol.wire import PIECE_BYTES, RangeAssembler, content_hash, piece_bounds
 
 if TYPE_CHECKING:
     from cgad.protocol.fetching import Fetcher
 
 __all__ = ["MAX_SOURCES", "PIECE_BYTES", "fetch_from_many", "state_min_rate"]
 
-PIECE_BYTES = 4 << 20  # a range: a few seconds of a 10 Mbit uplink, few enough to track
 MAX_SOURCES = 4  # holders one download draws from at once
 ENDGAME_SECONDS = 2.0  # a range under way this long may be taken over by a holder twice as fast
 # a holder must deliver at least this share of its part of the rate that brings the whole in
@@ -41,6 +43,14 @@ ENDGAME_SECONDS = 2.0  # a range under way this long may be taken over by a hold
 # before the next holder was tried; the rest is room for a slow start, counted in its average)
 HOLDER_RATE_SHARE = 0.5
 SEQUENTIAL_RATE_SHARE = 0.8
+
+
+def _bounds(byte_length: int, hashes: list[bytes]) -> list[tuple[int, int]]:
+    """The pieces the publisher hashed (``wire.piece_bounds``), or ranges of ``PIECE_BYTES``
+    where its record names none (or an impossible count of them)."""
+    if 1 <= len(hashes) <= byte_length:
+        return piece_bounds(byte_length, len(hashes))
+    return [(start, min(start + PIECE_BYTES, byte_length)) for start in range(0, byte_length, PIECE_BYTES)]
 
 
 def state_min_rate(byte_length: int, timeout: float, holders: int) -> float:
@@ -93,11 +103,13 @@ async def fetch_from_many(
     min_rate = state_min_rate(offer.byte_length, timeout, len(holders))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    end = offer.byte_length
     pieces = [
-        RangeAssembler(offer.content_hash, offer.byte_length, start, min(start + PIECE_BYTES, end))
-        for start in range(0, end, PIECE_BYTES)
+        RangeAssembler(offer.content_hash, offer.byte_length, start, end)
+        for start, end in _bounds(offer.byte_length, offer.piece_hashes)
     ]
+    hashes = offer.piece_hashes if len(offer.piece_hashes) == len(pieces) else []
+    filled_by: list[set[str]] = [set() for _ in pieces]  # the holders whose bytes each piece holds
+    whole_only: set[int] = set()  # pieces that failed filled by two: never taken over again
     waiting = deque(pieces)  # ranges nobody is fetching now, resumed where they stopped
     gone: dict[str, str] = {}  # holders that no longer keep it, or trickled (why)
     # the range each worker fetches now: (its task, when it began, bytes in then)
@@ -111,6 +123,8 @@ async def fetch_from_many(
         for index, (task, began, at_start) in under_way.items():
             piece, elapsed = pieces[index], now - began
             theirs = (piece.received - at_start) / elapsed if elapsed > 0 else 0.0
+            if index in whole_only:
+                continue
             if elapsed > ENDGAME_SECONDS and rate > 2 * theirs and task is not asyncio.current_task():
                 left = piece.end - piece.received
                 best = index if best is None or left > pieces[best].end - pieces[best].received else best
@@ -137,9 +151,25 @@ async def fetch_from_many(
                 gone[holder.peer_id] = "not_held"
             finally:
                 del under_way[index]
+                if piece.received > before:
+                    filled_by[index].add(holder.peer_id)
                 if not piece.complete:
                     waiting.appendleft(piece)  # the others take it over from here, cancelled or not
             elapsed = loop.time() - started
+            if piece.complete and hashes and await asyncio.to_thread(piece.digest) != hashes[index]:
+                culprits, filled_by[index] = filled_by[index], set()
+                piece.restart()
+                waiting.appendleft(piece)
+                if len(culprits) == 1:
+                    (liar,) = culprits
+                    gone[liar] = "bad_hash"
+                    fetcher.reject("bad_hash", f"{candidate.key}: piece {index} from {liar}", liar)
+                    if liar == holder.peer_id:
+                        return
+                    continue
+                whole_only.add(index)  # who sent the wrong part is not known: one holder next time
+                fetcher.reject("bad_hash", f"{candidate.key}: piece {index} from {sorted(culprits)}")
+                continue
             if piece.complete:
                 rates[holder.peer_id] = (piece.received - before) / max(elapsed, 1e-9)
                 continue

@@ -31,7 +31,7 @@ from cgad.protocol.records import Holdings, Identity, Offer, Progress, fragment_
 from cgad.protocol.selection import STATE_CODEC, Candidate
 from cgad.protocol.store import FragmentStore, StoredFragment, fragment_header
 from cgad.protocol.transport import Fragment, FragmentKey, Kind, TransportStats
-from cgad.protocol.wire import content_hash
+from cgad.protocol.wire import content_hash, piece_hashes
 
 __all__ = ["Publisher"]
 
@@ -126,10 +126,15 @@ class Publisher:
             logger.exception("publishing %s failed", key)
 
     def _offer_state(self, key: FragmentKey, data: bytes) -> None:
-        entry = self._entry(key, data, codec=STATE_CODEC, numel=0, tokens=0)
+        entry = self._entry(key, data, codec=STATE_CODEC, numel=0, tokens=0, pieces=True)
         self._runner.submit(self._keep_state(entry))
 
-    def _entry(self, key: FragmentKey, data: bytes, *, codec: str, numel: int, tokens: int) -> StoredFragment:
+    def _entry(
+        self, key: FragmentKey, data: bytes, *, codec: str, numel: int, tokens: int, pieces: bool = False
+    ) -> StoredFragment:
+        """An own offer of ``data``; with ``pieces`` (a snapshot, fetched in pieces from several
+        holders) each piece's hash too (``wire.piece_hashes``)."""
+        whole, hashes = piece_hashes(data) if pieces else (content_hash(data), [])
         offer = Offer(
             publisher=self.peer_id,
             base_version=key.base_version,
@@ -137,8 +142,9 @@ class Publisher:
             tokens=tokens,
             codec=codec,
             numel=numel,
-            content_hash=content_hash(data),
+            content_hash=whole,
             byte_length=len(data),
+            piece_hashes=hashes,
         )
         return StoredFragment(fragment_header(key, offer), data, offer, own=True)
 

@@ -47,6 +47,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from cgad.protocol.errors import FragmentError
 from cgad.protocol.files import atomic_write
+from cgad.protocol.wire import MAX_PIECES
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,11 @@ class Offer(_Strict):
     numel: _NON_NEGATIVE
     content_hash: pydantic.conbytes(strict=True, min_length=32, max_length=32)
     byte_length: _NON_NEGATIVE
+    # a snapshot's pieces (``wire.piece_bounds``), each one's hash: a piece that fails names the
+    # holder that sent it. The publisher's claim like the rest: trusted only from its own record
+    piece_hashes: pydantic.conlist(
+        pydantic.conbytes(strict=True, min_length=32, max_length=32), max_items=MAX_PIECES
+    ) = []
 
 
 # a direct gRPC endpoint: host:port, the host a name, an IPv4 or a bracketed IPv6 address

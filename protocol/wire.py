@@ -23,11 +23,16 @@ __all__ = [
     "GRPC_FETCH",
     "LIBP2P_DESCRIBE",
     "LIBP2P_FETCH",
+    "MAX_PIECES",
+    "PIECE_BYTES",
     "SERVICE",
     "ChunkAssembler",
     "RangeAssembler",
     "content_hash",
     "parse",
+    "piece_bounds",
+    "piece_count",
+    "piece_hashes",
     "response_stream",
     "serialized_response_stream",
     "split_chunk",
@@ -46,6 +51,45 @@ LIBP2P_FETCH = f"{SERVICE}.Fetch"
 LIBP2P_DESCRIBE = f"{SERVICE}.Describe"
 
 MessageT = TypeVar("MessageT", bound=Message)
+
+# A snapshot is fetched in pieces of at least PIECE_BYTES, several holders at once; its
+# publisher's signed record names each piece's hash (at most MAX_PIECES of them: a record is
+# stored at every replica and re-stored, so they stay 32 bytes each and few), so a piece that
+# fails names the holder that sent it and only that piece is fetched again.
+PIECE_BYTES = 4 << 20  # a few seconds of a 10 Mbit uplink, few enough to track
+MAX_PIECES = 16
+
+
+def piece_count(byte_length: int) -> int:
+    """How many pieces a snapshot of ``byte_length`` bytes is cut into (and hashed by)."""
+    return max(1, min(MAX_PIECES, -(-byte_length // PIECE_BYTES)))
+
+
+def piece_bounds(byte_length: int, pieces: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``pieces`` contiguous pieces of equal size (the last shorter)
+    covering ``byte_length`` bytes; every piece holds at least one byte.
+
+    Args:
+        byte_length: the whole transfer's length.
+        pieces: how many pieces (1 to ``byte_length``).
+    """
+    if not 1 <= pieces <= max(byte_length, 1):
+        raise ValueError(f"{pieces} pieces of {byte_length} bytes")
+    size = -(-byte_length // pieces)
+    return [(start, min(start + size, byte_length)) for start in range(0, byte_length, size)]
+
+
+def piece_hashes(data: bytes | bytearray | memoryview) -> tuple[bytes, list[bytes]]:
+    """The whole's content hash and each piece's (``piece_count``, ``piece_bounds``), in one pass.
+
+    Args:
+        data: the snapshot's bytes.
+    """
+    view, whole, hashes = memoryview(data), hashlib.sha256(), []
+    for start, end in piece_bounds(len(view), piece_count(len(view))) if len(view) else []:
+        whole.update(view[start:end])
+        hashes.append(hashlib.sha256(view[start:end]).digest())
+    return whole.digest(), hashes
 
 
 def content_hash(data: bytes | bytearray | memoryview) -> bytes:
@@ -251,6 +295,13 @@ class RangeAssembler:
 
     def restart(self) -> None:
         self.received, self._parts = self.start, []
+
+    def digest(self) -> bytes:
+        """The sha256 of the bytes in so far (a piece's, once complete)."""
+        h = hashlib.sha256()
+        for part in self._parts:
+            h.update(part)
+        return h.digest()
 
     def finish(self) -> bytes:
         """The range's bytes (not checked here: the whole transfer's hash is)."""

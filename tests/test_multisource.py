@@ -57,8 +57,13 @@ def test_a_snapshot_comes_from_two_holders_at_once_and_a_lying_one_cannot_spoil_
                 three, holders=[holders[liar.peer_id], holders[publisher.peer_id]]
             )
             assert bytes(late.fetch_state(two_of_them, timeout=90)) == blob
-            # what the liar sent was caught
+            # what the liar sent was caught, in the piece it sent: the liar is named, and only
+            # that piece was fetched again (not the whole, one holder at a time)
             assert liar.stats.bytes_sent > 0 and late.stats.rejected["bad_hash"] >= 1
+            assert late.stats.rejected_by_peer[liar.peer_id] >= 1
+            assert publisher.peer_id not in late.stats.rejected_by_peer
+            piece = -(-len(blob) // len(candidate.offer.piece_hashes))
+            assert late.stats.bytes_received <= len(blob) + 2 * piece, late.stats.bytes_received
         finally:
             late.close()
     finally:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 import re
 from pathlib import Path
 
+import pydantic.v1 as pydantic
 import pytest
 from _protoc import GENERATED, PROTO_DIR, generate  # tests/ is on sys.path under pytest
 from google.protobuf import descriptor_pb2
@@ -14,11 +17,18 @@ from hypothesis import strategies as st
 
 from cgad.protocol import FragmentError
 from cgad.protocol import fragment_pb2 as pb
+from cgad.protocol.records import Offer
 from cgad.protocol.wire import (
     CHUNK_BYTES,
+    MAX_PIECES,
+    PIECE_BYTES,
     ChunkAssembler,
+    RangeAssembler,
     content_hash,
     parse,
+    piece_bounds,
+    piece_count,
+    piece_hashes,
     response_stream,
     serialized_response_stream,
     split_chunk,
@@ -162,3 +172,40 @@ def test_fuzz_fast_chunk_reading_agrees_with_protobuf(data: bytes) -> None:
     message = pb.FetchResponse.FromString(data)  # whatever the fast path reads, protobuf reads alike
     assert message.WhichOneof("part") == "chunk"
     assert (message.chunk.offset, message.chunk.data) == (piece[0], bytes(piece[1]))
+
+
+LENGTHS = [1, 5, PIECE_BYTES, PIECE_BYTES + 1, 4 * PIECE_BYTES + 12345, 70 * PIECE_BYTES]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_a_snapshots_pieces_cover_it_and_their_hashes_add_up_to_the_wholes(length: int) -> None:
+    n = piece_count(length)
+    assert 1 <= n <= MAX_PIECES and (n == MAX_PIECES or n == -(-length // PIECE_BYTES))
+    bounds = piece_bounds(length, n)
+    assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert all(end > start for start, end in bounds)
+    if length <= 5 * PIECE_BYTES:  # the hashes themselves, on a size worth allocating
+        data = bytes(range(256)) * (length // 256) + bytes(length % 256)
+        whole, hashes = piece_hashes(data)
+        assert whole == content_hash(data)
+        assert hashes == [hashlib.sha256(data[s:e]).digest() for s, e in bounds]
+    with pytest.raises(ValueError):
+        piece_bounds(length, 0)
+
+
+def test_a_record_names_at_most_max_pieces_piece_hashes() -> None:
+    fields = dict(publisher="QmPub1isherABCDE9", base_version=1, kind="state", tokens=0, codec="state",
+                  numel=0, content_hash=bytes(32), byte_length=10 << 20)  # fmt: skip
+    assert Offer(**fields, piece_hashes=[bytes(32)] * MAX_PIECES).piece_hashes == [bytes(32)] * MAX_PIECES
+    with pytest.raises(pydantic.ValidationError):
+        Offer(**fields, piece_hashes=[bytes(32)] * (MAX_PIECES + 1))
+    with pytest.raises(pydantic.ValidationError):
+        Offer(**fields, piece_hashes=[bytes(31)])
+
+
+def test_a_range_knows_the_hash_of_what_it_holds() -> None:
+    piece = RangeAssembler(bytes(32), 10, 2, 8)
+    piece.add_slice(2, b"abc")
+    piece.add_slice(5, b"defgh")
+    assert piece.complete and piece.digest() == hashlib.sha256(b"abcdef").digest()
