@@ -30,7 +30,7 @@ async def _stream(pieces: int, pause: float) -> AsyncIterator[pb.FetchResponse]:
 
 
 def _drain(pieces: int, pause: float) -> ChunkAssembler:
-    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
+    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail, *_: None)
     assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
     asyncio.run(fetcher._drain(_stream(pieces, pause), assembler, (time.monotonic(), 0)))
     return assembler
@@ -46,7 +46,7 @@ def test_a_stream_at_a_fair_rate_is_read_whole(monkeypatch: pytest.MonkeyPatch) 
 def test_a_trickling_holder_is_dropped_after_the_grace_period(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fetching, "MIN_RATE_GRACE", 0.3)
     monkeypatch.setattr(fetching, "MIN_TRANSFER_RATE", 1_000.0)
-    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
+    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail, *_: None)
     assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
     with pytest.raises(FragmentError, match="B/s over") as caught:
         stream = _stream(pieces=len(DATA) // 16, pause=0.05)  # 320 B/s
@@ -61,7 +61,7 @@ def test_the_rate_floor_counts_from_the_holders_first_stream(monkeypatch: pytest
     its rate since its first stream, not each stream's: its next stream is dropped at once."""
     monkeypatch.setattr(fetching, "MIN_RATE_GRACE", 0.3)
     monkeypatch.setattr(fetching, "MIN_TRANSFER_RATE", 1_000.0)
-    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail: None)
+    fetcher = Fetcher(NetworkOptions(run_id="t"), TransportStats(), lambda reason, detail, *_: None)
     assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))
     first_stream = (time.monotonic() - 1.0, 0)  # a second ago, and nothing received since
     with pytest.raises(FragmentError) as caught:
@@ -74,7 +74,7 @@ def test_grpc_channels_to_holders_are_bounded(monkeypatch: pytest.MonkeyPatch) -
     ``MAX_CHANNELS`` (a peer restarting on a new port, or a liar naming many, left them open)."""
     monkeypatch.setattr(fetching, "MAX_CHANNELS", 3)
     options = NetworkOptions(run_id="t", connect_timeout=0.05)
-    fetcher = Fetcher(options, TransportStats(), lambda reason, detail: None)
+    fetcher = Fetcher(options, TransportStats(), lambda reason, detail, *_: None)
 
     async def dial(port: int) -> None:
         request = pb.FetchRequest(content_hash=bytes(32), offset=0)
@@ -105,7 +105,7 @@ def test_an_endpoint_that_did_not_answer_is_left_to_libp2p_a_while(monkeypatch: 
     silent.listen(8)
     endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
     holder = Holdings(peer_id="QmHo1derABCDEFGH9", grpc=endpoint, offers=[])
-    fetcher = Fetcher(NetworkOptions(run_id="t", connect_timeout=0.5), TransportStats(), lambda r, d: None)
+    fetcher = Fetcher(NetworkOptions(run_id="t", connect_timeout=0.5), TransportStats(), lambda *_: None)
 
     async def attempt() -> float:
         assembler = ChunkAssembler(hashlib.sha256(DATA).digest(), len(DATA))

@@ -68,7 +68,7 @@ def test_a_tarpit_holder_frees_the_slot_and_is_passed_over(monkeypatch: pytest.M
     options = NetworkOptions(run_id="t", connect_timeout=0.2, paths=["grpc"])
     reasons: list[str] = []
     stats = TransportStats()
-    fetcher = Fetcher(options, stats, lambda reason, detail: reasons.append(reason))
+    fetcher = Fetcher(options, stats, lambda reason, detail, *_: reasons.append(reason))
 
     async def main() -> tuple[float, float, bytes, bytes]:
         tarpit, tarpit_at = await _serve(_silent)
@@ -184,7 +184,7 @@ def test_a_holder_too_slow_to_finish_in_time_is_left_for_the_next(monkeypatch: p
     timeout = 4.0
     needed = len(DATA) / timeout
     options = NetworkOptions(run_id="t", paths=["grpc"])
-    fetcher = Fetcher(options, TransportStats(), lambda reason, detail: None)
+    fetcher = Fetcher(options, TransportStats(), lambda reason, detail, *_: None)
 
     async def main() -> bytes:
         slow, slow_at = await _serve(_trickling(0.6 * needed))
@@ -209,7 +209,7 @@ def test_a_failed_download_blames_the_holder_at_fault_not_the_publisher() -> Non
     """A re-server whose bytes fail the publisher's hash is named in the failure
     (``FragmentError.blamed``); the publisher, which no longer holds them, is not."""
     fetcher = Fetcher(
-        NetworkOptions(run_id="t", paths=["grpc"]), TransportStats(), lambda reason, detail: None
+        NetworkOptions(run_id="t", paths=["grpc"]), TransportStats(), lambda reason, detail, *_: None
     )
 
     async def main() -> dict[str, str]:
@@ -246,7 +246,7 @@ def test_a_busy_holder_is_asked_again_within_the_pass(monkeypatch: pytest.Monkey
             yield message
 
     fetcher = Fetcher(
-        NetworkOptions(run_id="t", paths=["grpc"]), TransportStats(), lambda reason, detail: None
+        NetworkOptions(run_id="t", paths=["grpc"]), TransportStats(), lambda reason, detail, *_: None
     )
 
     async def main() -> bytes:
