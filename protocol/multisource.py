@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from cgad.protocol.errors import FragmentError
@@ -130,8 +131,44 @@ async def fetch_from_many(
                 best = index if best is None or left > pieces[best].end - pieces[best].received else best
         return best
 
+    verified: set[int] = set()  # complete pieces whose hash was checked (or that have none)
+    checking: set[int] = set()  # being hashed now
+
+    def finished() -> bool:
+        return len(verified) == len(pieces)
+
+    async def verify(index: int) -> str | None:
+        """Check a complete piece against its hash; where it fails, put it back to be fetched
+        again and name the one holder that sent it, which is returned (None: sound, or nobody
+        to name). Cancelled meanwhile, the piece waits unchecked for the next worker."""
+        piece = pieces[index]
+        checking.add(index)
+        try:
+            sound = not hashes or await asyncio.to_thread(piece.digest) == hashes[index]
+        finally:
+            checking.discard(index)
+        if sound:
+            verified.add(index)
+            return None
+        culprits, filled_by[index] = filled_by[index], set()
+        piece.restart()
+        waiting.appendleft(piece)
+        if len(culprits) != 1:  # who sent the wrong part is not known: one holder next time
+            whole_only.add(index)
+            fetcher.reject("bad_hash", f"{candidate.key}: piece {index} from {sorted(culprits)}")
+            return None
+        (liar,) = culprits
+        gone[liar] = "bad_hash"
+        fetcher.reject("bad_hash", f"{candidate.key}: piece {index} from {liar}", liar)
+        return liar
+
     async def pull(holder: Holdings) -> None:
-        while not all(piece.complete for piece in pieces):
+        while not finished() and gone.get(holder.peer_id) != "bad_hash":
+            unchecked = [i for i, p in enumerate(pieces) if p.complete and i not in verified | checking]
+            if unchecked:  # completed by a worker cancelled before it could check it
+                if await verify(unchecked[0]) == holder.peer_id:
+                    return
+                continue
             if not waiting:
                 # every range is taken: help where a holder is far slower than this one, by
                 # taking its range over from where it is (its worker ends; it was slow)
@@ -156,21 +193,9 @@ async def fetch_from_many(
                 if not piece.complete:
                     waiting.appendleft(piece)  # the others take it over from here, cancelled or not
             elapsed = loop.time() - started
-            if piece.complete and hashes and await asyncio.to_thread(piece.digest) != hashes[index]:
-                culprits, filled_by[index] = filled_by[index], set()
-                piece.restart()
-                waiting.appendleft(piece)
-                if len(culprits) == 1:
-                    (liar,) = culprits
-                    gone[liar] = "bad_hash"
-                    fetcher.reject("bad_hash", f"{candidate.key}: piece {index} from {liar}", liar)
-                    if liar == holder.peer_id:
-                        return
-                    continue
-                whole_only.add(index)  # who sent the wrong part is not known: one holder next time
-                fetcher.reject("bad_hash", f"{candidate.key}: piece {index} from {sorted(culprits)}")
-                continue
             if piece.complete:
+                if await verify(index) == holder.peer_id:
+                    return
                 rates[holder.peer_id] = (piece.received - before) / max(elapsed, 1e-9)
                 continue
             if elapsed > MIN_RATE_GRACE and piece.received - before < min_rate * elapsed:
@@ -185,7 +210,7 @@ async def fetch_from_many(
                     workers = [pull(h) for h in holders if h.peer_id not in gone]
                     # a worker cancelled in the endgame has left its range to a faster one
                     await asyncio.gather(*workers, return_exceptions=True)
-                    if all(piece.complete for piece in pieces) or len(gone) == len(holders):
+                    if finished() or len(gone) == len(holders):
                         break
                     if attempt + 1 < passes:
                         await asyncio.sleep(2.0)
@@ -206,5 +231,11 @@ async def fetch_from_many(
             {peer: why for peer, why in gone.items() if why != "not_held"},
         )
     # what the ranges could not give: one holder at a time, with the blame where it belongs (a
-    # holder is judged by the rate the whole download needed, not by what the ranges left)
-    return await fetcher.fetch(candidate, left, passes, state_min_rate(offer.byte_length, timeout, 1))
+    # holder is judged by the rate the whole download needed, not by what the ranges left), and
+    # none of those the ranges found at fault, which stay blamed however the rest ends
+    blamed = {peer: why for peer, why in gone.items() if why != "not_held"}
+    rest = replace(candidate, holders=[h for h in candidate.holders if h.peer_id not in blamed])
+    try:
+        return await fetcher.fetch(rest, left, passes, state_min_rate(offer.byte_length, timeout, 1))
+    except FragmentError as error:
+        raise FragmentError(error.reason, error.detail, {**blamed, **error.blamed}) from error

@@ -79,8 +79,9 @@ __all__ = [
 ]
 
 # bumped whenever a record or message gains, loses or changes a field (2: Progress.published and
-# Holdings.tls; 3: Progress.eval_loss and Progress.applied_from; 4: Holdings.maddrs)
-PROTOCOL_VERSION = 4
+# Holdings.tls; 3: Progress.eval_loss and Progress.applied_from; 4: Holdings.maddrs; 5:
+# Offer.piece_hashes)
+PROTOCOL_VERSION = 5
 MAX_OFFERS = 32  # offers per holder per fragment: the last K own versions plus re-served ones
 MAX_CREDITS = 32  # publishers a progress record credits: those its peer applied the most from
 MAX_RECORD_TTL = 3600.0  # seconds: no record of a run may claim to live longer
