@@ -304,7 +304,10 @@ class RangeAssembler:
         return h.digest()
 
     def finish(self) -> bytes:
-        """The range's bytes (not checked here: the whole transfer's hash is)."""
+        """The range's bytes (checked by the caller: its piece's hash, the whole's), joined once
+        and kept so: the parts are not held twice (a piece is up to 1/16 of a snapshot)."""
         if not self.complete:
             raise FragmentError("truncated", f"range at {self.received} of [{self.start}, {self.end})")
-        return b"".join(self._parts)
+        if len(self._parts) != 1:
+            self._parts = [b"".join(self._parts)]
+        return self._parts[0]
