@@ -248,14 +248,18 @@ class SharedMoments:
             return 0
         with torch.no_grad():  # per coordinate, over the m that carry it: the own at weight 1
             shift, weights = torch.zeros_like(own), 1.0  # a weight per coordinate once one is sparse
+            dense = 0.0  # the dense ones' weights: Σ w·(t − own) is Σ w·t − (Σ w)·own, no copies
             for t, w, sent in fresh:  # summed one at a time: no k model-sized copies at once
                 if sent is None:
-                    shift.add_(t.sub(own), alpha=w)
+                    shift.add_(t, alpha=w)
+                    dense += w
                     weights += w
                 else:
                     shift.add_(t.sub(own).mul_(sent), alpha=w)
                     weights = torch.full_like(own, weights) if isinstance(weights, float) else weights
                     weights.add_(sent.to(own.dtype), alpha=w)
+            if dense:
+                shift.sub_(own, alpha=dense)
             shift.div_(weights)
             start = 0
             for m in moments:  # m ← m + mean(own as sent, peers') − own as sent
