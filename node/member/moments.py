@@ -254,10 +254,11 @@ class SharedMoments:
                     shift.add_(t, alpha=w)
                     dense += w
                     weights += w
-                else:
-                    shift.add_(t.sub(own).mul_(sent), alpha=w)
+                else:  # at the coordinates it carries only: no model-sized copy per peer
+                    where = sent.nonzero().squeeze(1)
+                    shift.index_add_(0, where, t[where].sub_(own[where]), alpha=w)
                     weights = torch.full_like(own, weights) if isinstance(weights, float) else weights
-                    weights.add_(sent.to(own.dtype), alpha=w)
+                    weights.index_add_(0, where, torch.full((where.numel(),), w, dtype=own.dtype))
             if dense:
                 shift.sub_(own, alpha=dense)
             shift.div_(weights)
