@@ -46,12 +46,15 @@ HOLDER_RATE_SHARE = 0.5
 SEQUENTIAL_RATE_SHARE = 0.8
 
 
-def _bounds(byte_length: int, hashes: list[bytes]) -> list[tuple[int, int]]:
-    """The pieces the publisher hashed (``wire.piece_bounds``), or ranges of ``PIECE_BYTES``
-    where its record names none (or an impossible count of them)."""
+def _pieces(byte_length: int, hashes: list[bytes]) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """The pieces the publisher hashed (``wire.piece_bounds``) with their hashes, or ranges of
+    ``PIECE_BYTES`` and no hashes where its record names none (or a count that fits no cut)."""
     if 1 <= len(hashes) <= byte_length:
-        return piece_bounds(byte_length, len(hashes))
-    return [(start, min(start + PIECE_BYTES, byte_length)) for start in range(0, byte_length, PIECE_BYTES)]
+        bounds = piece_bounds(byte_length, len(hashes))
+        if len(bounds) == len(hashes):
+            return bounds, list(hashes)
+    ranges = [(start, min(start + PIECE_BYTES, byte_length)) for start in range(0, byte_length, PIECE_BYTES)]
+    return ranges, []
 
 
 def state_min_rate(byte_length: int, timeout: float, holders: int) -> float:
@@ -104,11 +107,8 @@ async def fetch_from_many(
     min_rate = state_min_rate(offer.byte_length, timeout, len(holders))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    pieces = [
-        RangeAssembler(offer.content_hash, offer.byte_length, start, end)
-        for start, end in _bounds(offer.byte_length, offer.piece_hashes)
-    ]
-    hashes = offer.piece_hashes if len(offer.piece_hashes) == len(pieces) else []
+    bounds, hashes = _pieces(offer.byte_length, offer.piece_hashes)
+    pieces = [RangeAssembler(offer.content_hash, offer.byte_length, start, end) for start, end in bounds]
     filled_by: list[set[str]] = [set() for _ in pieces]  # the holders whose bytes each piece holds
     whole_only: set[int] = set()  # pieces that failed filled by two: never taken over again
     waiting = deque(pieces)  # ranges nobody is fetching now, resumed where they stopped
@@ -222,18 +222,18 @@ async def fetch_from_many(
             return data
         fetcher.reject("bad_hash", f"{candidate.key}: ranges from {len(holders)} holders; fetching it again")
     left = deadline - loop.time()
+    blamed = {peer: why for peer, why in gone.items() if why != "not_held"}
     if left <= 0:
         done = sum(p.received - p.start for p in pieces)
         raise FragmentError(
             "unavailable",
             f"{candidate.key}: timed out after {timeout:.0f} s at {done / 1e6:.1f} of"
             f" {offer.byte_length / 1e6:.1f} MB ({len(holders)} holder(s) at once)",
-            {peer: why for peer, why in gone.items() if why != "not_held"},
+            blamed,
         )
     # what the ranges could not give: one holder at a time, with the blame where it belongs (a
     # holder is judged by the rate the whole download needed, not by what the ranges left), and
     # none of those the ranges found at fault, which stay blamed however the rest ends
-    blamed = {peer: why for peer, why in gone.items() if why != "not_held"}
     rest = replace(candidate, holders=[h for h in candidate.holders if h.peer_id not in blamed])
     try:
         return await fetcher.fetch(rest, left, passes, state_min_rate(offer.byte_length, timeout, 1))

@@ -207,8 +207,8 @@ class Yardstick:
             stop = start + part.numel()
             # float32 products, summed in float64 across chunks: a copy is a cosine above 0.98,
             # honest deltas' stay near 0.8, and float32 moves a cosine by about 1e-4 at most here;
-            # float64 copies of every chunk took 0.84 s at 26M values and three peers on one
-            # thread (0.16 s so). Values whose squares overflow float32 are no honest delta's
+            # float64 copies of every chunk made this pass, on the trainer's thread, several
+            # times the judging's. Values whose squares overflow float32 are no honest delta's
             block = torch.stack([part.float(), *(d[start:stop].float() for d in deltas)])
             dots += (block @ block.T).double()
         alike = near_copies(dots, NEAR_COPY)  # the own Δ first
